@@ -1,0 +1,160 @@
+"""Plan text -> Plan, with every problem located at its file:line:col."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Any
+
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from .globs import GlobSyntaxError, compile_glob
+from .plan import Plan, Rule
+from .problems import PlanError, Problem, error
+from .schema import STYLE_NAMES, STYLE_SPECS, MeshSpec, PlanSpec, RuleValue
+from .yamlsource import SourceMap, parse_yaml
+
+_RULE = TypeAdapter(RuleValue)
+
+
+def load_plan(path: str | os.PathLike | None = None, *, text: str | None = None, file: str | None = None) -> Plan:
+    """Load and validate a plan from a file, or from `text` (named `file` in problems)."""
+    if (path is None) == (text is None):
+        raise TypeError("load_plan() takes a path or text=, not both")
+    if text is None:
+        file = str(path)
+        text = read_plan_text(path)
+    return parse_plan(text, file or "<text>")
+
+
+def read_plan_text(path: str | os.PathLike) -> str:
+    file = str(path)
+    try:
+        raw = open(path, "rb").read()
+    except OSError as exc:
+        raise PlanError([error("TP001", f"cannot read the plan: {exc.strerror or exc}", file)]) from None
+    if b"\0" in raw:
+        raise PlanError([error("TP001", "this is a binary file, not a YAML plan", file)])
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        before = raw[: exc.start]
+        line, column = before.count(b"\n") + 1, exc.start - (before.rfind(b"\n") + 1) + 1
+        raise PlanError([error("TP001", f"the plan is not UTF-8 text (byte 0x{raw[exc.start]:02x})", file, line, column)]) from None
+
+
+def parse_plan(text: str, file: str) -> Plan:
+    data, source = parse_yaml(text, file)
+    if data is None:
+        raise PlanError([error("TP013", "the plan is empty: it needs at least 'version: 1' and 'rules:'", file)])
+    if not isinstance(data, dict):
+        raise PlanError([error("TP013", f"a plan is a mapping with 'version' and 'rules', not a {_kind(data)}", file, *source.locate(()))])
+
+    problems: list[Problem] = []
+    spec = None
+    try:
+        spec = PlanSpec.model_validate(data)
+    except ValidationError as exc:
+        problems += [_schema_problem(err, data, source) for err in exc.errors()]
+    raw_rules = data.get("rules") if isinstance(data.get("rules"), dict) else {}
+    rules = []
+    for pattern, value in raw_rules.items():
+        if not isinstance(pattern, str):
+            continue  # reported by the schema
+        line, column = source.locate(("rules", pattern), key=True)
+        try:
+            glob = compile_glob(pattern)
+        except GlobSyntaxError as exc:
+            shift = exc.offset + (1 if ("rules", pattern) in source.quoted_keys else 0)
+            problems.append(error("TP110", f"bad glob '{pattern}': {exc}", file, line, column + shift))
+            continue
+        try:
+            rule_spec = _RULE.validate_python(value)
+        except ValidationError:
+            continue  # reported by the schema
+        for subpath, message in rule_spec.cross_field_problems():
+            path = ("rules", pattern, *subpath)
+            problems.append(error("TP105", f"rule '{pattern}': {message}", file, *source.locate(path, key=len(subpath) == 1)))
+        rules.append(Rule(pattern, rule_spec, glob, file, line, column))
+    if problems:
+        raise PlanError(problems)
+    return Plan(spec, rules, file)
+
+
+def _kind(value: Any) -> str:
+    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), type(value).__name__)
+
+
+def _data_path(loc: tuple, data: Any) -> tuple:
+    """The part of a pydantic location that exists in the data (drops union tags and '[key]')."""
+    path, node = [], data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            continue
+        path.append(part)
+    return tuple(path)
+
+
+def _model_at(path: tuple, data: Any) -> type[BaseModel] | None:
+    if path == ():
+        return PlanSpec
+    if path == ("mesh",):
+        return MeshSpec
+    if len(path) == 2 and path[0] == "rules":
+        value = data["rules"][path[1]]
+        return STYLE_SPECS.get(value.get("style")) if isinstance(value, dict) else None
+    return None
+
+
+def _where(path: tuple) -> str:
+    if len(path) >= 2 and path[0] == "rules":
+        return f" in rule '{path[1]}'"
+    return f" in '{'.'.join(map(str, path))}'" if path else " at the top level"
+
+
+def _did_you_mean(word: Any, choices: list[str]) -> str:
+    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
+    kind, loc = err["type"], err["loc"]
+    path = _data_path(loc, data)
+    file = source.file
+
+    if kind == "extra_forbidden":
+        model = _model_at(path[:-1], data)
+        allowed = [f for f in model.model_fields if f != "style"] if model else []
+        key = path[-1]
+        message = f"unknown key '{key}'{_where(path[:-1])}{_did_you_mean(key, allowed)}"
+        if model is not None and model in STYLE_SPECS.values():
+            message += f" (options of {data['rules'][path[1]]['style']}: {', '.join(allowed) or 'none'})"
+        return error("TP100", message, file, *source.locate(path, key=True))
+    if kind == "union_tag_invalid":
+        style = err["ctx"]["tag"]
+        at = path + ("style",) if isinstance(data["rules"][path[1]], dict) else path
+        return error(
+            "TP103",
+            f"unknown style '{style}'{_where(path)}{_did_you_mean(style, list(STYLE_NAMES))} (styles: {', '.join(STYLE_NAMES)})",
+            file, *source.locate(at),
+        )
+    if kind == "union_tag_not_found":
+        return error("TP102", f"rule '{path[1]}' needs a 'style:' key (one of {', '.join(STYLE_NAMES)})", file, *source.locate(path))
+    if kind == "missing":
+        return error("TP102", f"missing required key '{loc[-1]}'{_where(path)}", file, *source.locate(path, key=True))
+    if loc and loc[0] == "version":
+        return error("TP106", f"unsupported plan version {err['input']!r}: this tpplan reads 'version: 1'", file, *source.locate(path))
+    if kind == "value_error":  # only placements raise ValueError
+        return error("TP104", err["msg"].removeprefix("Value error, "), file, *source.locate(path))
+    if "[key]" in loc:
+        return error("TP101", f"rule keys are module-path globs (strings), not {_kind(loc[loc.index('[key]') - 1])}", file, *source.locate(path, key=True))
+    if len(path) == 2 and path[0] == "rules":
+        return error("TP101", f"rule '{path[1]}' must be a style name or a mapping with 'style:', not {_kind(err['input'])}", file, *source.locate(path))
+    last_key = max((i for i, p in enumerate(path) if isinstance(p, str)), default=0)
+    field = "".join([str(path[last_key]) if path else "plan", *(f"[{i}]" for i in path[last_key + 1 :])])
+    message = f"'{field}'{_where(path[:last_key])}: {err['msg'][0].lower()}{err['msg'][1:]}, got {err['input']!r}"
+    return error("TP101", message, file, *source.locate(path))

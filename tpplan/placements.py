@@ -1,0 +1,72 @@
+"""The placement grammar of plan files, without importing torch.
+
+`replicate`, `shard(D)` (D may be negative), `partial` or `partial(sum|avg|max|min)`,
+case-insensitive. Parsed into `PlacementSpec`, turned into torch placements only
+when a plan is compiled.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+GRAMMAR = "replicate, shard(DIM), partial or partial(sum|avg|max|min)"
+
+
+def _anycase(word: str) -> str:
+    # JSON Schema regexes have no case-insensitive flag.
+    return "".join(f"[{c.upper()}{c}]" for c in word)
+
+
+# For the JSON Schema, so that editors flag a bad placement as it is typed.
+PATTERN = (
+    rf"^\s*({_anycase('replicate')}|{_anycase('shard')}\(\s*-?\d+\s*\)"
+    rf"|{_anycase('partial')}(\(\s*({'|'.join(map(_anycase, REDUCE_OPS))})\s*\))?)\s*$"
+)
+
+_SHARD = re.compile(r"shard\(\s*(-?\d+)\s*\)")
+_PARTIAL = re.compile(r"partial(?:\(\s*(\w+)\s*\))?")
+
+
+@dataclass(frozen=True)
+class PlacementSpec:
+    kind: Literal["replicate", "shard", "partial"]
+    dim: int | None = None
+    reduce_op: str = "sum"
+
+    def __str__(self) -> str:
+        if self.kind == "shard":
+            return f"shard({self.dim})"
+        if self.kind == "partial" and self.reduce_op != "sum":
+            return f"partial({self.reduce_op})"
+        return self.kind
+
+    def to_torch(self):
+        from torch.distributed.tensor import Partial, Replicate, Shard
+
+        if self.kind == "shard":
+            return Shard(self.dim)
+        if self.kind == "partial":
+            return Partial(self.reduce_op)
+        return Replicate()
+
+
+def parse_placement(value: object) -> PlacementSpec:
+    """Parse one placement; raises ValueError with the grammar on bad input."""
+    if isinstance(value, PlacementSpec):
+        return value
+    if not isinstance(value, str):
+        raise ValueError(f"a placement is a string ({GRAMMAR}), not {type(value).__name__} {value!r}")
+    text = value.strip().lower()
+    if text == "replicate":
+        return PlacementSpec("replicate")
+    if m := _SHARD.fullmatch(text):
+        return PlacementSpec("shard", int(m.group(1)))
+    if m := _PARTIAL.fullmatch(text):
+        op = m.group(1) or "sum"
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r} in {value!r}: use one of {', '.join(REDUCE_OPS)}")
+        return PlacementSpec("partial", reduce_op=op)
+    raise ValueError(f"{value!r} is not a placement: use {GRAMMAR}")

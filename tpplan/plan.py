@@ -1,0 +1,127 @@
+"""A loaded plan: its rules, strict resolution against a model, and application.
+
+Importing this module does not import torch; resolving against a model or
+applying does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+from .globs import Glob, ModuleTree
+from .problems import PlanError, Problem, error
+from .schema import PlanSpec, StyleSpec
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .styles import ParallelStyle
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: str
+    spec: StyleSpec
+    glob: Glob
+    file: str
+    line: int
+    column: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+    def problem(self, code: str, message: str) -> Problem:
+        return error(code, message, self.file, self.line, self.column)
+
+
+class Plan:
+    def __init__(self, spec: PlanSpec, rules: list[Rule], file: str):
+        self.spec = spec
+        self.rules = rules
+        self.file = file
+
+    name = property(lambda self: self.spec.name)
+    description = property(lambda self: self.spec.description)
+    mesh_axis = property(lambda self: self.spec.mesh.axis)
+    mesh_sizes = property(lambda self: self.spec.mesh.sizes)
+    src_data_rank = property(lambda self: self.spec.src_data_rank)
+    loss_parallel = property(lambda self: self.spec.loss_parallel)
+
+    def __repr__(self) -> str:
+        return f"Plan({self.name or self.file!r}, {len(self.rules)} rules)"
+
+    def fingerprint(self) -> str:
+        """Hash of what the plan means (not how it is written): equal plans, equal hashes."""
+        meaning = {
+            "spec": self.spec.model_dump(mode="json", exclude={"name", "description"}),
+            "rules": [rule.pattern for rule in self.rules],  # order of application
+        }
+        return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()[:16]
+
+    def match(self, model_or_names: "nn.Module | Iterable[str]") -> dict[str, Rule]:
+        """{concrete module path: the rule that claims it}, in module order.
+
+        Strict: a rule matching no module, or a module matched by two rules, is
+        a PlanError (torch would warn and skip, or fail deep inside).
+        """
+        names = model_or_names
+        if hasattr(model_or_names, "named_modules"):
+            names = (name for name, _ in model_or_names.named_modules())
+        tree = ModuleTree(names)
+        claimed: dict[str, Rule] = {}
+        problems: list[Problem] = []
+        for rule in self.rules:
+            matched = tree.match(rule.glob)
+            if not matched:
+                problems.append(rule.problem("TP200", f"rule '{rule.pattern}' matches no module: {tree.explain_no_match(rule.glob)}"))
+                continue
+            conflicts: dict[str, list[str]] = {}
+            for fqn in matched:
+                if fqn in claimed:
+                    conflicts.setdefault(claimed[fqn].pattern, []).append(fqn)
+                else:
+                    claimed[fqn] = rule
+            for other_pattern, fqns in conflicts.items():
+                other = next(r for r in self.rules if r.pattern == other_pattern)
+                shown = ", ".join(repr(f or "<root>") for f in fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
+                problems.append(rule.problem(
+                    "TP201",
+                    f"rule '{rule.pattern}' (line {rule.line}) and rule '{other.pattern}' (line {other.line}) "
+                    f"both match {shown}: a module takes one style, narrow one of the globs",
+                ))
+        if problems:
+            raise PlanError(problems)
+        return dict(sorted(claimed.items(), key=lambda item: tree.order[item[0]]))
+
+    def resolve(self, model: "nn.Module") -> dict[str, "ParallelStyle"]:
+        """{concrete module path: a fresh ParallelStyle}, in module order."""
+        from .compile import compile_style
+
+        return {fqn: compile_style(rule.spec, self.src_data_rank) for fqn, rule in self.match(model).items()}
+
+    def tp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
+        """The 1-D mesh the plan shards over: `mesh` itself, or its `mesh.axis` dimension."""
+        if mesh.ndim == 1:
+            return mesh
+        names = mesh.mesh_dim_names or ()
+        if self.mesh_axis not in names:
+            raise ValueError(
+                f"the plan shards over mesh axis '{self.mesh_axis}' but the {mesh.ndim}-D mesh has dims "
+                f"{tuple(names)}: name one dim '{self.mesh_axis}' (init_device_mesh(..., mesh_dim_names=...)) "
+                "or set mesh.axis in the plan"
+            )
+        return mesh[self.mesh_axis]
+
+    def apply(self, model: "nn.Module", mesh: "DeviceMesh") -> "nn.Module":
+        """Parallelize `model` in place over the plan's mesh axis; returns it."""
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        tp_mesh = self.tp_mesh(mesh)
+        for fqn, style in self.resolve(model).items():
+            parallelize_module(model.get_submodule(fqn), tp_mesh, style, src_data_rank=self.src_data_rank)
+        return model

@@ -1,0 +1,49 @@
+"""Problems are data: every finding, from YAML syntax to model checks, is a Problem
+until the edge (CLI, exception message) prints it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    code: str
+    severity: Severity
+    message: str
+    file: str
+    line: int  # 1-based
+    column: int  # 1-based
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.column}: {self.code} {self.message}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def error(code: str, message: str, file: str, line: int = 1, column: int = 1) -> Problem:
+    return Problem(code, "error", message, file, line, column)
+
+
+def warning(code: str, message: str, file: str, line: int = 1, column: int = 1) -> Problem:
+    return Problem(code, "warning", message, file, line, column)
+
+
+def sort_problems(problems: list[Problem]) -> list[Problem]:
+    return sorted(problems, key=lambda p: (p.file, p.line, p.column, p.code))
+
+
+class PlanError(Exception):
+    """A plan (or the plan against a model) has problems. `.problems` holds them all."""
+
+    def __init__(self, problems: list[Problem]):
+        self.problems = sort_problems(list(problems))
+        super().__init__("\n".join(str(p) for p in self.problems) or "invalid plan")
+
+    @property
+    def errors(self) -> list[Problem]:
+        return [p for p in self.problems if p.severity == "error"]
