@@ -122,6 +122,8 @@ class Plan:
         from torch.distributed.tensor.parallel import parallelize_module
 
         tp_mesh = self.tp_mesh(mesh)
-        for fqn, style in self.resolve(model).items():
+        # Descendants first: a parent's NoParallel then replicates only what no
+        # more specific rule has sharded already.
+        for fqn, style in reversed(self.resolve(model).items()):
             parallelize_module(model.get_submodule(fqn), tp_mesh, style, src_data_rank=self.src_data_rank)
         return model
