@@ -1,0 +1,1 @@
+"""Reference models for plans, tests and `--model tpplan.models.llama:tiny`."""
