@@ -30,7 +30,8 @@ def load_plan(path: str | os.PathLike | None = None, *, text: str | None = None,
 def read_plan_text(path: str | os.PathLike) -> str:
     file = str(path)
     try:
-        raw = open(path, "rb").read()
+        with open(path, "rb") as handle:
+            raw = handle.read()
     except OSError as exc:
         raise PlanError([error("TP001", f"cannot read the plan: {exc.strerror or exc}", file)]) from None
     if b"\0" in raw:
@@ -82,13 +83,17 @@ def parse_plan(text: str, file: str) -> Plan:
 
 
 def _kind(value: Any) -> str:
-    return {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), type(value).__name__)
+    kinds = {list: "list", dict: "mapping", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _data_path(loc: tuple, data: Any) -> tuple:
     """The part of a pydantic location that exists in the data (drops union tags and '[key]')."""
     path, node = [], data
     for part in loc:
+        if isinstance(node, dict) and part not in node:
+            # pydantic writes keys other than str/int as str(key) (None -> 'None')
+            part = next((key for key in node if str(key) == part), part)
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and isinstance(part, int) and part < len(node):
@@ -151,7 +156,12 @@ def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
     if kind == "value_error":  # only placements raise ValueError
         return error("TP104", err["msg"].removeprefix("Value error, "), file, *source.locate(path))
     if "[key]" in loc:
-        return error("TP101", f"rule keys are module-path globs (strings), not {_kind(loc[loc.index('[key]') - 1])}", file, *source.locate(path, key=True))
+        key = err["input"]
+        if path[:-1] == ("rules",):
+            what = "rule keys are module-path globs"
+        else:
+            what = f"keys of '{path[-2]}' are argument names" if len(path) >= 2 else "keys are names"
+        return error("TP101", f"{what} (strings), not {_kind(key)} {key!r}", file, *source.locate(path, key=True))
     if len(path) == 2 and path[0] == "rules":
         return error("TP101", f"rule '{path[1]}' must be a style name or a mapping with 'style:', not {_kind(err['input'])}", file, *source.locate(path))
     last_key = max((i for i, p in enumerate(path) if isinstance(p, str)), default=0)
