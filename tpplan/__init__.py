@@ -1,36 +1,42 @@
 """tpplan: declarative tensor-parallel plans for PyTorch DTensor.
 
-`import tpplan` does not import torch (plan-only validation must stay fast);
-the torch styles are loaded on first use.
+Exports load on first use (PEP 562): `import tpplan` imports neither torch nor
+pydantic, so the CLI decides what its command needs, and plan-only validation
+never pays for torch.
 """
 
-from .loader import load_plan
-from .plan import Plan, Rule
-from .problems import PlanError, Problem
-
-__all__ = [
-    "load_plan",
-    "Plan",
-    "Rule",
-    "PlanError",
-    "Problem",
-    "NoParallel",
-    "ColwiseParallel",
-    "RowwiseParallel",
-    "SequenceParallel",
-    "PrepareModuleInput",
-    "PrepareModuleOutput",
-    "PrepareModuleInputOutput",
-    "ParallelStyle",
-]
 __version__ = "0.1.0"
 
-_STYLES = set(__all__[5:])
+_EXPORTS = {
+    "load_plan": "loader",
+    "Plan": "plan",
+    "Rule": "plan",
+    "PlanError": "problems",
+    "Problem": "problems",
+    **dict.fromkeys(
+        [
+            "NoParallel",
+            "ColwiseParallel",
+            "RowwiseParallel",
+            "SequenceParallel",
+            "PrepareModuleInput",
+            "PrepareModuleOutput",
+            "PrepareModuleInputOutput",
+            "ParallelStyle",
+        ],
+        "styles",
+    ),
+}
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):
-    if name in _STYLES:
-        from . import styles
+    if name in _EXPORTS:
+        import importlib
 
-        return getattr(styles, name)
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module 'tpplan' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

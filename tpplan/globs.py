@@ -10,7 +10,6 @@ model of 12,000 modules costs milliseconds, not a regex per (rule, module).
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -77,6 +76,20 @@ def _split_segments(pattern: str) -> list[tuple[str, int]]:
     return segments
 
 
+def _class_body(body: str) -> str:
+    """A glob class body as a regex class body: ranges 'a-z' kept, every other
+    character escaped ('[', '&', '~', '|', '--' are set syntax to `re`)."""
+    out, j = [], 0
+    while j < len(body):
+        if j + 2 < len(body) and body[j + 1] == "-":
+            out.append(f"{re.escape(body[j])}-{re.escape(body[j + 2])}")
+            j += 3
+        else:
+            out.append(re.escape(body[j]))
+            j += 1
+    return "".join(out)
+
+
 def _segment_regex(text: str, offset: int) -> str:
     out, i = [], 0
     while i < len(text):
@@ -92,7 +105,12 @@ def _segment_regex(text: str, offset: int) -> str:
             body = text[i + 1 : end]
             negate = body.startswith("!")
             body = body[1:] if negate else body
-            out.append(("[^" if negate else "[") + body.replace("\\", "\\\\").replace("^", "\\^") + "]")
+            char_class = ("[^" if negate else "[") + _class_body(body) + "]"
+            try:
+                re.compile(char_class)
+            except re.error as exc:  # e.g. a reversed range '[z-a]'
+                raise GlobSyntaxError(f"bad character class '{text[i : end + 1]}': {exc.msg}", offset + i) from None
+            out.append(char_class)
             i = end
         elif ch == "{":
             end = text.index("}", i)
@@ -114,7 +132,8 @@ def compile_glob(pattern: str) -> Glob:
     segments = []
     for text, offset in _split_segments(pattern):
         if text == "":
-            raise GlobSyntaxError("empty path segment (a leading, trailing or doubled '.')", offset)
+            # point at the '.' itself (a trailing one leaves the empty segment past the end)
+            raise GlobSyntaxError("empty path segment (a leading, trailing or doubled '.')", min(offset, len(pattern) - 1))
         if text == "**":
             segments.append(Segment(text, None))
         elif any(c in text for c in "*?[{"):
@@ -177,18 +196,20 @@ class ModuleTree:
 
     def explain_no_match(self, glob: Glob) -> str:
         """Why a glob matches nothing: the first segment that fails, and the closest names there."""
+        from difflib import get_close_matches  # error path only: keep start-up lean
+
         nodes = [self.root]
         for i, segment in enumerate(glob.segments):
             if segment.is_any_depth:
-                break  # past '**' any depth is possible; name the closest full paths instead
+                return self._closest_below(nodes, glob.segments[i + 1 :])
             next_nodes = [c for n in nodes for name, c in n.children.items() if segment.matches(name)]
             if not next_nodes:
                 prefix = ".".join(s.text for s in glob.segments[:i])
                 names = sorted({name for n in nodes for name in n.children})
                 where = f"modules matching '{prefix}'" if prefix else "the root module"
                 if not names:
-                    return f"{where} have no submodules"
-                close = difflib.get_close_matches(segment.text, names, n=3, cutoff=0.5)
+                    return f"{where} {'have' if prefix else 'has'} no submodules"
+                close = get_close_matches(segment.text, names, n=3, cutoff=0.5)
                 hint = " or ".join(
                     repr(".".join([*(s.text for s in glob.segments[:i]), c, *(s.text for s in glob.segments[i + 1 :])]))
                     for c in close
@@ -197,5 +218,20 @@ class ModuleTree:
                 return (f"no child of {where} matches '{segment.text}' (children: {listed})"
                         + (f"; did you mean {hint}?" if hint else ""))
             nodes = next_nodes
-        close = difflib.get_close_matches(glob.pattern, list(self.order)[:5000], n=3, cutoff=0.6)
-        return "closest module paths: " + (", ".join(close) if close else "none")
+        return "closest module paths: none"  # only a root pattern '' on a name list without the root
+
+    def _closest_below(self, nodes: list[_Node], tail: tuple[Segment, ...]) -> str:
+        """Past '**' any depth is possible: compare what follows it with the same
+        number of trailing segments of each path below, and name those paths."""
+        from difflib import get_close_matches
+        wanted = ".".join(s.text for s in tail)
+        first_path_by_tail: dict[str, str] = {}
+        stack = [c for n in reversed(nodes) for c in reversed(list(n.children.values()))]
+        while stack and len(first_path_by_tail) < 5000:  # bounded: a hint, not a search
+            node = stack.pop()
+            parts = node.fqn.split(".")
+            if len(parts) >= len(tail):
+                first_path_by_tail.setdefault(".".join(parts[len(parts) - len(tail) :]), node.fqn)
+            stack.extend(reversed(list(node.children.values())))
+        close = get_close_matches(wanted, list(first_path_by_tail), n=3, cutoff=0.5)
+        return "closest module paths: " + (", ".join(first_path_by_tail[c] for c in close) if close else "none")

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 from typing import Any
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .globs import GlobSyntaxError, compile_glob
 from .plan import Plan, Rule
 from .problems import PlanError, Problem, error
-from .schema import STYLE_NAMES, STYLE_SPECS, MeshSpec, PlanSpec, RuleValue
-from .yamlsource import SourceMap, parse_yaml
-
-_RULE = TypeAdapter(RuleValue)
-
+from .schema import STYLE_NAMES, STYLE_SPECS, MeshSpec, PlanSpec, StyleSpec
+from .yamlsource import SourceMap, parse_yaml, text_position
 
 def load_plan(path: str | os.PathLike | None = None, *, text: str | None = None, file: str | None = None) -> Plan:
     """Load and validate a plan from a file, or from `text` (named `file` in problems)."""
@@ -39,13 +35,14 @@ def read_plan_text(path: str | os.PathLike) -> str:
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        before = raw[: exc.start]
-        line, column = before.count(b"\n") + 1, exc.start - (before.rfind(b"\n") + 1) + 1
+        before = raw[: exc.start].decode("utf-8-sig")  # valid up to the bad byte; columns count characters
+        line, column = text_position(before, len(before))
         raise PlanError([error("TP001", f"the plan is not UTF-8 text (byte 0x{raw[exc.start]:02x})", file, line, column)]) from None
 
 
 def parse_plan(text: str, file: str) -> Plan:
-    data, source = parse_yaml(text, file)
+    # PyYAML rejects a tab even on a blank line: whitespace alone is an empty plan, not bad YAML
+    data, source = parse_yaml(text, file) if text.strip() else (None, None)
     if data is None:
         raise PlanError([error("TP013", "the plan is empty: it needs at least 'version: 1' and 'rules:'", file)])
     if not isinstance(data, dict):
@@ -69,9 +66,8 @@ def parse_plan(text: str, file: str) -> Plan:
             shift = exc.offset + (1 if ("rules", pattern) in source.quoted_keys else 0)
             problems.append(error("TP110", f"bad glob '{pattern}': {exc}", file, line, column + shift))
             continue
-        try:
-            rule_spec = _RULE.validate_python(value)
-        except ValidationError:
+        rule_spec = spec.rules[pattern] if spec else _validate_rule(pattern, value)
+        if rule_spec is None:
             continue  # reported by the schema
         for subpath, message in rule_spec.cross_field_problems():
             path = ("rules", pattern, *subpath)
@@ -80,6 +76,16 @@ def parse_plan(text: str, file: str) -> Plan:
     if problems:
         raise PlanError(problems)
     return Plan(spec, rules, file)
+
+
+def _validate_rule(pattern: str, value: Any) -> StyleSpec | None:
+    """One rule on its own, when another part of the plan failed validation, so that
+    its cross-field problems are reported too. Goes through PlanSpec's validator:
+    a separate one for a lone rule would cost start-up time on every run."""
+    try:
+        return PlanSpec.model_validate({"version": 1, "rules": {pattern: value}}).rules[pattern]
+    except ValidationError:
+        return None
 
 
 def _kind(value: Any) -> str:
@@ -122,7 +128,9 @@ def _where(path: tuple) -> str:
 
 
 def _did_you_mean(word: Any, choices: list[str]) -> str:
-    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.5)
+    from difflib import get_close_matches  # error path only: keep start-up lean
+
+    close = get_close_matches(str(word), choices, n=1, cutoff=0.5)
     return f"; did you mean '{close[0]}'?" if close else ""
 
 

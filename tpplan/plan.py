@@ -57,10 +57,9 @@ class Plan:
 
     def fingerprint(self) -> str:
         """Hash of what the plan means (not how it is written): equal plans, equal hashes."""
-        meaning = {
-            "spec": self.spec.model_dump(mode="json", exclude={"name", "description"}),
-            "rules": [rule.pattern for rule in self.rules],  # order of application
-        }
+        # Rule order is not part of the meaning: rules are resolved and applied in
+        # module order, so sort_keys may reorder them.
+        meaning = self.spec.model_dump(mode="json", exclude={"name", "description"})
         return hashlib.sha256(json.dumps(meaning, sort_keys=True).encode()).hexdigest()[:16]
 
     def match(self, model_or_names: "nn.Module | Iterable[str]") -> dict[str, Rule]:

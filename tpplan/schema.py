@@ -41,7 +41,7 @@ KwargLayouts = dict[str, Layout]
 
 class _Strict(BaseModel):
     # strict: "yes" is not a boolean and "1" is not a dimension.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, defer_build=True)
 
 
 class StyleSpec(_Strict):
@@ -209,8 +209,15 @@ class MeshSpec(_Strict):
     sizes: list[Annotated[int, Field(ge=1)]] | None = Field(None, description="TP degrees the plan promises to work at.")
 
 
+def _exact_int(value: Any) -> Any:
+    # Literal[1] alone takes True and 1.0 (they hash equal to 1); a version is an integer.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"version must be the integer 1, not {value!r}")
+    return value
+
+
 class PlanSpec(_Strict):
-    version: Literal[1]
+    version: Annotated[Literal[1], BeforeValidator(_exact_int)]
     name: str | None = None
     description: str | None = None
     mesh: MeshSpec = MeshSpec()

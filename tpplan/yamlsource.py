@@ -8,6 +8,7 @@ nothing but plain scalars, lists and mappings can come out of a plan.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,26 +58,56 @@ class _Builder:
         self.source = source
         self.problems: list[Problem] = []
         self.count = 0
+        self.open_nodes: set[int] = set()  # ids of the collections being built, for alias cycles
 
     def problem(self, code: str, message: str, node: Node) -> None:
-        self.problems.append(error(code, message, self.source.file, *_pos(node)))
+        found = error(code, message, self.source.file, *_pos(node))
+        if found not in self.problems:  # an alias revisits its anchor's node: report that once
+            self.problems.append(found)
 
     def build(self, node: Node, path: Path) -> Any:
         self.count += 1
         if self.count > MAX_NODES:
             raise _TooLarge(node)
         self.source.values.setdefault(path, _pos(node))
-        if isinstance(node, MappingNode):
-            return self.build_mapping(node, path)
-        if isinstance(node, SequenceNode):
-            if node.tag != _SEQ_TAG:
-                return self.bad_tag(node)
-            return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
+        if isinstance(node, (MappingNode, SequenceNode)):
+            if id(node) in self.open_nodes:  # `a: &x [*x]` would recurse forever
+                self.problem("TP014", "this anchor contains an alias to itself: a plan cannot be recursive", node)
+                return None
+            self.open_nodes.add(id(node))
+            try:
+                return self.build_collection(node, path)
+            finally:
+                self.open_nodes.discard(id(node))
         if node.tag == _TIMESTAMP_TAG and node.style is None:
             return node.value  # an unquoted date in a name or description is just text
         if node.tag not in _SCALAR_TAGS:
             return self.bad_tag(node)
-        return self.loader.construct_object(node)
+        return self.scalar(node)
+
+    def scalar(self, node: ScalarNode) -> Any:
+        # An explicit tag can ask for the impossible (`!!float colwise`, `!!bool null`),
+        # and so can an integer past Python's 4300-digit limit: PyYAML then raises
+        # plain ValueError/KeyError. Calling the constructor directly (not
+        # construct_object) keeps a failed node out of the loader's caches.
+        try:
+            return self.loader.yaml_constructors[node.tag](self.loader, node)
+        except (ValueError, KeyError, IndexError) as exc:  # IndexError: an empty `!!int`
+            kind = node.tag.rsplit(":", 1)[-1]
+            if "digits" in str(exc):
+                message = f"a number of {len(node.value)} characters is too long to read: no plan needs one"
+            else:
+                shown = node.value if len(node.value) <= 40 else node.value[:40] + "..."
+                message = f"{shown!r} cannot be read as {kind}: fix the value or remove the '!!{kind}' tag"
+            self.problem("TP012", message, node)
+            return None
+
+    def build_collection(self, node: MappingNode | SequenceNode, path: Path) -> Any:
+        if isinstance(node, MappingNode):
+            return self.build_mapping(node, path)
+        if node.tag != _SEQ_TAG:
+            return self.bad_tag(node)
+        return [self.build(item, path + (i,)) for i, item in enumerate(node.value)]
 
     def build_mapping(self, node: MappingNode, path: Path) -> dict | None:
         if node.tag != _MAP_TAG:
@@ -87,7 +118,7 @@ class _Builder:
             if not isinstance(key_node, ScalarNode) or key_node.tag not in _SCALAR_TAGS:
                 self.problem("TP012", "mapping keys must be plain scalars (no lists, mappings, tags or '<<' merges)", key_node)
                 continue
-            key = self.loader.construct_object(key_node)
+            key = self.scalar(key_node)
             if key in first_seen:
                 self.problem(
                     "TP011",
@@ -152,7 +183,14 @@ def parse_yaml(text: str, file: str) -> tuple[Any, SourceMap]:
 
 def _reader_position(exc: yaml.YAMLError, text: str) -> tuple[int, int]:
     position = getattr(exc, "position", None)
-    if position is None:
-        return (1, 1)
-    before = text[:position]
-    return (before.count("\n") + 1, position - (before.rfind("\n") + 1) + 1)
+    return (1, 1) if position is None else text_position(text, position)
+
+
+# The line breaks of YAML 1.1, which PyYAML's marks count (not only '\n').
+_LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
+
+
+def text_position(text: str, index: int) -> tuple[int, int]:
+    """1-based (line, column) of `text[index]`, counting lines as PyYAML does."""
+    lines = _LINE_BREAK.split(text[:index])
+    return (len(lines), len(lines[-1]) + 1)
