@@ -117,12 +117,40 @@ class Plan:
         return mesh[self.mesh_axis]
 
     def apply(self, model: "nn.Module", mesh: "DeviceMesh") -> "nn.Module":
-        """Parallelize `model` in place over the plan's mesh axis; returns it."""
+        """Parallelize `model` in place over the plan's mesh axis; returns it.
+
+        Tied parameters stay tied (one parameter, whole gradient); tied parameters
+        that the plan lays out differently are a PlanError (TP210).
+        """
         from torch.distributed.tensor.parallel import parallelize_module
 
+        from .compile import compile_style
+        from .tied import retie, shared_parameters
+
         tp_mesh = self.tp_mesh(mesh)
+        claimed = self.match(model)
+        tied = shared_parameters(model)
         # Descendants first: a parent's NoParallel then replicates only what no
         # more specific rule has sharded already.
-        for fqn, style in reversed(self.resolve(model).items()):
+        for fqn, rule in reversed(claimed.items()):
+            style = compile_style(rule.spec, self.src_data_rank)
             parallelize_module(model.get_submodule(fqn), tp_mesh, style, src_data_rank=self.src_data_rank)
+        problems = []
+        for group, described in retie(model, tied):
+            rule = next(r for r in (_claiming_rule(claimed, fqn) for fqn, _ in group) if r is not None)
+            problems.append(rule.problem(
+                "TP210",
+                f"tied parameters got different layouts: {described}; give their modules styles that shard "
+                "the same dim (a rowwise Embedding and a colwise Linear both shard(0)) or untie them",
+            ))
+        if problems:
+            raise PlanError(problems)
         return model
+
+
+def _claiming_rule(claimed: dict[str, Rule], fqn: str) -> Rule | None:
+    """The rule on `fqn` or on its closest ancestor (NoParallel and sequence_parallel
+    lay out the parameters of the whole subtree)."""
+    while fqn not in claimed and fqn:
+        fqn = fqn.rpartition(".")[0]
+    return claimed.get(fqn)

@@ -99,7 +99,9 @@ def _counting(into: Counter) -> Iterator[None]:
         warnings.filterwarnings("ignore", message=_TRACKER_WARNING)
         with CommDebugMode() as mode:
             yield
-    into.update({collective_name(op): n for op, n in mode.get_comm_counts().items() if n})
+    for op, n in mode.get_comm_counts().items():  # functional and c10d ops can share a name: add them up
+        if n:
+            into[collective_name(op)] += n
 
 
 def _as_args(inputs: Any) -> tuple:
