@@ -1,0 +1,252 @@
+"""transformers model families: the shipped plans/hf/*.yaml and `import_hf`, simulated in one process.
+
+Each run builds a tiny random-weight model (tpplan.hf_models: hidden 64, 2
+layers, 8 query / 4 KV heads), applies a plan at TP 2 or 4 under a fake process
+group with real per-rank values, and compares outputs and every parameter
+gradient with the single-device model; the collectives of one forward and one
+backward must be exactly the counts given.
+"""
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+# CommDebugMode's module tracker hooks every module; transformers' ModelOutput is not a tensor.
+pytestmark = pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
+
+from tpplan import load_plan  # noqa: E402
+from tpplan import hf_models  # noqa: E402
+from tpplan.hf import (  # noqa: E402
+    SOUND_STYLES,
+    UNPLANNED_STYLES,
+    UNSOUND_STYLES,
+    Skipped,
+    apply_transformers_plan,
+    import_hf,
+)
+from tpplan.simulate import check_parity  # noqa: E402
+
+PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
+L = hf_models.TINY["num_hidden_layers"]  # 2
+
+# Attention and MLP: one all-reduce forward (out of o_proj, down_proj), one
+# backward (into the parent); + the vocab-parallel embedding forward, + the
+# lm_head's logits all-gather forward and input all-reduce backward.
+TP = {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 2 * L + 1}}
+# Per layer: gather the sequence into self_attn and mlp, scatter it out of o_proj
+# and down_proj. + embedding scatter; lm_head gathers its input and its logits.
+# Backward mirrors it; the embedding gathers its output gradient.
+TP_SP = {
+    "forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1},
+    "backward": {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1},
+}
+# The sparse block hands back its own sequence slice (no reduce-scatter); its
+# shared expert all-reduces forward and backward.
+MOE_TP_SP = {
+    "forward": {"all_gather": 2 * L + 2, "all_reduce": L, "reduce_scatter": L + 1},
+    "backward": {"all_gather": 2 * L + 1, "all_reduce": L, "reduce_scatter": L + 1},
+}
+
+SHIPPED = [
+    ("llama_tp.yaml", "llama", TP),
+    ("llama_tp.yaml", "llama_tied", TP),
+    ("llama_tp_sp.yaml", "llama", TP_SP),
+    ("llama_tp_sp.yaml", "llama_tied", TP_SP),
+    ("qwen2_tp.yaml", "qwen2", TP),
+    ("qwen2_tp_sp.yaml", "qwen2", TP_SP),
+    ("mistral_tp.yaml", "mistral", TP),
+    ("mistral_tp_sp.yaml", "mistral", TP_SP),
+    ("qwen2_moe_tp.yaml", "qwen2_moe", TP),
+    ("qwen2_moe_tp_sp.yaml", "qwen2_moe", MOE_TP_SP),
+]
+
+
+def _assert_parity(result):
+    assert result.passed, result.problems
+    assert result.max_abs_diff < 1e-4
+
+
+# Both attention implementations and both TP degrees, without the full product (time).
+@pytest.mark.parametrize("attn, tp", [("eager", 2), ("sdpa", 4)])
+@pytest.mark.parametrize(
+    "plan_file, family, counts", SHIPPED, ids=[f"{plan}-{family}" for plan, family, _ in SHIPPED]
+)
+def test_shipped_plan_matches_single_device_with_minimal_collectives(plan_file, family, counts, attn, tp):
+    plan = load_plan(PLANS / plan_file)
+    assert tp in plan.mesh_sizes
+    build = functools.partial(hf_models.FACTORIES[family], attn)
+    result = check_parity(build, plan, tp)
+    _assert_parity(result)
+    assert result.comms == counts
+
+
+def test_every_shipped_hf_plan_is_tested():
+    assert {path.name for path in PLANS.glob("*.yaml")} == {plan for plan, _, _ in SHIPPED}
+
+
+# -- import_hf -------------------------------------------------------------------
+
+# Collectives of transformers' own plan (imported) and with `minimal=True`. Dense
+# families: q/k/v and gate/up all-reduce their input gradient one by one.
+DENSE_HF = {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 5 * L + 1}}
+DENSE_MINIMAL = {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 2 * L + 1}}
+# MoE families: only attention is sharded (the experts are skipped, see below).
+MOE_HF = {"forward": {"all_gather": 1, "all_reduce": L}, "backward": {"all_reduce": 3 * L + 1}}
+MOE_MINIMAL = {"forward": {"all_gather": 1, "all_reduce": L}, "backward": {"all_reduce": L + 1}}
+# Fused qkv_proj / gate_up_proj are colwise_gather_output: each all-gathers its output
+# forward; rowwise_split_input o_proj / down_proj need no input collective.
+PHI3 = {
+    "forward": {"all_gather": 2 * L + 1, "all_reduce": 2 * L},
+    "backward": {"all_gather": 2 * L, "all_reduce": 2 * L + 1},
+}
+# Tied: transformers' plan shards lm_head only; the import adds the vocab-parallel embedding.
+TIED_HF = {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 5 * L + 1}}
+
+IMPORTED = [
+    # family, minimal, tp, counts
+    ("llama", False, 2, DENSE_HF),
+    ("llama", True, 4, DENSE_MINIMAL),
+    ("qwen2", False, 4, DENSE_HF),
+    ("mistral", True, 4, DENSE_MINIMAL),
+    ("qwen3", False, 4, DENSE_HF),  # q_norm/k_norm: no_parallel on head shards
+    ("qwen3", True, 2, DENSE_MINIMAL),
+    ("phi3", False, 2, PHI3),
+    ("qwen2_moe", False, 2, MOE_HF),
+    ("qwen2_moe", True, 4, MOE_MINIMAL),
+    ("mixtral", False, 4, MOE_HF),
+    ("llama_tied", False, 4, TIED_HF),
+]
+
+
+@pytest.fixture(scope="module")
+def config_dirs(tmp_path_factory):
+    """family -> a directory holding the tiny model's config.json."""
+    dirs = {}
+    for family in {family for family, *_ in IMPORTED}:
+        path = tmp_path_factory.mktemp(family)
+        hf_models.FACTORIES[family]().config.save_pretrained(path)
+        dirs[family] = path
+    return dirs
+
+
+@pytest.mark.parametrize(
+    "family, minimal, tp, counts", IMPORTED, ids=[f"{f}-{'minimal' if m else 'hf'}-tp{tp}" for f, m, tp, _ in IMPORTED]
+)
+def test_imported_transformers_plan_matches_single_device(config_dirs, family, minimal, tp, counts):
+    imported = import_hf(config_dirs[family], minimal=minimal)
+    plan = load_plan(text=imported.text)
+    assert tp in plan.mesh_sizes
+    result = check_parity(functools.partial(hf_models.FACTORIES[family], "eager"), plan, tp)
+    _assert_parity(result)
+    assert result.comms == counts
+
+
+def test_import_reports_fused_experts_and_rules_matching_nothing(config_dirs):
+    imported = import_hf(config_dirs["qwen2_moe"])
+    assert [(s.key, s.hf_style) for s in imported.skipped] == [
+        ("model.layers.*.mlp.experts.gate_up_proj", "packed_colwise"),
+        ("model.layers.*.mlp.experts", "moe_tp_experts"),
+        ("model.layers.*.mlp.experts.down_proj", "rowwise"),
+        ("model.layers.*.mlp.gate_proj", "colwise"),
+        ("model.layers.*.mlp.up_proj", "colwise"),
+        ("model.layers.*.mlp.down_proj", "rowwise"),
+    ]
+    reasons = {s.key: s.reason for s in imported.skipped}
+    assert "fused 3-D expert parameters" in reasons["model.layers.*.mlp.experts"]
+    assert "names a parameter" in reasons["model.layers.*.mlp.experts.down_proj"]
+    assert "matches no module" in reasons["model.layers.*.mlp.gate_proj"]
+    # Every skipped entry is named in the YAML too.
+    assert all(f"#   {s.key}: {s.hf_style} -- " in imported.text for s in imported.skipped)
+    assert isinstance(imported.skipped[0], Skipped)
+
+
+def test_import_of_a_clean_family_skips_nothing_and_groups_siblings():
+    imported = import_hf("llama")  # transformers' default LlamaConfig, built on meta
+    assert imported.skipped == [] and imported.added == []
+    assert "  model.layers.*.self_attn.{q_proj,k_proj,v_proj}: colwise\n" in imported.text
+    assert "  lm_head: {style: colwise, output_layouts: replicate}\n" in imported.text
+    assert load_plan(text=imported.text).mesh_sizes == [2, 4, 8]
+
+
+def test_import_of_a_tied_model_shards_the_embedding_like_lm_head(config_dirs):
+    imported = import_hf(config_dirs["llama_tied"])
+    assert [key for key, _ in imported.added] == ["model.embed_tokens"]
+    embedding = "  model.embed_tokens: {style: rowwise, input_layouts: replicate, output_layouts: replicate}\n"
+    assert embedding in imported.text
+
+
+def test_every_transformers_style_is_mapped_or_reported():
+    import transformers.distributed.expert_parallel  # noqa: F401  (registers the EP styles)
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES  # registers the TP styles
+
+    known = set(SOUND_STYLES) | set(UNPLANNED_STYLES) | set(UNSOUND_STYLES)
+    registered = set(ALL_PARALLEL_STYLES.keys())
+    assert {"colwise", "rowwise", "grouped_gemm"} <= registered
+    assert registered - known == set()
+
+
+@pytest.mark.parametrize(
+    "hf_style", ["colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input"]
+)
+def test_linear_styles_map_to_torch_styles_with_transformers_layouts(hf_style):
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES  # registers the styles
+
+    from tpplan.compile import compile_style
+
+    theirs = ALL_PARALLEL_STYLES[hf_style]
+    value = SOUND_STYLES[hf_style]
+    rule = json.dumps(value)  # JSON is YAML
+    ours = compile_style(load_plan(text=f"version: 1\nrules:\n  x: {rule}\n").rules[0].spec)
+    assert type(ours).__name__ == type(theirs).__name__  # ColwiseParallel / RowwiseParallel
+    assert ours.input_layouts == (theirs.input_layouts,)
+    assert ours.output_layouts == (theirs.output_layouts,)
+    assert ours.use_local_output == theirs.use_local_output
+
+
+def test_model_type_without_a_transformers_plan_is_a_value_error():
+    with pytest.raises(ValueError, match="defines no TP plan for GPT2LMHeadModel"):
+        import_hf("gpt2")
+
+
+def test_unknown_model_type_is_a_value_error():
+    with pytest.raises(ValueError, match="neither a config path nor a transformers model type"):
+        import_hf("no-such-model")
+
+
+# -- tied weights and transformers' own runtime --------------------------------------
+
+
+def test_tied_weights_stay_one_parameter_through_apply():
+    from tpplan.simulate import simulated_world, tp_mesh
+
+    model = hf_models.llama_tied()
+    with simulated_world(2):
+        load_plan(PLANS / "llama_tp.yaml").apply(model, tp_mesh(2))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_tied_parameters_laid_out_differently_are_a_located_plan_error():
+    from tpplan import PlanError
+    from tpplan.simulate import simulated_world, tp_mesh
+
+    plan = load_plan(
+        text="version: 1\nrules:\n  model.embed_tokens: {style: colwise, output_layouts: replicate}\n"
+        "  lm_head: {style: colwise, output_layouts: replicate}\n",
+        file="tied.yaml",
+    )
+    with simulated_world(2), pytest.raises(PlanError) as caught:
+        plan.apply(hf_models.llama_tied(), tp_mesh(2))
+    (problem,) = caught.value.problems
+    assert (problem.code, problem.line, problem.column) == ("TP210", 3, 3)
+    assert "model.embed_tokens.weight is [S(1)], lm_head.weight is [S(0)]" in problem.message
+
+
+def test_transformers_runtime_all_reduces_each_column_parallel_input():
+    """transformers' own runtime and plan: same parity, 11 backward all-reduces where ours needs 5."""
+    result = check_parity(hf_models.llama, apply_transformers_plan, 2)
+    _assert_parity(result)
+    assert result.comms == {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 5 * L + 1}}

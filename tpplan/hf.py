@@ -1,0 +1,417 @@
+"""HuggingFace transformers: import its TP plans as tpplan YAML, keep tied weights tied.
+
+transformers ships a TP plan per model family: `base_model_tp_plan` on the config
+class (keys relative to the base model, `layers.*.self_attn.q_proj`) and
+`_tp_plan` on the task model class (`lm_head`). Its style strings name
+transformers' own runtime classes; `import_hf` maps each one with a sound
+equivalent among tpplan's styles (torch's seven and `no_parallel`) and reports
+every other one with its key and the reason, never dropping a rule silently.
+
+    >>> plan, skipped = import_hf("llama")
+    >>> print(plan)                                       # tpplan YAML
+    >>> skipped                                           # [] for llama
+
+Needs `transformers` (`pip install tpplan[hf]`); torch only when a model is
+checked (`check_model=True`, the default) or a plan is applied.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+# transformers style string -> tpplan rule value. transformers' styles with these
+# names do what torch's do with these options (checked by tests/test_hf.py).
+SOUND_STYLES: dict[str, Any] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_rep": {"style": "colwise", "output_layouts": "replicate"},
+    "colwise_gather_output": {"style": "colwise", "output_layouts": "replicate"},
+    "rowwise_rep": {"style": "rowwise", "input_layouts": "replicate"},
+    "rowwise_split_input": {"style": "rowwise", "input_layouts": "replicate"},
+    # Vocab-parallel: torch's rowwise on an Embedding shards the vocabulary.
+    "embedding_rowwise": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
+    "embedding_colwise": {"style": "colwise", "output_layouts": "replicate"},
+    "sequence_parallel": {"style": "sequence_parallel", "use_local_output": True},
+    # Sum the ranks' partial outputs forward, identity backward.
+    "all_reduce": {
+        "style": "prepare_module_output",
+        "output_layouts": "partial",
+        "desired_output_layouts": "replicate",
+    },
+    # A norm over the last dim of a head-sharded activation (Qwen3's q_norm/k_norm,
+    # input [batch, seq, heads, head_dim]): replicated weight whose gradient is
+    # partial, which is what a replicated DTensor fed a shard(-2) input gets.
+    "replicated_with_grad_allreduce": {
+        "style": "no_parallel",
+        "input_layout": "shard(-2)",
+        "desired_input_layout": "shard(-2)",
+        "output_layout": "shard(-2)",
+    },
+}
+
+# Full parameters on every rank: what tpplan does to any module no rule names.
+UNPLANNED_STYLES = {
+    "replicate": "every rank keeps the full parameter, as for any module no rule names: no rule needed",
+}
+
+_LOCAL = "runs the module on local shards outside DTensor (transformers' own hook); no torch style does"
+_EXPERTS = (
+    "shards fused 3-D expert parameters ([experts, out, in]); torch's colwise/rowwise shard only "
+    "nn.Linear and nn.Embedding, and no_parallel fails in the experts' forward (DTensor has no rule "
+    "for nonzero): leave the experts whole on every rank"
+)
+UNSOUND_STYLES: dict[str, str] = {
+    "packed_colwise": "shards a fused [gate; up] weight with a strided shard (_StridedShard), "
+    "which no torch style can express",
+    "packed_rowwise": "shards a fused weight with a strided shard (_StridedShard), which no torch style can express",
+    "moe_tp_experts": _EXPERTS,
+    "moe_identity_expert": "divides an identity expert's input by the TP degree to undo moe_tp_experts' sum; "
+    "only meaningful with moe_tp_experts",
+    "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output; no torch style "
+    "splits an output this way",
+    "local_params": _LOCAL,
+    "grouped_gemm": "expert parallelism (experts sharded by expert index), not tensor parallelism",
+    "ep_dispatch_experts": "expert parallelism (token all-to-all dispatch), not tensor parallelism",
+    "ep_router": "expert parallelism (token all-to-all dispatch), not tensor parallelism",
+    # Names of transformers 4.x, kept so that older plans are reported by name.
+    "local_colwise": _LOCAL,
+    "local_rowwise": _LOCAL,
+    "local": _LOCAL,
+    "local_packed_rowwise": _LOCAL,
+    "isolated": "expert parallelism (each rank isolates its experts), not tensor parallelism",
+    "gather": "gathers a local output outside DTensor (transformers 4.x); no torch style does",
+    "replicated_with_grad_allreduce_local": _LOCAL,
+}
+
+
+class Skipped(NamedTuple):
+    """A transformers plan entry that has no tpplan rule in the import."""
+
+    key: str  # the key as it would be in the tpplan plan (prefixed, e.g. "model.layers.*.mlp.experts")
+    hf_style: str
+    reason: str
+
+
+class ImportedPlan(NamedTuple):
+    text: str  # tpplan YAML
+    skipped: list[Skipped]  # transformers entries with no rule in `text`
+    added: list[tuple[str, str]]  # (key, why) for rules `text` has beyond transformers' plan
+
+
+def load_config(model_type_or_config_path: str | os.PathLike):
+    """A transformers config: from a local directory or config.json, else the
+    default config of a model type (`"llama"`). Never downloads."""
+    from transformers import AutoConfig
+
+    source = os.fspath(model_type_or_config_path)
+    if os.path.isdir(source):
+        return AutoConfig.from_pretrained(source, local_files_only=True)
+    if os.path.isfile(source):
+        return AutoConfig.from_pretrained(os.path.dirname(source) or ".", local_files_only=True)
+    try:
+        return AutoConfig.for_model(source)
+    except ValueError:
+        raise ValueError(
+            f"{source!r} is neither a config path nor a transformers model type (as 'llama', 'qwen2')"
+        ) from None
+
+
+def causal_lm_class(config):
+    """The *ForCausalLM class of a config, as AutoModelForCausalLM picks it."""
+    from transformers import AutoModelForCausalLM
+
+    mapping = AutoModelForCausalLM._model_mapping
+    try:
+        return mapping[type(config)]
+    except KeyError:
+        raise ValueError(f"transformers has no causal-LM model for model type {config.model_type!r}") from None
+
+
+def hf_tp_plan(config, model_cls) -> dict[str, str]:
+    """transformers' TP plan for `model_cls` with keys relative to the model:
+    the config's base-model plan under the base model's attribute (`model.`),
+    then the class's own `_tp_plan` (`lm_head`)."""
+    prefix = getattr(model_cls, "base_model_prefix", "") or ""
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
+    plan.update(getattr(model_cls, "_tp_plan", None) or {})
+    return plan
+
+
+def _tp_sizes(config) -> list[int]:
+    dims = []
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        try:
+            dims.append(getattr(config, name, None))
+        except Exception:  # some configs refuse a global value for a per-layer attribute
+            pass
+    dims = [d for d in dims if isinstance(d, int) and d > 0]
+    return [n for n in (2, 4, 8) if all(d % n == 0 for d in dims)] or [1]
+
+
+def _meta_model(config, model_cls):
+    import torch
+
+    with torch.device("meta"):
+        return model_cls(config)
+
+
+def _parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
+    """prepare_module_input rules that make a parent's input one replicated DTensor
+    for its column-parallel children, so backward all-reduces it once, not once per child.
+
+    Only for parents with two or more plain colwise children and no unplanned child
+    holding parameters (a MoE router, say, could not take a DTensor input).
+    transformers' decoder layers call attention by keyword (`hidden_states=`) and
+    MLPs positionally; tests/test_hf.py checks both by parity.
+    """
+    from .globs import ModuleTree, compile_glob
+
+    modules = dict(model.named_modules())
+    tree = ModuleTree(modules)
+    matched = {pattern: tree.match(compile_glob(pattern)) for pattern in rules}
+    planned = {name for names in matched.values() for name in names}
+    colwise_children: dict[str, list[str]] = defaultdict(list)
+    for pattern, names in matched.items():
+        if rules[pattern] == "colwise":
+            for name in names:
+                colwise_children[name.rpartition(".")[0]].append(name)
+    qualifying = {}
+    for parent, children in colwise_children.items():
+        module = modules[parent]
+        unplanned = [
+            name
+            for name, child in module.named_children()
+            if f"{parent}.{name}" not in planned and any(True for _ in child.parameters())
+        ]
+        if len(children) >= 2 and not unplanned:
+            qualifying[parent] = module
+    added: dict[str, dict] = {}
+    for parent, module in qualifying.items():
+        # One glob for all layers, unless it would also reach a parent that does not
+        # qualify (a sparse MoE block beside dense MLPs): then this layer's own path.
+        general = _generalize(parent)
+        key = general if set(tree.match(compile_glob(general))) <= set(qualifying) else parent
+        if type(module).__name__.endswith("Attention"):
+            added[key] = {
+                "style": "prepare_module_input",
+                "input_kwarg_layouts": {"hidden_states": "replicate"},
+                "desired_input_kwarg_layouts": {"hidden_states": "replicate"},
+            }
+        else:
+            added[key] = {"style": "prepare_module_input", "input_layouts": "replicate", "desired_input_layouts": "replicate"}
+    return added
+
+
+def _generalize(name: str) -> str:
+    """`model.layers.3.mlp` -> `model.layers.*.mlp`, as transformers writes layer indices."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def import_hf(
+    model_type_or_config_path: str | os.PathLike,
+    *,
+    minimal: bool = False,
+    check_model: bool = True,
+    schema: str = "../../schemas/plan.schema.json",
+) -> ImportedPlan:
+    """transformers' TP plan for a causal LM, as tpplan YAML, and what it leaves out.
+
+    `model_type_or_config_path`: a model type (`"llama"`, default config) or a
+    local config directory / config.json. With `check_model`, the model is built
+    on the meta device and every key must name a module: keys naming a parameter
+    (transformers shards those directly) or nothing in this config (transformers
+    only warns; tpplan's strict matching would reject the plan) are skipped and
+    reported. `minimal` adds a `prepare_module_input` on each parent with two
+    or more colwise children and no unplanned child holding parameters, so
+    backward costs one all-reduce per parent instead of one per colwise child.
+    """
+    import transformers
+
+    config = load_config(model_type_or_config_path)
+    model_cls = causal_lm_class(config)
+    hf_plan = hf_tp_plan(config, model_cls)
+    if not hf_plan:
+        raise ValueError(
+            f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
+            f"(model type {config.model_type!r}): nothing to import; write the plan by hand"
+        )
+    rules: dict[str, Any] = {}
+    skipped: list[Skipped] = []
+    for key, hf_style in hf_plan.items():
+        if hf_style in SOUND_STYLES:
+            rules[key] = SOUND_STYLES[hf_style]
+        elif hf_style in UNPLANNED_STYLES:
+            skipped.append(Skipped(key, hf_style, UNPLANNED_STYLES[hf_style]))
+        else:
+            unknown = f"unknown transformers style {hf_style!r}: no mapping to a tpplan style"
+            reason = UNSOUND_STYLES.get(hf_style, unknown)
+            skipped.append(Skipped(key, hf_style, reason))
+
+    added: list[tuple[str, str]] = []
+    model = None
+    if check_model or minimal:
+        try:
+            model = _meta_model(config, model_cls)
+        except Exception as exc:  # transformers' own constructor failing on this config
+            raise ValueError(
+                f"cannot build {model_cls.__name__} from this config to check the plan against it "
+                f"({type(exc).__name__}: {exc}); pass a complete config, or check_model=False"
+            ) from exc
+    if model is not None:
+        rules = _keep_module_rules(rules, hf_plan, model, skipped)
+        for key, value in _tied_embedding_rules(rules, model).items():
+            rules = {key: value, **rules}
+            added.append((key, "vocab-parallel, as the lm_head it is tied to (tie_word_embeddings): both shard(0)"))
+    if minimal and model is not None:
+        sharing = _parents_sharing_input(rules, model)
+        rules = {**sharing, **rules}
+        added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
+
+    header = [
+        f"# yaml-language-server: $schema={schema}",
+        f"# Imported by tpplan.hf.import_hf from transformers {transformers.__version__}:",
+        f"# {type(config).__name__}.base_model_tp_plan + {model_cls.__name__}._tp_plan.",
+    ]
+    if added:
+        header.append("# Added (not in transformers' plan):")
+        header += [f"#   {key}: {why}" for key, why in added]
+    if skipped:
+        header.append("# Left out (no rule here; the modules stay whole on every rank):")
+        header += [f"#   {s.key}: {s.hf_style} -- {s.reason}" for s in skipped]
+    name = f"{config.model_type.replace('_', '-')}-hf-tp" + ("-minimal" if minimal else "")
+    description = (
+        f"transformers' own TP plan for {model_cls.__name__}"
+        + (", plus one shared replicated input per column-parallel parent" if minimal else "")
+        + "."
+    )
+    text = render_plan(name, description, _tp_sizes(config), _group_siblings(rules), header)
+    return ImportedPlan(text, skipped, added)
+
+
+def _keep_module_rules(
+    rules: dict[str, Any], hf_plan: Mapping[str, str], model, skipped: list[Skipped]
+) -> dict[str, Any]:
+    from .globs import ModuleTree, compile_glob
+
+    modules = ModuleTree(name for name, _ in model.named_modules())
+    params = ModuleTree(name for name, _ in model.named_parameters())
+    kept = {}
+    for key, value in rules.items():
+        glob = compile_glob(key)
+        if modules.match(glob):
+            kept[key] = value
+        elif params.match(glob):
+            reason = "names a parameter, not a module: tpplan rules apply styles to modules"
+            skipped.append(Skipped(key, hf_plan[key], reason))
+        else:
+            reason = f"matches no module of {type(model).__name__} built from this config"
+            skipped.append(Skipped(key, hf_plan[key], reason))
+    return kept
+
+
+def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
+    """A vocab-parallel rule for each Embedding whose weight is tied to a planned
+    colwise Linear but is itself unplanned: transformers' plans shard lm_head and
+    leave embed_tokens whole, which `Plan.apply` rejects (tied parameters laid out differently)."""
+    from torch import nn
+
+    from .globs import ModuleTree, compile_glob
+    from .tied import shared_parameters
+
+    tree = ModuleTree(name for name, _ in model.named_modules())
+    planned = {name: value for pattern, value in rules.items() for name in tree.match(compile_glob(pattern))}
+    added = {}
+    for group in shared_parameters(model):
+        owners = [fqn for fqn, pname in group if pname == "weight"]
+        sharded_as_vocab = any(
+            isinstance(model.get_submodule(f), nn.Linear)
+            and (planned.get(f) == "colwise" or getattr(planned.get(f), "get", lambda k: None)("style") == "colwise")
+            for f in owners
+        )
+        for fqn in owners:
+            if sharded_as_vocab and fqn not in planned and isinstance(model.get_submodule(fqn), nn.Embedding):
+                added[_generalize(fqn)] = SOUND_STYLES["embedding_rowwise"]
+    return added
+
+
+def _group_siblings(rules: Mapping[str, Any]) -> dict[str, Any]:
+    """`a.q_proj`, `a.k_proj`, `a.v_proj` with one value -> `a.{q_proj,k_proj,v_proj}`."""
+    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
+    order: list[tuple[str, str]] = []
+    for key, value in rules.items():
+        parent, _, leaf = key.rpartition(".")
+        group = (parent, repr(value))
+        if group not in groups:
+            order.append(group)
+        groups[group].append(leaf)
+    out = {}
+    for parent, value_repr in order:
+        leaves = groups[(parent, value_repr)]
+        value = rules[f"{parent}.{leaves[0]}" if parent else leaves[0]]
+        tail = leaves[0] if len(leaves) == 1 else "{" + ",".join(leaves) + "}"
+        out[f"{parent}.{tail}" if parent else tail] = value
+    return out
+
+
+def render_plan(name: str, description: str, sizes: list[int], rules: Mapping[str, Any], header: list[str]) -> str:
+    """Plan YAML (SPEC §2) with one line per rule: shorthand or a flow mapping."""
+    import yaml
+
+    def scalar(value: Any) -> str:
+        if value is None:
+            return "null"
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
+        return text[: -len("...")].strip() if text.endswith("...") else text
+
+    def flow(value: Any) -> str:
+        if isinstance(value, Mapping):
+            return "{" + ", ".join(f"{k}: {flow(v)}" for k, v in value.items()) + "}"
+        if isinstance(value, (list, tuple)):
+            return "[" + ", ".join(flow(v) for v in value) + "]"
+        return scalar(value)
+
+    lines = [*header, "version: 1", f"name: {scalar(name)}", f"description: {scalar(description)}"]
+    lines += ["mesh:", "  axis: tp", f"  sizes: {flow(sizes)}", "rules:"]
+    lines += [f"  {scalar(key)}: {flow(value)}" for key, value in rules.items()] or ["  {}"]
+    return "\n".join(lines) + "\n"
+
+
+# -- transformers' own runtime, for comparison ---------------------------------------
+
+
+def apply_transformers_plan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` with transformers' own TP runtime and its own plan, as
+    `from_pretrained(tp_plan="auto")` does, but on an already built model: each
+    planned parameter is sharded by its style, then each planned module gets the
+    style's forward hooks. For benchmarks (bench/bench_hf_comms.py); uses
+    transformers internals, so it may need updating with transformers.
+    """
+    import transformers.distributed.tensor_parallel  # noqa: F401  (registers the styles)
+    from transformers.distributed.parallel_utils import (
+        ALL_PARALLEL_STYLES,
+        _get_parameter_plan,
+        replace_layer_number_by_wildcard,
+    )
+
+    plan = hf_tp_plan(model.config, type(model))
+    modules = dict(model.named_modules())
+    for name, _ in list(model.named_parameters()):
+        style = _get_parameter_plan(name, plan)
+        if style is not None:
+            owner, _, pname = name.rpartition(".")
+            ALL_PARALLEL_STYLES[style].shard_param(modules[owner], pname, mesh)
+    for name, module in modules.items():
+        style = plan.get(replace_layer_number_by_wildcard(name)) if name else None
+        if style is not None:
+            ALL_PARALLEL_STYLES[style].install_forward(module, mesh)
+    return model
