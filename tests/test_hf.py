@@ -250,3 +250,31 @@ def test_transformers_runtime_all_reduces_each_column_parallel_input():
     result = check_parity(hf_models.llama, apply_transformers_plan, 2)
     _assert_parity(result)
     assert result.comms == {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 5 * L + 1}}
+
+
+def test_import_hf_command_writes_a_plan_that_validates_against_its_model(tmp_path):
+    from typer.testing import CliRunner
+
+    from tpplan.cli import app
+
+    out = tmp_path / "llama.yaml"
+    result = CliRunner().invoke(app, ["import-hf", "llama", "--minimal", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "added: model.layers.*.self_attn" in result.output  # reported on stderr, not in the plan
+    # The plan's mesh.sizes fit transformers' default LlamaConfig (32 KV heads); the tiny model has 4,
+    # which TP 8 cannot split (TP311): check it at the degrees it has.
+    checked = CliRunner().invoke(app, ["validate", str(out), "--model", "tpplan.hf_models:llama", "--tp", "2", "--tp", "4"])
+    assert checked.exit_code == 0, checked.output
+
+
+def test_import_hf_command_lists_what_it_leaves_out_and_rejects_unknown_types():
+    from typer.testing import CliRunner
+
+    from tpplan.cli import app
+
+    moe = CliRunner().invoke(app, ["import-hf", "qwen2_moe"])
+    assert moe.exit_code == 0
+    assert "left out: model.layers.*.mlp.experts: moe_tp_experts" in moe.output
+    unknown = CliRunner().invoke(app, ["import-hf", "no_such_model_type"])
+    assert unknown.exit_code == 2
+    assert "neither a config path nor a transformers model type" in unknown.output

@@ -40,7 +40,8 @@ def read_plan_text(path: str | os.PathLike) -> str:
         raise PlanError([error("TP001", f"the plan is not UTF-8 text (byte 0x{raw[exc.start]:02x})", file, line, column)]) from None
 
 
-def parse_plan(text: str, file: str) -> Plan:
+def parse_plan(text: str, file: str, _extending: tuple[str, ...] = ()) -> Plan:
+    """`_extending`: the real paths of the plans whose `extends:` led here (cycle check)."""
     # PyYAML rejects a tab even on a blank line: whitespace alone is an empty plan, not bad YAML
     data, source = parse_yaml(text, file) if text.strip() else (None, None)
     if data is None:
@@ -55,11 +56,20 @@ def parse_plan(text: str, file: str) -> Plan:
     except ValidationError as exc:
         problems += [_schema_problem(err, data, source) for err in exc.errors()]
     raw_rules = data.get("rules") if isinstance(data.get("rules"), dict) else {}
-    rules = []
+    extends = data.get("extends")
+    rules, deleted = [], []
     for pattern, value in raw_rules.items():
         if not isinstance(pattern, str):
             continue  # reported by the schema
         line, column = source.locate(("rules", pattern), key=True)
+        if value is None:
+            if extends is None:  # null deletes an inherited rule: there is none here
+                problems.append(error(
+                    "TP101", f"rule '{pattern}' must be a style name or a mapping with 'style:', not null",
+                    file, *source.locate(("rules", pattern)),
+                ))
+            deleted.append((pattern, line, column))
+            continue
         try:
             glob = compile_glob(pattern)
         except GlobSyntaxError as exc:
@@ -73,9 +83,57 @@ def parse_plan(text: str, file: str) -> Plan:
             path = ("rules", pattern, *subpath)
             problems.append(error("TP105", f"rule '{pattern}': {message}", file, *source.locate(path, key=len(subpath) == 1)))
         rules.append(Rule(pattern, rule_spec, glob, file, line, column))
+    parent = None
+    if isinstance(extends, str):
+        try:
+            parent = _load_parent(extends, file, source, _extending)
+        except PlanError as exc:
+            problems += exc.problems
     if problems:
         raise PlanError(problems)
-    return Plan(spec, rules, file)
+    if parent is None:
+        return Plan(spec, rules, file, source)
+    return _extend(parent, spec, rules, deleted, file, source)
+
+
+def _load_parent(extends: str, file: str, source: SourceMap, extending: tuple[str, ...]) -> Plan:
+    """The plan `extends:` names, relative to the directory of `file`; its own problems
+    are located in it, problems with reaching it at the `extends:` value."""
+    at = source.locate(("extends",))
+    if not extends.strip():
+        raise PlanError([error("TP107", "'extends' is empty: give the path of the parent plan, relative to this file", file, *at)])
+    path = os.path.normpath(os.path.join(os.path.dirname(file), extends))
+    chain = (*extending, os.path.realpath(file))
+    if os.path.realpath(path) in chain:
+        cycle = " -> ".join([*(os.path.relpath(p) for p in chain), os.path.relpath(path)])
+        raise PlanError([error("TP107", f"'extends' makes a cycle ({cycle}): a plan cannot extend itself", file, *at)])
+    try:
+        text = read_plan_text(path)
+    except PlanError as exc:
+        reason = exc.problems[0].message.removeprefix("cannot read the plan: ")
+        raise PlanError([error("TP107", f"cannot read the parent plan '{extends}' ({path}): {reason}", file, *at)]) from None
+    return parse_plan(text, path, chain)
+
+
+def _extend(parent: Plan, spec: PlanSpec, rules: list[Rule], deleted: list[tuple[str, int, int]], file: str, source: SourceMap) -> Plan:
+    """The parent's rules, each replaced by the child's rule of the same key or deleted by
+    its null, then the child's new rules; settings the child gives override the parent's."""
+    inherited = {rule.pattern for rule in parent.rules}
+    problems = [
+        error("TP108", f"rule '{pattern}' is null, which deletes the inherited rule of that key, but {parent.file} has none"
+              f"{_did_you_mean(pattern, sorted(inherited))}", file, line, column)
+        for pattern, line, column in deleted
+        if pattern not in inherited
+    ]
+    if problems:
+        raise PlanError(problems)
+    gone = {pattern for pattern, _, _ in deleted}
+    own = {rule.pattern: rule for rule in rules}
+    merged = [own.pop(rule.pattern, rule) for rule in parent.rules if rule.pattern not in gone]
+    merged += own.values()
+    settings = {key: getattr(spec, key) for key in spec.model_fields_set if key not in ("version", "rules", "extends")}
+    merged_spec = parent.spec.model_copy(update={**settings, "rules": {rule.pattern: rule.spec for rule in merged}, "extends": None})
+    return Plan(merged_spec, merged, file, source)
 
 
 def _validate_rule(pattern: str, value: Any) -> StyleSpec | None:

@@ -6,10 +6,8 @@ applying does.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from .globs import Glob, ModuleTree
 from .problems import PlanError, Problem, error
@@ -20,6 +18,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from .styles import ParallelStyle
+    from .yamlsource import SourceMap
 
 
 @dataclass(frozen=True)
@@ -40,10 +39,11 @@ class Rule:
 
 
 class Plan:
-    def __init__(self, spec: PlanSpec, rules: list[Rule], file: str):
+    def __init__(self, spec: PlanSpec, rules: list[Rule], file: str, source: "SourceMap | None" = None):
         self.spec = spec
-        self.rules = rules
+        self.rules = rules  # with `extends`, inherited rules keep their own file and line
         self.file = file
+        self.source = source  # where each key of `file` is, for problems about the plan as a whole
 
     name = property(lambda self: self.spec.name)
     description = property(lambda self: self.spec.description)
@@ -57,6 +57,9 @@ class Plan:
 
     def fingerprint(self) -> str:
         """Hash of what the plan means (not how it is written): equal plans, equal hashes."""
+        import hashlib  # only the runtime needs it: keep plan-only start-up lean
+        import json
+
         # Rule order is not part of the meaning: rules are resolved and applied in
         # module order, so sort_keys may reorder them.
         meaning = self.spec.model_dump(mode="json", exclude={"name", "description"})
@@ -88,9 +91,10 @@ class Plan:
             for other_pattern, fqns in conflicts.items():
                 other = next(r for r in self.rules if r.pattern == other_pattern)
                 shown = ", ".join(repr(f or "<root>") for f in fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
+                other_at = f"line {other.line}" if other.file == rule.file else other.where  # inherited with extends
                 problems.append(rule.problem(
                     "TP201",
-                    f"rule '{rule.pattern}' (line {rule.line}) and rule '{other.pattern}' (line {other.line}) "
+                    f"rule '{rule.pattern}' (line {rule.line}) and rule '{other.pattern}' ({other_at}) "
                     f"both match {shown}: a module takes one style, narrow one of the globs",
                 ))
         if problems:
@@ -116,11 +120,13 @@ class Plan:
             )
         return mesh[self.mesh_axis]
 
-    def apply(self, model: "nn.Module", mesh: "DeviceMesh") -> "nn.Module":
+    def apply(self, model: "nn.Module", mesh: "DeviceMesh", on_module: "Callable[[str], None] | None" = None) -> "nn.Module":
         """Parallelize `model` in place over the plan's mesh axis; returns it.
 
         Tied parameters stay tied (one parameter, whole gradient); tied parameters
-        that the plan lays out differently are a PlanError (TP210).
+        that the plan lays out differently are a PlanError (TP210). `on_module(fqn)`
+        is called after each module is parallelized (progress, and the runtime's
+        way to tell which module a failure belongs to).
         """
         from torch.distributed.tensor.parallel import parallelize_module
 
@@ -135,6 +141,8 @@ class Plan:
         for fqn, rule in reversed(claimed.items()):
             style = compile_style(rule.spec, self.src_data_rank)
             parallelize_module(model.get_submodule(fqn), tp_mesh, style, src_data_rank=self.src_data_rank)
+            if on_module is not None:
+                on_module(fqn)
         problems = []
         for group, described in retie(model, tied):
             rule = next(r for r in (_claiming_rule(claimed, fqn) for fqn, _ in group) if r is not None)

@@ -225,7 +225,15 @@ class PlanSpec(_Strict):
         0, description="Rank whose weights are scattered, as in parallelize_module; null keeps each rank's local data."
     )
     loss_parallel: bool = Field(False, description="Hint for trainers: wrap the loss in torch's loss_parallel().")
-    rules: dict[str, RuleValue] = Field(description="Module-path glob -> style name or {style: ..., options}.")
+    extends: str | None = Field(
+        None,
+        description="A parent plan, as a path relative to this file: its rules and settings are inherited; "
+        "a rule here replaces the parent's rule with the same key, and a null rule deletes it.",
+    )
+    # null: delete the parent's rule of that key (only in a plan with 'extends', checked by the loader)
+    rules: dict[str, RuleValue | None] = Field(
+        description="Module-path glob -> style name or {style: ..., options}; null deletes an inherited rule."
+    )
 
 
 def plan_json_schema() -> dict:

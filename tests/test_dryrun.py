@@ -1,0 +1,299 @@
+"""`tpplan apply --dry-run`: one process simulates N ranks on meta tensors.
+
+The expected bytes and collective counts are derived from the model configs
+(not copied from a run): every sharded weight splits evenly at the promised
+degrees, norms stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from typer.testing import CliRunner
+
+from tpplan import load_plan
+from tpplan.cli import app
+from tpplan.dryrun import dry_run
+from tpplan.models import llama, mlp
+from tpplan.models.llama import LlamaConfig
+from tpplan.runtime import ApplyOptions, UsageError
+
+ROOT = Path(__file__).resolve().parent.parent
+PLANS = ROOT / "plans"
+FP32 = 4
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_leaks():
+    yield
+    assert not dist.is_initialized(), "a test left a process group behind"
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, ["apply", *args], env={"FORCE_COLOR": None, "NO_COLOR": None})
+
+
+def llama_bytes(cfg: LlamaConfig, tp: int) -> tuple[int, int]:
+    """(total, per rank) parameter bytes of a Llama under the shipped plans: embedding,
+    head, attention and feed-forward weights split over tp; norms whole on every rank."""
+    head_dim = cfg.dim // cfg.n_heads
+    attention = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.n_kv_heads * head_dim
+    sharded = 2 * cfg.vocab_size * cfg.dim + cfg.n_layers * (attention + 3 * cfg.dim * cfg.ffn_hidden)
+    norms = (2 * cfg.n_layers + 1) * cfg.dim
+    assert sharded % tp == 0
+    return FP32 * (sharded + norms), FP32 * (sharded // tp + norms)
+
+
+def mlp_bytes(model: mlp.MLP, tp: int) -> tuple[int, int]:
+    """in_proj weight and bias split by rows, out_proj weight by columns; out_proj bias whole."""
+    block = model.blocks[0]
+    dim, hidden = block.in_proj.in_features, block.in_proj.out_features
+    sharded, whole = len(model.blocks) * (2 * dim * hidden + hidden), len(model.blocks) * dim
+    return FP32 * (sharded + whole), FP32 * (sharded // tp + whole)
+
+
+def llama_comms(plan: str, layers: int) -> dict:
+    if plan == "llama_tp.yaml":
+        # wo and w2 all-reduce per layer, + the vocab-parallel embedding; the head gathers logits.
+        return {"forward": {"all_gather": 1, "all_reduce": 2 * layers + 1}, "backward": {"all_reduce": 2 * layers + 1}}
+    # Sequence parallel: gather into attention and feed_forward, scatter out of wo and w2,
+    # + the embedding's scatter and the head's two gathers; backward mirrors it.
+    return {
+        "forward": {"all_gather": 2 * layers + 2, "reduce_scatter": 2 * layers + 1},
+        "backward": {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers + 1},
+    }
+
+
+def _expected(file: str):
+    if file == "mlp_tp.yaml":
+        model = mlp.tiny()
+        n = len(model.blocks)
+        # The first block's input is data (no grad), so its input-grad all-reduce never happens.
+        return "tpplan.models.mlp:tiny", lambda tp: mlp_bytes(model, tp), {"forward": {"all_reduce": n}, "backward": {"all_reduce": n - 1}}
+    cfg = llama.tiny().config
+    return "tpplan.models.llama:tiny", lambda tp: llama_bytes(cfg, tp), llama_comms(file, cfg.n_layers)
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+@pytest.mark.parametrize("file", ["llama_tp.yaml", "llama_tp_sp.yaml", "mlp_tp.yaml"])
+def test_shipped_plan_dry_run_reports_exact_bytes_and_collectives(file, tp):
+    model, bytes_at, comms = _expected(file)
+    report = dry_run(ApplyOptions(plan=str(PLANS / file), model=model, tp=tp))
+    assert report.ok, report.problems
+    total, per_rank = bytes_at(tp)
+    assert (report.total_bytes, report.rank_bytes) == (total, [per_rank] * tp)
+    assert report.comms == comms
+    assert report.world_size == tp
+    assert set(report.modules) == set(load_plan(PLANS / file).match(build(model)))
+
+
+def build(ref: str):
+    return {"tpplan.models.mlp:tiny": mlp.tiny, "tpplan.models.llama:tiny": llama.tiny}[ref]()
+
+
+@pytest.mark.parametrize("file", ["llama_tp.yaml", "llama_tp_sp.yaml"])
+def test_llama3_8b_at_tp8_costs_no_memory_and_reports_its_real_sizes(file):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = dry_run(ApplyOptions(plan=str(PLANS / file), model="tpplan.models.llama:llama3_8b", tp=8))
+    assert report.ok, report.problems
+    cfg = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336)
+    total, per_rank = llama_bytes(cfg, 8)
+    assert (report.total_bytes, report.per_rank_bytes) == (total, per_rank)
+    assert total > 32e9  # 8.03e9 float32 parameters, none of them allocated:
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024  # KiB
+    assert report.comms == llama_comms(file, 32)
+    wq = next(p for p in report.params if p.name == "layers.31.attention.wq.weight")
+    assert (wq.global_shape, wq.local_shapes[7], wq.placements) == ((4096, 4096), (512, 4096), "shard(0)")
+
+
+def test_dry_run_check_compares_real_per_rank_values_with_one_device():
+    report = dry_run(ApplyOptions(plan=str(PLANS / "llama_tp_sp.yaml"), model="tpplan.models.llama:tiny", tp=4, check=True))
+    assert report.ok, report.problems
+    assert report.check.passed and report.check.max_abs_diff < 1e-5
+
+
+def test_dry_run_check_failure_is_an_error_with_the_difference(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    # Row-parallel out_proj whose partial sums are never reduced: every rank is wrong.
+    broken.write_text((PLANS / "mlp_tp.yaml").read_text().replace("blocks.*.out_proj: rowwise", "blocks.*.out_proj: {style: rowwise, output_layouts: partial}"))
+    result = run("--plan", str(broken), "--model", "tpplan.models.mlp:tiny", "--dry-run", "--tp", "2", "--check", "--format", "json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] is False and report["check"]["passed"] is False and report["check"]["max_abs_diff"] > 1e-3
+    (problem,) = report["problems"]
+    assert problem["code"] == "TP505"
+    assert problem["message"].startswith("--check failed at TP 2: output: rank 0 differs by up to")
+
+
+def test_json_report_has_the_spec_keys_and_shapes():
+    result = run("--plan", str(PLANS / "mlp_tp.yaml"), "--model", "tpplan.models.mlp:tiny", "--dry-run", "--tp", "2", "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert {"ok", "problems", "world_size", "modules", "params", "comms", "check"} <= set(report)
+    assert report["ok"] is True and report["problems"] == [] and report["world_size"] == 2 and report["check"] is None
+    assert report["modules"] == {
+        "blocks.0.in_proj": "colwise",
+        "blocks.0.out_proj": "rowwise",
+        "blocks.1.in_proj": "colwise",
+        "blocks.1.out_proj": "rowwise",
+    }
+    assert report["params"] == dict(zip(("total_bytes", "per_rank_bytes"), mlp_bytes(mlp.tiny(), 2)))
+    assert report["comms"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 1}}
+    assert report["parameters"]["blocks.0.in_proj.weight"] == {
+        "dtype": "float32",
+        "global_shape": [128, 32],
+        "local_shapes": [[64, 32], [64, 32]],
+        "placements": "shard(0)",
+    }
+
+
+def test_text_report_shows_styles_memory_and_collectives():
+    result = run("--plan", str(PLANS / "llama_tp_sp.yaml"), "--model", "tpplan.models.llama:tiny", "--dry-run", "--tp", "4")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "tpplan apply llama-tp-sp on tpplan.models.llama:tiny: 4 simulated ranks (fake process group, fake tensors)" in out
+    assert re.search(r"│ layers\.\*\.attention\.w\{q,k,v\} +│ colwise +│ +6 │ .*llama_tp_sp\.yaml:24 +│", out)
+    # Both layers' wq in one row: 2 x 32 x 128 floats on each rank.
+    assert re.search(r"│ layers\.\*\.attention\.wq\.weight +│ +2 │ \(128, 128\) │ \(32, 128\) +│ shard\(0\) +│ +32\.00 KiB │", out)
+    total, per_rank = llama_bytes(llama.tiny().config, 4)
+    assert re.search(rf"│ ranks 0-3 +│ +{per_rank} │", out) and re.search(rf"│ all \(unsharded\) +│ +{total} │", out)
+    assert re.search(r"│ reduce_scatter │ +5 │ +5 │", out)
+
+
+def test_heads_that_the_degree_does_not_divide_name_module_rule_and_shapes():
+    result = run("--plan", str(PLANS / "llama_tp.yaml"), "--model", "tpplan.models.llama:tiny", "--dry-run", "--tp", "3")
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    plan = load_plan(PLANS / "llama_tp.yaml")
+    rule = next(r for r in plan.rules if r.pattern == "layers.*.attention.w{q,k,v}")
+    expected = (
+        f"{PLANS / 'llama_tp.yaml'}:{rule.line}:{rule.column}: TP502 the forward of 'layers.0.attention' (Attention, input (2, 8, 128), (8, 4, 2)) "
+        "fails at TP 3: shape '[2, 8, -1, 8]' is invalid for input of size 688; "
+        f"rule 'layers.*.attention.w{{q,k,v}}' (colwise, {rule.where}) shards layers.0.attention.wq.weight (128, 128) "
+        "into (43, 128) on rank 0 (shard(0)), not divisible: dim 0 is 128, 128 % 3 = 2"
+    )
+    assert expected in result.stdout
+    assert "note: TP 3 is not among the degrees the plan promises (mesh.sizes [2, 4, 8])" in result.stdout
+
+
+def test_a_style_the_module_cannot_take_is_located_at_its_rule(tmp_path):
+    plan = tmp_path / "p.yaml"
+    plan.write_text("version: 1\nrules:\n  blocks.*.in_proj: colwise\n  blocks.*.act: rowwise\n")
+    result = run("--plan", str(plan), "--model", "tpplan.models.mlp:tiny", "--dry-run", "--tp", "2", "--format", "json")
+    assert result.exit_code == 1
+    (problem,) = json.loads(result.stdout)["problems"]
+    assert (problem["code"], problem["line"], problem["column"]) == ("TP501", 4, 3)
+    assert problem["message"].startswith("rowwise cannot shard 'blocks.1.act' (GELU) at TP 2: RowwiseParallel currently only support nn.Linear and nn.Embedding")
+
+
+def test_a_rule_matching_no_module_stops_the_dry_run_before_sharding(tmp_path):
+    plan = tmp_path / "p.yaml"
+    plan.write_text("version: 1\nrules:\n  blocks.*.in_proj: colwise\n  blocks.*.outproj: rowwise\n")
+    result = run("--plan", str(plan), "--model", "tpplan.models.mlp:tiny", "--dry-run", "--tp", "2", "--format", "json")
+    assert result.exit_code == 1
+    report = json.loads(result.stdout)
+    assert [(p["code"], p["line"]) for p in report["problems"]] == [("TP200", 4)]
+    assert report["modules"] == {} and report["comms"] == {"forward": {}, "backward": {}}
+
+
+def test_without_tp_the_largest_promised_degree_is_simulated_and_said():
+    report = dry_run(ApplyOptions(plan=str(PLANS / "mlp_tp.yaml"), model="tpplan.models.mlp:tiny"))
+    assert report.tp == 8
+    assert report.notes == ["--tp not given: simulating TP 8, the largest of the plan's mesh.sizes [2, 4, 8]"]
+
+
+def test_plan_without_sizes_needs_tp(tmp_path):
+    plan = tmp_path / "p.yaml"
+    plan.write_text("version: 1\nrules:\n  blocks.*.in_proj: colwise\n")
+    with pytest.raises(UsageError, match=r"--dry-run needs --tp N"):
+        dry_run(ApplyOptions(plan=str(plan), model="tpplan.models.mlp:tiny"))
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "3"], "--steps trains on real ranks (torchrun)"),
+        (["--tp", "0"], "Invalid value for '--tp'"),
+        (["--inputs", "nowhere"], "--inputs 'nowhere' must be MODULE:FUNCTION"),
+    ],
+)
+def test_usage_errors_exit_2_without_a_traceback(args, message):
+    result = run("--plan", str(PLANS / "mlp_tp.yaml"), "--model", "tpplan.models.mlp:tiny", "--dry-run", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_unreadable_plan_exits_2_with_tp001():
+    result = run("--plan", "missing.yaml", "--model", "tpplan.models.mlp:tiny", "--dry-run", "--format", "json")
+    assert result.exit_code == 2
+    (problem,) = json.loads(result.stdout)["problems"]
+    assert (problem["code"], problem["file"]) == ("TP001", "missing.yaml")
+
+
+GATED = '''\
+import torch
+from torch import nn
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x):
+        if x.abs().sum().item() == 0:  # data-dependent: fake tensors cannot answer it
+            return x
+        return self.down(torch.relu(self.up(x)))
+
+
+def build():
+    return Gated()
+'''
+GATED_PLAN = "version: 1\nrules:\n  up: colwise\n  down: rowwise\n"
+
+
+@pytest.fixture
+def gated(tmp_path, monkeypatch):
+    (tmp_path / "gated.py").write_text(GATED)
+    (tmp_path / "gated.yaml").write_text(GATED_PLAN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path / "gated.yaml"
+
+
+def test_a_small_model_that_needs_values_is_counted_with_real_ones(gated):
+    report = dry_run(ApplyOptions(plan=str(gated), model="gated:build", tp=2))
+    assert report.ok, report.problems
+    assert report.comms == {"forward": {"all_reduce": 1}, "backward": {}}
+    assert report.device == "cpu"
+    (note,) = report.notes
+    assert note.startswith("fake tensors could not run the forward and backward (DataDependentOutputException: aten._local_scalar_dense")
+    # (16 x 64 + 64) + (64 x 16 + 16) float32 parameters.
+    assert note.endswith("the collectives were counted with real values of rank 0 (8.31 KiB model)")
+
+
+def test_a_big_model_that_needs_values_is_not_materialized(gated, monkeypatch):
+    from tpplan import dryrun
+
+    monkeypatch.setattr(dryrun, "REAL_VALUES_LIMIT_BYTES", 1024)
+    report = dry_run(ApplyOptions(plan=str(gated), model="gated:build", tp=2))
+    (problem,) = report.problems
+    assert problem.code == "TP502"
+    assert problem.message.startswith("the forward of '<root>' (Gated, input (2, 8, 16)) fails at TP 2: ")
+    assert problem.message.endswith("(on fake tensors; a run with real values would need 8.31 KiB: try --check on a smaller configuration, or torchrun)")
+
+
+def test_huggingface_model_runs_on_fake_tensors():
+    pytest.importorskip("transformers")
+    report = dry_run(ApplyOptions(plan=str(PLANS / "hf" / "llama_tp.yaml"), model="tpplan.hf_models:llama", tp=2))
+    assert report.ok, report.problems
+    # transformers skips its data-dependent mask checks on fake tensors: no retry needed.
+    assert (report.device, report.notes) == ("fake", [])
+    assert report.comms["forward"]["all_reduce"] > 0

@@ -1,0 +1,149 @@
+"""The machinery under the layout-flow rules: the traced forward (with repeated
+blocks replayed), the dim bookkeeping of views and indexing, the cut-down model
+of the dry run, and the communication savings TP340 promises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lint_helpers import lint, meta_model, only
+from torch import nn
+
+from tpplan import load_plan
+from tpplan.lint.collapse import kept_blocks
+from tpplan.lint.context import LintContext
+from tpplan.lint.flow import _index_dim, _view_dim
+from tpplan.lint.trace import Call, Op, Return, TraceError, _Tracer, trace_model
+from tpplan.models.mlp import MLP
+from tpplan.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
+
+
+@pytest.mark.parametrize("src, dst, dim, moved", [
+    ((2, 8, 128), (2, 8, 16, 8), 2, 2),  # features split into heads: the shard goes to the heads
+    ((2, 8, 16, 8), (2, 8, 128), 2, 2),  # heads merged back into features
+    ((2, 8, 16, 8), (2, 8, 128), 3, None),  # a shard of head_dim is interleaved once merged
+    ((2, 8, 128), (16, 128), 0, 0),  # batch merged with sequence: the outer dim carries the shard
+    ((2, 8, 128), (16, 128), 1, None),
+    ((2, 1, 8), (2, 8), 2, 1),  # squeezed
+])
+def test_a_view_moves_a_shard_to_the_outermost_dim_of_its_group(src, dst, dim, moved):
+    assert _view_dim(src, dst, dim) == moved
+
+
+@pytest.mark.parametrize("shape, index, dim, moved", [
+    ((2, 8, 16, 4, 2), (Ellipsis, 0), 2, 2),
+    ((8, 4, 2), (None, slice(None), None, slice(None), 0), 0, 1),  # the rotary table's broadcast view
+    ((2, 8, 16), (slice(None), slice(None), slice(0, 4)), 2, None),  # slicing into the sharded dim
+    ((2, 8, 16), (slice(None), slice(None), slice(None, 99)), 2, 2),  # a slice that keeps all of it
+    ((2, 8, 16), (slice(None), 0), 2, 1),
+    ((2, 8, 16), [0, 1], 0, None),  # advanced indexing
+])
+def test_basic_indexing_moves_the_shard_and_slicing_into_it_loses_it(shape, index, dim, moved):
+    assert _index_dim(index, shape, dim) == moved
+
+
+def _events(trace):
+    """Events without node ids: what a replay must reproduce."""
+    out = []
+    for event in trace.events:
+        if isinstance(event, Op):
+            out.append(("op", event.name, tuple(trace.shapes[n] for n in event.inputs), tuple(trace.shapes[n] for n in event.outputs)))
+        elif isinstance(event, Call):
+            out.append(("call", event.fqn, tuple(None if a is None else trace.shapes[a] for a in event.args)))
+        else:
+            out.append(("return", event.fqn, tuple(None if o is None else trace.shapes[o] for o in event.outputs)))
+    return out
+
+
+def test_replayed_blocks_record_what_running_them_records(monkeypatch):
+    model = meta_model("tpplan.models.llama:tiny")
+    inputs = (default_inputs(model),)
+    replayed = trace_model(model, inputs)
+    monkeypatch.setattr(_Tracer, "memo_key", lambda self, module, args, kwargs: None)
+    executed = trace_model(model, inputs)
+    assert _events(replayed) == _events(executed)
+    assert sum(isinstance(e, Call) and e.fqn == "layers.1.attention.wq" for e in replayed.events) == 1
+
+
+def test_a_replayed_block_keeps_its_dataflow():
+    trace = trace_model(meta_model("tpplan.models.mlp:tiny"), (default_inputs(meta_model("tpplan.models.mlp:tiny")),))
+    calls = {e.fqn: e for e in trace.events if isinstance(e, Call)}
+    returns = {e.fqn: e for e in trace.events if isinstance(e, Return)}
+    # block 1 (replayed) is fed what block 0 returned
+    assert calls["blocks.1"].args[0] == returns["blocks.0"].outputs[0]
+    assert calls["blocks.1.in_proj"].args[0] == calls["blocks.1"].args[0]
+
+
+def test_tracing_leaves_the_model_as_it_was_even_when_the_forward_fails():
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x).sum().item()
+
+    with torch.device("meta"):
+        model = Broken()
+    with pytest.raises(TraceError, match=r"RuntimeError: .*item\(\).* \(at .*test_lint_flow.py:\d+\)"):
+        trace_model(model, (torch.zeros(2, 4, device="meta"),))
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_models_that_meta_tensors_cannot_run_are_traced_on_fake_tensors():
+    pytest.importorskip("transformers")
+    plan = load_plan(text="version: 1\nrules:\n  lm_head: {style: colwise, output_layouts: replicate}\n")
+    ctx = LintContext(plan, meta_model("tpplan.hf_models:llama"), [2])
+    assert ctx.trace is not None and ctx.trace_mode == "fake"  # transformers' masks call .item() on meta
+
+
+def test_repeated_blocks_are_cut_to_two_unless_a_rule_sets_one_apart():
+    with torch.device("meta"):
+        model = MLP(n_blocks=6)
+    uniform = load_plan(text="version: 1\nrules:\n  blocks.*.in_proj: colwise\n  blocks.*.out_proj: rowwise\n")
+    [(container, kept)] = kept_blocks(LintContext(uniform, model, [2]))
+    assert container is model.blocks and list(kept) == ["0", "1"]
+    special = load_plan(text="version: 1\nrules:\n  blocks.[!3].in_proj: colwise\n  blocks.3.in_proj: {style: colwise, use_local_output: false}\n  blocks.*.out_proj: rowwise\n")
+    [(_, kept)] = kept_blocks(LintContext(special, model, [2]))
+    assert list(kept) == ["0", "1", "3", "4", "5"]
+
+
+def test_a_deep_model_is_dry_run_on_two_blocks_and_problems_name_real_modules():
+    with torch.device("meta"):
+        model = MLP(dim=32, hidden=96, n_blocks=12)
+    problems = lint("""
+        version: 1
+        rules:
+          blocks.*.in_proj: colwise
+          blocks.*.out_proj: rowwise
+    """, model, tp=(4,))
+    assert problems == []
+    before = len(list(model.modules()))
+    lint("version: 1\nrules:\n  blocks.*.in_proj: colwise\n  blocks.*.out_proj: rowwise\n", model, tp=(2,), select=["TP330"])
+    assert len(list(model.modules())) == before  # the cut is made on a copy
+
+
+def test_tp340_savings_are_what_the_collectives_show():
+    naive = "version: 1\nrules:\n  layers.*.attention.w{q,k,v}: colwise\n  layers.*.attention.wo: rowwise\n"
+    fixed = """\
+version: 1
+rules:
+  layers.*.attention:
+    style: prepare_module_input
+    input_layouts: [replicate, null]
+    desired_input_layouts: [replicate, null]
+    use_local_output: false
+  layers.*.attention.w{q,k,v}: colwise
+  layers.*.attention.wo: rowwise
+"""
+    hint = only(lint(naive, "tpplan.models.llama:tiny", select=["TP340"]), "TP340")
+    assert "(4 all-reduces per forward-backward" in hint.message
+    backward = []
+    for text in (naive, fixed):
+        with simulated_world(2), torch.device("meta"):
+            from tpplan.models.llama import tiny
+
+            model = tiny()
+            load_plan(text=text).apply(model, tp_mesh(2))
+            backward.append(count_collectives(model, default_inputs(model))["backward"]["all_reduce"])
+    assert backward[0] - backward[1] == 4

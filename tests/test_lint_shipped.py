@@ -1,0 +1,47 @@
+"""The shipped plans pass model-aware validation against the models they are for:
+no errors, and the communication-minimal reference plans no warnings either."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from lint_helpers import meta_model
+
+from tpplan import load_plan
+from tpplan.checks import check_model
+
+ROOT = Path(__file__).resolve().parent.parent
+
+REFERENCE = [
+    ("plans/llama_tp.yaml", "tpplan.models.llama:tiny"),
+    ("plans/llama_tp_sp.yaml", "tpplan.models.llama:tiny"),
+    ("plans/mlp_tp.yaml", "tpplan.models.mlp:tiny"),
+]
+
+
+@pytest.mark.parametrize("plan, model", REFERENCE)
+def test_reference_plans_have_no_problems_at_their_degrees(plan, model):
+    loaded = load_plan(ROOT / plan)
+    assert [str(p) for p in check_model(loaded, meta_model(model), loaded.mesh_sizes)] == []
+
+
+def test_the_sequence_parallel_plan_is_clean_on_llama3_8b_shapes():
+    loaded = load_plan(ROOT / "plans/llama_tp_sp.yaml")
+    assert [str(p) for p in check_model(loaded, meta_model("tpplan.models.llama:llama3_8b"), [2, 4, 8])] == []
+
+
+def _hf_cases():
+    for path in sorted((ROOT / "plans" / "hf").glob("*.yaml")):
+        family = path.stem.split("_tp")[0]
+        yield str(path.relative_to(ROOT)), f"tpplan.hf_models:{family}"
+        if family == "llama":
+            yield str(path.relative_to(ROOT)), "tpplan.hf_models:llama_tied"
+
+
+@pytest.mark.parametrize("plan, model", list(_hf_cases()))
+def test_shipped_transformers_plans_have_no_errors(plan, model):
+    pytest.importorskip("transformers")
+    loaded = load_plan(ROOT / plan)
+    problems = check_model(loaded, meta_model(model), loaded.mesh_sizes)
+    assert [str(p) for p in problems if p.severity == "error"] == []

@@ -1,0 +1,172 @@
+"""`tpplan apply`: the command-line edge of runtime.py (torchrun) and dryrun.py.
+
+Imported whenever `tpplan` starts (cli.py registers the command), so nothing
+here imports torch at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from enum import Enum
+from typing import Annotated, NoReturn, Optional
+
+import typer
+
+
+class ApplyFormat(str, Enum):
+    text = "text"
+    json = "json"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+    npu = "npu"
+
+
+def apply(
+    plan: Annotated[str, typer.Option("--plan", metavar="PLAN", help="The plan file (YAML).", show_default=False)],
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            metavar="MOD:FN",
+            help="An importable callable returning the nn.Module, built under a torch.device context "
+            "(the same on every rank; on the meta device with --dry-run).",
+            show_default=False,
+        ),
+    ],
+    tp: Annotated[
+        Optional[int],
+        typer.Option(
+            "--tp",
+            metavar="N",
+            min=1,
+            help="TP degree. torchrun: default the world size; smaller makes a 2-D (dp, tp) mesh. "
+            "--dry-run: the number of ranks to simulate; default the largest of the plan's mesh.sizes.",
+            show_default=False,
+        ),
+    ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="No torchrun, no devices: simulate --tp ranks in this process (fake process group, meta tensors)."),
+    ] = False,
+    check: Annotated[
+        bool,
+        typer.Option("--check", help="Compare outputs and every parameter gradient with a single-device reference built from the same weights."),
+    ] = False,
+    steps: Annotated[
+        int,
+        typer.Option("--steps", metavar="N", min=0, help="Also run N SGD steps on random targets; report the loss and the median step time (torchrun only)."),
+    ] = 0,
+    inputs: Annotated[
+        Optional[str],
+        typer.Option(
+            "--inputs",
+            metavar="MOD:FN",
+            help="A callable returning the example input tensor or a tuple of positional tensors; "
+            "default: token ids for an Embedding first module, random floats for a Linear.",
+            show_default=False,
+        ),
+    ] = None,
+    device: Annotated[Device, typer.Option("--device", help="Device of each rank; auto: cuda, then npu, then cpu. Picks the backend: nccl, hccl, gloo.")] = Device.auto,
+    format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (SPEC §4).")] = ApplyFormat.text,
+    timeout: Annotated[
+        float,
+        typer.Option("--timeout", metavar="SECONDS", min=1, help="Bound on every collective: a rank that dies or hangs fails the others after this long."),
+    ] = 300.0,
+) -> None:
+    """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
+    from .cli import usage_error
+    from .modelref import ModelRefError
+    from .runtime import ApplyOptions, UsageError
+
+    options = ApplyOptions(
+        plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout
+    )
+    under_torchrun = not dry_run and "RANK" in os.environ
+    rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0
+    with _progress(rank == 0 and format is ApplyFormat.text) as on_event:
+        try:
+            if dry_run:
+                from .dryrun import dry_run as run
+
+                report = run(options, on_event)
+            else:
+                from .runtime import run_torchrun
+
+                report = run_torchrun(options, on_event)
+            code = _print(report, format, rank)
+        except (UsageError, ModelRefError) as exc:
+            if not under_torchrun:
+                usage_error(str(exc))
+            typer.echo(f"Error: rank {rank}: {exc}" if rank else f"Error: {exc}", err=True)
+            code = 2
+    if under_torchrun:
+        _leave(code)
+    raise typer.Exit(code)
+
+
+def _leave(code: int) -> NoReturn:
+    """End a torchrun worker now, after its process group is destroyed.
+
+    torch 2.13 with gloo: a worker that has run DTensor collectives aborts during
+    interpreter shutdown now and then ("terminate called without an active
+    exception", SIGABRT; about 1 exit in 8 here) although its work is done, and
+    torchrun then reports the job failed. Nothing is left to clean up at this
+    point, so skip the interpreter's teardown.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextlib.contextmanager
+def _progress(show: bool) -> Iterator[Callable[[str], None]]:
+    """A spinner on stderr naming the current stage (building, sharding i/n, ...),
+    on a terminal only: logs and pipes get the report alone."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if not show or not console.is_terminal:
+        yield lambda text: None
+        return
+    with console.status("starting") as status:
+        yield lambda text: status.update(text)
+
+
+def _print(report, format: ApplyFormat, rank: int) -> int:
+    from .loader import read_plan_text
+    from .problems import PlanError
+    from .report import CheckedPlan, Outcome
+
+    checked = CheckedPlan(report.plan_file)
+    with contextlib.suppress(PlanError):  # unreadable: its TP001 problem is in the report already
+        checked.text = read_plan_text(report.plan_file)
+    outcome = Outcome([checked], report.problems)
+    if rank != 0:
+        # Rank 0 prints the report; the others say only why they stop.
+        for problem in outcome.ordered_problems():
+            sys.stderr.write(f"rank {rank}: {problem}\n")
+        return outcome.exit_code
+    if format is ApplyFormat.json:
+        sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
+        return outcome.exit_code
+    from rich.console import Console
+
+    from .apply_report import render_text
+    from .report import render_text as render_problems
+
+    if report.modules:
+        console = Console(highlight=False)
+        if not console.is_terminal:
+            console.width = 200  # a pipe or log gets whole parameter names, not 80 columns
+        render_text(report, console)
+    if report.problems:
+        render_problems(outcome)
+    return outcome.exit_code

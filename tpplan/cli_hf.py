@@ -1,0 +1,63 @@
+"""`tpplan import-hf`: the command-line edge of hf.import_hf.
+
+Imported whenever `tpplan` starts (cli.py registers the command), so nothing
+here imports torch or transformers at import time.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+
+def import_hf(
+    source: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODEL_TYPE_OR_CONFIG",
+            help="A transformers model type (llama, qwen2, ...: its default config) or a local config.json / "
+            "config directory. Nothing is downloaded.",
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        Optional[Path],
+        typer.Option("--output", "-o", metavar="PLAN", help="Write the plan here instead of standard output.", show_default=False),
+    ] = None,
+    minimal: Annotated[
+        bool,
+        typer.Option(
+            "--minimal",
+            help="Add a prepare_module_input on each parent of column-parallel Linears, so backward all-reduces "
+            "once per parent instead of once per Linear.",
+        ),
+    ] = False,
+) -> None:
+    """Turn the TP plan transformers defines for a model into tpplan YAML.
+
+    Maps transformers' style strings to tpplan styles; entries with no sound
+    equivalent are listed on standard error (and as comments in the plan), never
+    dropped silently. The model is built on the meta device from the config so
+    every rule is checked to match a module.
+    """
+    try:
+        from .hf import import_hf as run_import
+    except ModuleNotFoundError as exc:
+        typer.echo(f"Error: import-hf needs transformers ({exc}): pip install 'tpplan[hf]'", err=True)
+        raise typer.Exit(2) from None
+    try:
+        imported = run_import(source, minimal=minimal)
+    except (ValueError, OSError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if output is None:
+        sys.stdout.write(imported.text)
+    else:
+        output.write_text(imported.text)
+    for skipped in imported.skipped:
+        typer.echo(f"left out: {skipped.key}: {skipped.hf_style} -- {skipped.reason}", err=True)
+    for key, why in imported.added:
+        typer.echo(f"added: {key}: {why}", err=True)

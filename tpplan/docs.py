@@ -1,0 +1,152 @@
+"""The generated files: cli.md (from the typer app) and schemas/plan.schema.json.
+
+    python -m tpplan.docs            # rewrite both
+    python -m tpplan.docs --check    # exit 1 if either is stale (what the tests check)
+
+cli.md is written from the commands' parameters, not from typer's help screen,
+so it depends on neither the terminal width nor colours, and it covers every
+command registered on `tpplan.cli.app`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI_MD = "cli.md"
+SCHEMA_JSON = "schemas/plan.schema.json"
+REGENERATE = "python -m tpplan.docs"
+
+
+def schema_text() -> str:
+    """`tpplan schema`'s output: the plan JSON Schema, keys sorted so the file diffs cleanly."""
+    from .schema import plan_json_schema
+
+    return json.dumps(plan_json_schema(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def cli_markdown(app: Any = None) -> str:
+    """The CLI reference: every command registered on `app` (default: tpplan's) with
+    its arguments and options."""
+    from typer.main import get_command
+
+    if app is None:
+        from .cli import app
+
+    group = get_command(app)
+    ctx = group.context_class(group, info_name="tpplan")
+    names = group.list_commands(ctx)
+    lines = [
+        "# tpplan command line",
+        "",
+        f"<!-- Generated from the typer app in tpplan/cli.py by `{REGENERATE}`: do not edit by hand. -->",
+        "",
+        _help_text(group),
+        "",
+        "Usage: `tpplan [OPTIONS] COMMAND [ARGS]...` (or `python -m tpplan ...`)",
+        "",
+        "Commands: " + ", ".join(f"[`{name}`](#tpplan-{name})" for name in names),
+    ]
+    for name in names:
+        command = group.get_command(ctx, name)
+        lines += ["", *_command_section(command, command.context_class(command, info_name=name, parent=ctx))]
+    return "\n".join(lines) + "\n"
+
+
+def _help_text(command: Any) -> str:
+    return inspect.cleandoc(command.help or "")
+
+
+def _command_section(command: Any, ctx: Any) -> list[str]:
+    params = [p for p in command.get_params(ctx) if not getattr(p, "hidden", False)]
+    arguments = [p for p in params if not p.opts[0].startswith("-")]
+    options = [p for p in params if p.opts[0].startswith("-")]
+    usage = " ".join(["tpplan", ctx.info_name, "[OPTIONS]" if options else "", *map(_argument_usage, arguments)])
+    lines = [f"## tpplan {ctx.info_name}", "", _help_text(command), "", "```text", " ".join(usage.split()), "```"]
+    for title, group, describe in (("Arguments", arguments, _argument_item), ("Options", options, _option_item)):
+        if group:
+            lines += ["", f"{title}:", "", *(describe(p) for p in group)]
+    return lines
+
+
+def _argument_usage(param: Any) -> str:
+    name = (param.metavar or param.name.upper()) + ("..." if param.nargs == -1 else "")
+    return name if param.required else f"[{name}]"
+
+
+def _argument_item(param: Any) -> str:
+    notes = ["required"] if param.required else []
+    return _item(f"`{_argument_usage(param)}`", notes, param.help)
+
+
+def _option_item(param: Any) -> str:
+    names = ", ".join(param.opts + param.secondary_opts)
+    if not param.is_flag:
+        names += f" {_option_metavar(param)}"
+    notes = []
+    if param.required:
+        notes.append("required")
+    if param.multiple:
+        notes.append("repeatable")
+    if getattr(param, "min", None) is not None:
+        notes.append(f"at least {param.min}")
+    default = param.default.value if isinstance(param.default, Enum) else param.default
+    # `is`, not `in`: a default of 0 is worth showing, and 0 == False.
+    if not (param.is_flag or default is None or default is False or default in ((), [])):
+        notes.append(f"default: `{default}`")
+    return _item(f"`{names}`", notes, param.help)
+
+
+def _option_metavar(param: Any) -> str:
+    if param.metavar:
+        return param.metavar
+    if isinstance(param.default, Enum):  # typer turns an Enum annotation into a choice of its values
+        return "|".join(member.value for member in type(param.default))
+    return param.name.upper()
+
+
+def _item(name: str, notes: list[str], help_text: str | None) -> str:
+    return f"- {name}" + (f" ({', '.join(notes)})" if notes else "") + f": {inspect.cleandoc(help_text or '')}"
+
+
+GENERATED = {CLI_MD: cli_markdown, SCHEMA_JSON: schema_text}
+
+
+def stale_files(root: Path = ROOT) -> list[str]:
+    """The generated files under `root` whose content differs from what would be generated now."""
+    stale = []
+    for name, generate in GENERATED.items():
+        path = root / name
+        if not path.is_file() or path.read_text(encoding="utf-8") != generate():
+            stale.append(name)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--check"]):
+        print(f"usage: {REGENERATE} [--check]", file=sys.stderr)
+        return 2
+    if not (ROOT / "pyproject.toml").is_file():
+        print(f"error: {ROOT} is not the tpplan source tree (no pyproject.toml): run from a checkout", file=sys.stderr)
+        return 2
+    if args == ["--check"]:
+        stale = stale_files()
+        for name in stale:
+            print(f"{name} is stale: run `{REGENERATE}`", file=sys.stderr)
+        return 1 if stale else 0
+    for name, generate in GENERATED.items():
+        path = ROOT / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(generate(), encoding="utf-8")
+        print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""`tpplan apply --dry-run --tp N`: one process plays N ranks.
+
+The model is built on fake tensors (FakeTensorMode: shapes, dtypes and devices
+without storage) and parallelized under torch's fake process group, so a model
+of any size costs no real memory and no devices:
+the report's per-rank shapes, bytes and collective counts come from the real
+DTensor machinery, only the values are missing. `--check` adds a second run
+with real per-rank values (`LocalTensorMode`, in `simulate.check_parity`)
+compared with a single-device reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+
+from .apply_report import ApplyReport, CheckResult, human_bytes
+from .loader import load_plan
+from .modelref import build_model, load_callable, make_inputs
+from .plan import Plan
+from .problems import PlanError, error
+from .runtime import ApplyOptions, FailureLocator, UsageError, apply_plan, first_line, param_layouts, run_located
+
+# Above this, a model whose forward fake tensors cannot run is not retried with
+# real values: the retry would hold the whole model in memory.
+REAL_VALUES_LIMIT_BYTES = 1 << 30
+
+
+def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
+    """The degree to simulate, and a note when it was not given on the command line."""
+    if options.tp is not None:
+        if options.tp < 1:
+            raise UsageError(f"--tp ({options.tp}) must be at least 1")
+        return options.tp, None
+    if plan.mesh_sizes:
+        tp = max(plan.mesh_sizes)
+        return tp, f"--tp not given: simulating TP {tp}, the largest of the plan's mesh.sizes {list(plan.mesh_sizes)}"
+    raise UsageError("--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)")
+
+
+def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
+    """Simulate `options.tp` ranks in this process; the report (with problems, if
+    any) of applying the plan and running one forward and backward."""
+    event = on_event or (lambda text: None)
+    if options.steps:
+        raise UsageError("--steps trains on real ranks (torchrun); --dry-run runs on fake tensors without values")
+    report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
+    try:
+        plan = load_plan(options.plan)
+    except PlanError as exc:
+        report.problems = exc.problems
+        return report
+    tp, note = dry_run_tp(options, plan)
+    report.plan_name, report.world_size, report.tp = plan.name, tp, tp
+    report.notes += [note] if note else []
+    if plan.mesh_sizes and tp not in plan.mesh_sizes:
+        report.notes.append(f"TP {tp} is not among the degrees the plan promises (mesh.sizes {list(plan.mesh_sizes)})")
+    if options.device not in ("auto", "cpu"):
+        report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
+    factory = load_callable(options.model, "--model")  # a usage error before any work
+    try:
+        with warnings.catch_warnings():
+            # CommDebugMode's module tracker hooks every module's backward and warns for each
+            # module whose output is not a tensor (HuggingFace ModelOutput): noise here.
+            warnings.filterwarnings("ignore", message="For backward hooks to be called", category=UserWarning)
+            _simulate_shapes(options, plan, factory, report, event)
+            if options.check:
+                event(f"checking {tp} ranks with real values against a single device")
+                _simulate_values(options, plan, factory, report)
+    except PlanError as exc:
+        report.problems = exc.problems
+    return report
+
+
+def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from .simulate import forward_backward, simulated_world, tp_mesh
+
+    tp = report.tp
+    with simulated_world(tp):
+        mesh = tp_mesh(tp, plan.mesh_axis)
+        # Fake tensors rather than bare meta ones: no memory either, and code that
+        # checks for tracing (transformers' attention masks) skips the data-dependent
+        # branches that meta tensors cannot run. Real tensors made elsewhere (a module
+        # constant) are let in.
+        with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
+            event("building the model on fake tensors")
+            model = build_model(options.model, "cpu", factory)
+            inputs = make_inputs(options.inputs, model, "cpu")
+            rules = apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
+            report.modules = {fqn: rule.spec.style for fqn, rule in rules.items()}
+            report.rule_of = {fqn: rule.pattern for fqn, rule in rules.items()}
+            report.rule_where = {rule.pattern: rule.where for rule in rules.values()}
+            report.params = param_layouts(model, tp)
+            event("forward and backward on fake tensors")
+            locator = FailureLocator(plan, model, rules, tp)
+            with locator.tracking():
+                try:
+                    _, report.comms = forward_backward(model, inputs)
+                    return
+                except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
+                    failure, problem = exc, locator.problem(exc)
+    if report.total_bytes > REAL_VALUES_LIMIT_BYTES:
+        raise PlanError([dataclasses.replace(problem, message=problem.message + (
+            f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
+            "try --check on a smaller configuration, or torchrun)"
+        ))])
+    # Some kernels have no fake implementation, or a stricter one (grouped_mm wants
+    # bfloat16): a small model is run again on one rank's real values instead.
+    event("forward and backward with real values")
+    report.comms = _count_with_values(options, plan, factory, tp)
+    report.device = "cpu"
+    report.notes.append(
+        f"fake tensors could not run the forward and backward ({first_line(failure)}); "
+        f"the collectives were counted with real values of rank 0 ({human_bytes(report.total_bytes)} model)"
+    )
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """torch logs a traceback when a fake kernel fails; the failure is handled here
+    (retried with values, or a located problem), so the traceback is noise."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> dict:
+    """Collectives of one forward and backward with real CPU values under the fake
+    process group (collectives are no-ops: values are wrong, control flow is real)."""
+    import torch
+
+    from .simulate import forward_backward, simulated_world, tp_mesh
+
+    with simulated_world(tp):
+        torch.manual_seed(options.seed)
+        model = build_model(options.model, "cpu", factory)
+        inputs = make_inputs(options.inputs, model, "cpu")
+        rules = apply_plan(plan, model, tp_mesh(tp, plan.mesh_axis))
+        _, comms = run_located(FailureLocator(plan, model, rules, tp), lambda: forward_backward(model, inputs))
+    return comms
+
+
+def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyReport) -> None:
+    from .simulate import check_parity
+
+    inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
+    try:
+        result = check_parity(lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed)
+    except PlanError:
+        raise
+    except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
+        raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
+    report.check = CheckResult(result.passed, result.max_abs_diff, result.problems[:10])
+    if not result.passed:
+        report.problems.append(error("TP505", f"--check failed at TP {report.tp}: {result.problems[0]}", plan.file))

@@ -1,0 +1,128 @@
+"""Every problem code tpplan reports, documented in one catalog: the model-aware
+lint rules (TP3xx, from the registry) and the codes of the loader, resolution and
+runtime, which are checks too but not lint rules (they run before or after it).
+
+`tpplan rules` and docs/rules.md read this catalog; a test checks that every code
+the package can report has an entry.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from dataclasses import dataclass
+
+from .registry import RULES
+
+# code -> (name, what it means and what to do). All are errors; TP001 exits 2.
+_PLAN_CODES = {
+    "TP001": ("unreadable-plan", """
+        The plan file cannot be read: it does not exist, is not readable, is a
+        binary file, or is not UTF-8 text. `validate` exits 2 (unreadable input)
+        rather than 1.
+    """),
+    "TP010": ("yaml-syntax", "The plan is not valid YAML; the position is where the parser stopped."),
+    "TP011": ("duplicate-key", """
+        A mapping has the same key twice. PyYAML would silently keep the last one,
+        so a rule written twice loses its first version without a word: merge or
+        remove one.
+    """),
+    "TP012": ("yaml-tag", """
+        A YAML tag (`!!python/object`, a custom `!tag`), a `<<` merge key, or a
+        key that is not a plain scalar. Plans hold only plain strings, numbers,
+        booleans, null, lists and mappings: loading a plan never constructs
+        objects or runs code.
+    """),
+    "TP013": ("empty-plan", "The plan is empty, or its top level is not a mapping with `version` and `rules`."),
+    "TP014": ("document-too-large", "The document expands (through aliases) to too many nodes, or is nested too deeply."),
+    "TP100": ("unknown-key", """
+        A key the plan format does not have, at the top level, in `mesh:` or in a
+        rule's options; the message suggests the closest valid key and lists the
+        options of the rule's style.
+    """),
+    "TP101": ("bad-value", """
+        A value of the wrong type: a string where a number is expected (`"1"`),
+        `yes` for a boolean, a list where a style is expected, a null rule in a
+        plan without `extends:`.
+    """),
+    "TP102": ("missing-key", "A required key is missing: `version`, `rules`, or a rule mapping's `style:`."),
+    "TP103": ("unknown-style", "A rule names a style that does not exist; the message suggests the closest one."),
+    "TP104": ("bad-placement", """
+        A layout is not a placement: use `replicate`, `shard(DIM)` (DIM may be
+        negative), `partial` or `partial(sum|avg|max|min)`.
+    """),
+    "TP105": ("cross-field", """
+        A rule's options contradict each other as torch's constructors would
+        assert at run time: `input_layouts` without `desired_input_layouts`,
+        lists of different lengths, a keyword layout without its desired layout.
+    """),
+    "TP106": ("plan-version", "The plan's `version` is not 1, the only version this tpplan reads."),
+    "TP107": ("extends-target", """
+        The plan named by `extends:` cannot be used: the path (relative to the
+        extending plan's directory) cannot be read, is empty, or leads back to a
+        plan already being extended (a cycle). Problems inside the parent plan
+        are reported in the parent's file, with their own codes.
+    """),
+    "TP108": ("null-deletes-nothing", """
+        A rule is null, which deletes the inherited rule of the same key, but the
+        parent plan has no rule with that key (a typo, or a rule the parent
+        names differently); the message suggests the closest inherited key.
+    """),
+    "TP110": ("glob-syntax", "A rule key is not a valid module-path glob (unbalanced `[` or `{`, `**` inside a segment, an empty segment)."),
+    "TP200": ("rule-matches-nothing", """
+        A rule matches no module of the model (torch would only warn). The
+        message names the first segment that matches nothing and the closest
+        real module paths.
+    """),
+    "TP201": ("module-matched-twice", """
+        A module is matched by two rules: a module takes one style, so narrow
+        one of the globs. (torch would apply both and fail deep inside.)
+    """),
+    "TP210": ("tied-layout-at-apply", """
+        `Plan.apply` keeps tied parameters tied after sharding, and refuses when
+        the plan lays the owners of one tied parameter out differently. The
+        lint finds the same before launch as TP350.
+    """),
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    code: str
+    name: str
+    severity: str
+    summary: str
+    doc: str  # Markdown, starting with a '## CODE name (severity)' heading
+
+
+def _plain(code: str, name: str, text: str, severity: str = "error") -> Entry:
+    body = textwrap.dedent(text).strip()
+    flat = " ".join(body.split())
+    first = re.match(r"(.*?(?<!e\.g)(?<!i\.e)\.)(?:\s|$)", flat)
+    return Entry(code, name, severity, first.group(1) if first else flat, f"## {code} {name} ({severity})\n\n{body}\n")
+
+
+def _runtime_entries() -> list[Entry]:
+    from ..runtime import RULE_DOCS  # no torch at import
+
+    names = {
+        "TP500": "model-factory", "TP501": "apply-failed", "TP502": "forward-failed",
+        "TP503": "ranks-disagree", "TP504": "collective-failed", "TP505": "check-mismatch",
+    }
+    return [_plain(code, names.get(code, code.lower()), text) for code, text in RULE_DOCS.items()]
+
+
+def catalog() -> list[Entry]:
+    """Every documented code, in code order."""
+    entries = [_plain(code, name, text) for code, (name, text) in _PLAN_CODES.items()]
+    entries += [Entry(rule.code, rule.name, rule.severity, rule.summary, rule.doc()) for rule in RULES.values()]
+    entries += _runtime_entries()
+    return sorted(entries, key=lambda entry: entry.code)
+
+
+def find(code_or_name: str) -> Entry | None:
+    wanted = code_or_name.strip()
+    for entry in catalog():
+        if wanted.upper() == entry.code or wanted.lower() == entry.name:
+            return entry
+    return None

@@ -1,0 +1,104 @@
+"""A copy of the model with runs of identical blocks cut to two, for the dry run.
+
+A 1,000-layer model costs as much to simulate as its layers; the plan treats
+them all alike, so two consecutive ones show every layout a layer receives and
+hands on. A ModuleList (or ModuleDict) is cut only when the traced forward
+called each of its children once, in order (layers, not experts picked by a
+router), and blocks count as identical when their structure and the rules
+that match inside them do (two rules with the same style and options count
+as one). The kept blocks keep their names, so problems name real modules;
+rules that match only in cut blocks are left out of the simulated plan.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .context import LintContext
+
+
+def _call_order(ctx: "LintContext") -> dict[str, list[str]]:
+    """{module: the names of its children, in the order the forward called them}."""
+    from .trace import Call
+
+    order: dict[str, list[str]] = defaultdict(list)
+    for event in ctx.trace.events:
+        if isinstance(event, Call) and event.fqn:
+            parent, _, key = event.fqn.rpartition(".")
+            order[parent].append(key)
+    return order
+
+
+def _rules_by_child(ctx: "LintContext", fqn: str) -> dict[str, list]:
+    """{child: [(path inside it, what its rule does)]}: by meaning, not by pattern, so
+    blocks that two rules with equal styles cover count as identical."""
+    prefix = f"{fqn}." if fqn else ""
+    meaning: dict[int, str] = {}
+    inside: dict[str, list] = defaultdict(list)
+    for name, rule in ctx.matched.items():
+        if name.startswith(prefix) and name != fqn:
+            key, _, rest = name[len(prefix):].partition(".")
+            if id(rule) not in meaning:
+                meaning[id(rule)] = rule.spec.model_dump_json()
+            inside[key].append((rest, meaning[id(rule)]))
+    return inside
+
+
+def kept_blocks(ctx: "LintContext") -> list[tuple["nn.Module", dict]]:
+    """(container, the children it keeps) for each container worth cutting."""
+    from torch import nn
+
+    from .trace import _Structures
+
+    if ctx.trace is None:
+        return []
+    order = _call_order(ctx)
+    structures = ctx.trace.structures or _Structures()
+    cuts = []
+    for fqn, module in ctx.modules.items():
+        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module._modules) < 3:
+            continue
+        if order.get(fqn) != list(module._modules):
+            continue
+        rules = _rules_by_child(ctx, fqn)
+        kept, run, last = {}, 0, None
+        for key, child in module._modules.items():
+            signature = (structures.of(child), tuple(rules.get(key, ())))
+            run = run + 1 if signature == last else 1
+            last = signature
+            if run <= 2:
+                kept[key] = child
+        if len(kept) < len(module._modules):
+            cuts.append((module, kept))
+    return cuts
+
+
+def collapsed_copy(ctx: "LintContext") -> "nn.Module":
+    """A deep copy of the model (to shard), with repeated blocks cut to two."""
+    if "_cuts" not in ctx.__dict__:
+        ctx.__dict__["_cuts"] = kept_blocks(ctx)
+    cuts = [(module, module._modules, kept) for module, kept in ctx.__dict__["_cuts"]]
+    try:
+        for module, _, kept in cuts:
+            module._modules = kept
+        return copy.deepcopy(ctx.model)
+    finally:
+        for module, original, _ in cuts:
+            module._modules = original
+
+
+def plan_for(ctx: "LintContext", model: "nn.Module"):
+    """The plan without the rules that match nothing in the collapsed `model`."""
+    from ..globs import ModuleTree
+    from ..plan import Plan
+
+    tree = ModuleTree(name for name, _ in model.named_modules())
+    rules = [rule for rule in ctx.plan.rules if tree.match(rule.glob)]
+    if len(rules) == len(ctx.plan.rules):
+        return ctx.plan
+    return Plan(ctx.plan.spec, rules, ctx.plan.file)

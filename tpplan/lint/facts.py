@@ -1,0 +1,137 @@
+"""Facts about the model that several rules read: attention head counts, and the
+placement each parameter gets under the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..plan import Rule
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .context import LintContext
+
+# Where models keep their head counts: on the attention module, one of its
+# parents, or their `config` (HuggingFace).
+HEAD_ATTRS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
+KV_HEAD_ATTRS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "multi_query_group_num")
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
+HIDDEN_ATTRS = ("dim", "hidden_size", "n_embd", "embed_dim", "d_model")
+
+
+def _int_attr(obj: object, names: tuple) -> tuple[str, int] | None:
+    for name in names:
+        value = getattr(obj, name, None) if not isinstance(obj, dict) else obj.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return name, value
+    return None
+
+
+@dataclass(frozen=True)
+class Heads:
+    owner: str  # the module the counts were read from
+    counts: tuple  # ((attribute, value), ...): query heads, then KV heads
+    head_dim: int | None
+
+
+def _heads_on(module: "nn.Module") -> tuple[tuple, int | None] | None:
+    for holder in (module, getattr(module, "config", None)):
+        if holder is None:
+            continue
+        counts = tuple(found for found in (_int_attr(holder, HEAD_ATTRS), _int_attr(holder, KV_HEAD_ATTRS)) if found)
+        if not counts:
+            continue
+        head_dim = _int_attr(holder, HEAD_DIM_ATTRS)
+        hidden = _int_attr(holder, HIDDEN_ATTRS)
+        if head_dim is None and hidden is not None and hidden[1] % counts[0][1] == 0:
+            return counts, hidden[1] // counts[0][1]
+        return counts, head_dim[1] if head_dim else None
+    return None
+
+
+def heads_of(ctx: "LintContext", fqn: str) -> Heads | None:
+    """The head counts that apply to module `fqn`: those of its closest ancestor
+    (itself excluded: a Linear has none) that has any."""
+    cache = ctx.__dict__.setdefault("_heads", {})
+    parent = fqn.rpartition(".")[0] if "." in fqn else ("" if fqn else None)
+    if parent is None:
+        return None
+    if parent not in cache:
+        found = _heads_on(ctx.modules[parent]) if parent in ctx.modules else None
+        cache[parent] = Heads(parent, *found) if found else heads_of(ctx, parent) if parent else None
+    return cache[parent]
+
+
+def head_split(ctx: "LintContext", fqn: str, rule: Rule) -> tuple[Heads, list[tuple[str, int]], int] | None:
+    """For a Linear sharded by `rule` whose sharded features are whole heads
+    (count x head_dim): the heads, the counts it splits, and the sharded size."""
+    from torch import nn
+
+    module = ctx.modules.get(fqn)
+    if not isinstance(module, nn.Linear) or rule.spec.style not in ("colwise", "rowwise"):
+        return None
+    size = module.out_features if rule.spec.style == "colwise" else module.in_features
+    heads = heads_of(ctx, fqn)
+    if heads is None or heads.head_dim is None:
+        return None
+    if heads.owner == "" and "att" not in fqn.lower():
+        # Counts on the model's own config describe attention only; elsewhere (an FFN as
+        # wide as the model) an equal size is a coincidence.
+        return None
+    split = [(name, count) for name, count in heads.counts if count * heads.head_dim == size]
+    return (heads, split, size) if split else None
+
+
+# -- parameter placements ---------------------------------------------------------------
+
+# (module kind, style) -> {parameter name: placement}; other parameter names get the weight's.
+_SHARDED = {
+    ("Linear", "colwise"): {"weight": "shard(0)", "bias": "shard(0)"},
+    ("Linear", "rowwise"): {"weight": "shard(1)", "bias": "replicate"},
+    ("Embedding", "colwise"): {"weight": "shard(1)"},
+    ("Embedding", "rowwise"): {"weight": "shard(0)"},
+}
+
+
+@dataclass(frozen=True)
+class Placed:
+    placement: str  # 'shard(0)', 'replicate', or 'plain' (left a plain tensor)
+    module: str
+    rule: Rule | None  # the rule that decides it
+
+
+def _kind(module: "nn.Module") -> str | None:
+    from torch import nn
+
+    return "Linear" if isinstance(module, nn.Linear) else "Embedding" if isinstance(module, nn.Embedding) else None
+
+
+def placements(ctx: "LintContext") -> dict[str, Placed]:
+    """{parameter name (as named_parameters gives it): its placement under the plan},
+    for every name of a parameter, shared ones included."""
+    cached = ctx.__dict__.get("_placements")
+    if cached is not None:
+        return cached
+    replicated_by: dict[str, Rule | None] = {}
+    out: dict[str, Placed] = {}
+    for fqn, module in ctx.modules.items():
+        rule = ctx.matched.get(fqn)
+        parent = fqn.rpartition(".")[0] if fqn else None
+        inherited = replicated_by.get(parent) if parent is not None else None
+        style = rule.spec.style if rule else None
+        replicated_by[fqn] = rule if style in ("sequence_parallel", "no_parallel") else inherited
+        table = _SHARDED.get((_kind(module), style))
+        for key, param in module._parameters.items():
+            if param is None:
+                continue
+            name = f"{fqn}.{key}" if fqn else key
+            if table is not None:
+                out[name] = Placed(table.get(key, table["weight"]), fqn, rule)
+            elif replicated_by[fqn] is not None:
+                out[name] = Placed("replicate", fqn, replicated_by[fqn])
+            else:
+                out[name] = Placed("plain", fqn, None)
+    ctx.__dict__["_placements"] = out
+    return out

@@ -1,0 +1,105 @@
+"""TP320: a style declares an input layout that is not what arrives."""
+
+from __future__ import annotations
+
+from ..registry import Finding, LintRule, register
+from ..text import rule_ref, shard_text, styled
+
+
+def describe(lay, ndim: int) -> str:
+    """A plain (local) layout as the plan would spell it."""
+    if lay.kind == "S":
+        return f"as a local {shard_text(lay.dim, ndim)}"
+    return "replicated" if lay.kind == "R" else "as a local partial sum"
+
+
+def origin(lay) -> str:
+    return f" from {styled(lay.src.fqn, lay.src.rule)}" if lay.src else ""
+
+
+def _fix(m, ndim: int) -> str:
+    have, key = m.actual, "input_layouts" if m.what.startswith("input") else "output_layouts"
+    if m.what.startswith("input '"):
+        key = "input_kwarg_layouts"
+    if m.declared.startswith("shard(") and not -ndim <= int(m.declared[6:-1]) < ndim:
+        return f"it has {ndim} dims: pick a dim in range"
+    if m.rule.spec.style == "rowwise" and m.declared_default and have.kind == "R":
+        return "a rowwise Embedding (vocabulary-parallel) takes token ids whole: give it input_layouts: replicate (torch's default is shard(-1))"
+    style = m.rule.spec.style
+    if style == "sequence_parallel":
+        if have.kind == "R":
+            producer = f"give '{have.src.rule.pattern}' output_layouts: {m.declared}" if have.src else "shard it before (a rowwise with output_layouts: shard(1))"
+            return f"sequence parallelism starts where the sequence is sharded: {producer}, or drop sequence_parallel here"
+        return f"set sequence_dim to the dim that is sharded, or gather before it (it arrives {shard_text(have.dim, ndim) if have.kind == 'S' else 'partial'})"
+    if style == "no_parallel":
+        key = "input_layout"
+    if have.kind == "R":
+        producer = f"give '{have.src.rule.pattern}' output_layouts: {m.declared} so that it arrives that way, or " if have.src else ""
+        return f"{producer}declare {key}: replicate"
+    actual = shard_text(have.dim, ndim) if have.kind == "S" else "partial"
+    producer = f", or make '{have.src.rule.pattern}' return it {m.declared}" if have.src else ""
+    return f"declare {key}: {actual} (torch then redistributes it){producer}"
+
+
+def check(ctx):
+    if ctx.flow is None:
+        return
+    for m in ctx.flow.mismatches:
+        ndim = len(m.shape)
+        declared = m.declared + (" (torch's default)" if m.declared_default else "")
+        yield Finding(ctx.at(m.rule), (
+            f"{m.rule.spec.style} '{m.fqn or '<root>'}' ({rule_ref(m.rule)}) takes its {m.what} {m.shape} as {declared}, "
+            f"but it arrives {describe(m.actual, ndim)}{origin(m.actual)}: DTensor.from_local believes the declaration "
+            f"and computes on wrong data; {_fix(m, ndim)}"
+        ))
+
+
+RULE = register(LintRule(
+    code="TP320",
+    name="layout-mismatch",
+    severity="error",
+    summary="A style declares an input layout that is not the layout the tensor arrives in.",
+    what="""
+        Follows every tensor of a traced forward through the plan and checks,
+        wherever a style turns a plain tensor into a DTensor (the inputs of
+        colwise, rowwise, sequence_parallel, prepare_module_input and
+        no_parallel, the outputs of prepare_module_output), that the declared
+        layout (or torch's default) is the one the tensor really has: replicated,
+        or the shard of a given dim that an earlier rule returned as a local
+        tensor.
+    """,
+    why="""
+        `DTensor.from_local` trusts the declaration. A replicated tensor declared
+        `shard(1)` is taken for one rank's slice of a sequence `tp` times longer;
+        a local shard declared `replicate` is taken for the whole tensor. Nothing
+        fails: the model trains on wrong values. The classic case is a rowwise
+        embedding without `input_layouts: replicate` (torch's default is
+        `shard(-1)`), or a `sequence_parallel` norm after a layer that returns
+        replicated activations.
+    """,
+    failing="""
+        version: 1
+        rules:
+          tok_embeddings: rowwise
+          layers.*.attention:
+            style: prepare_module_input
+            input_layouts: [replicate, null]
+            desired_input_layouts: [replicate, null]
+            use_local_output: false
+          layers.*.attention.w{q,k,v}: colwise
+          layers.*.attention.wo: rowwise
+    """,
+    passing="""
+        version: 1
+        rules:
+          tok_embeddings: {style: rowwise, input_layouts: replicate}
+          layers.*.attention:
+            style: prepare_module_input
+            input_layouts: [replicate, null]
+            desired_input_layouts: [replicate, null]
+            use_local_output: false
+          layers.*.attention.w{q,k,v}: colwise
+          layers.*.attention.wo: rowwise
+    """,
+    check=check,
+))

@@ -1,0 +1,81 @@
+"""TP310: a TP degree that does not divide the dimension a rule shards."""
+
+from __future__ import annotations
+
+from ..facts import head_split
+from ..registry import Finding, LintRule, register
+from ..text import chunks_text, degrees_that_work, rule_ref
+
+# (module kind, style) -> (what the sharded dim is called, weight dim)
+_SHARDED_DIM = {
+    ("Linear", "colwise"): ("out_features", 0),
+    ("Linear", "rowwise"): ("in_features", 1),
+    ("Embedding", "colwise"): ("embedding_dim", 1),
+    ("Embedding", "rowwise"): ("num_embeddings", 0),
+}
+
+
+def sharded_dims(ctx):
+    """(fqn, rule, dim name, weight dim, size) for each Linear/Embedding a rule shards,
+    except those split by whole heads (TP311 checks those)."""
+    from torch import nn
+
+    for fqn, rule in ctx.matched.items():
+        module = ctx.modules[fqn]
+        kind = "Linear" if isinstance(module, nn.Linear) else "Embedding" if isinstance(module, nn.Embedding) else None
+        entry = _SHARDED_DIM.get((kind, rule.spec.style))
+        if entry is None or head_split(ctx, fqn, rule) is not None:
+            continue
+        name, dim = entry
+        yield fqn, rule, name, dim, module.weight.shape[dim]
+
+
+def check(ctx):
+    for fqn, rule, name, dim, size in sharded_dims(ctx):
+        for tp in ctx.tp_sizes:
+            if size % tp == 0:
+                continue
+            empty = " (some ranks hold nothing)" if tp > size else ""
+            yield Finding(ctx.at(rule), (
+                f"tp ({tp}) does not divide {name} ({size}) of '{fqn}' ({rule.spec.style} shards weight dim {dim}; "
+                f"{rule_ref(rule)}): ranks hold {chunks_text(size, tp)}{empty}; uneven shards pad every collective "
+                f"and break wherever a local tensor is handed on (TP324); degrees that work: {degrees_that_work(size)}"
+            ))
+
+
+RULE = register(LintRule(
+    code="TP310",
+    name="shard-divisibility",
+    severity="warning",
+    summary="A TP degree does not divide the dimension a colwise or rowwise rule shards.",
+    what="""
+        For every TP degree checked (`--tp`, else `mesh.sizes`) and every Linear
+        or Embedding a rule shards, checks that the degree divides the sharded
+        dimension: `out_features` for colwise Linears, `in_features` for
+        rowwise ones, `embedding_dim` / `num_embeddings` for Embeddings.
+        Projections split by whole attention heads are TP311's.
+    """,
+    why="""
+        DTensor accepts uneven shards, so nothing fails when the plan is
+        applied. But ranks then hold different shapes: collectives pad, memory
+        is unbalanced, checkpoints reshard awkwardly, and any place where a
+        style hands a local tensor to the next one (`use_local_output: true`,
+        the default) rebuilds the global shape as if shards were even (TP324).
+    """,
+    model="tpplan.models.mlp:tiny",
+    failing="""
+        version: 1
+        mesh: {sizes: [3]}
+        rules:
+          blocks.*.in_proj: {style: colwise, use_local_output: false}
+          blocks.*.out_proj: rowwise
+    """,
+    passing="""
+        version: 1
+        mesh: {sizes: [2, 4]}
+        rules:
+          blocks.*.in_proj: {style: colwise, use_local_output: false}
+          blocks.*.out_proj: rowwise
+    """,
+    check=check,
+))

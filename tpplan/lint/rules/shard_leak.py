@@ -1,0 +1,75 @@
+"""TP321: a local shard reaches something that needs the whole tensor."""
+
+from __future__ import annotations
+
+from ..registry import Finding, LintRule, register
+from ..text import generalize, shard_text, styled
+
+
+def leak_message(leak) -> str:
+    lay, ndim = leak.value, len(leak.shape)
+    what = f"the local {shard_text(lay.dim, ndim) if lay.kind == 'S' else 'partial sum'} {leak.shape} that {styled(lay.src.fqn, lay.src.rule)} returns"
+    inside = f" inside '{leak.fqn}'" if leak.fqn else ""
+    if leak.where == "module":
+        return f"{what} reaches '{leak.fqn}' ({leak.detail}), a module with parameters that no rule covers"
+    if leak.where == "output":
+        return f"{what} is what the model returns: callers get one rank's piece"
+    if leak.where == "reduce":
+        return f"{what} is reduced over its sharded dim by '{leak.detail}'{inside}: each rank computes on its part only"
+    return f"{what} meets a tensor of full size in '{leak.detail}'{inside}: a shape error at run time, or wrong values"
+
+
+def check(ctx):
+    if ctx.flow is None:
+        return
+    for leak in ctx.flow.leaks:
+        if leak.sequence:
+            continue  # TP322
+        src = leak.value.src
+        if leak.where == "module":
+            fix = (f"it computes on the whole tensor: add a rule for '{generalize(leak.fqn)}' (rowwise, or prepare_module_input with "
+                   f"input_layouts: {shard_text(leak.value.dim, len(leak.shape))}), or give '{src.rule.pattern}' "
+                   "output_layouts: replicate")
+        elif leak.where == "output":
+            fix = (f"give '{src.rule.pattern}' output_layouts: replicate, or use_local_output: false to return a "
+                   "DTensor (with loss_parallel)")
+        else:
+            fix = (f"give '{src.rule.pattern}' output_layouts: replicate, or shard what it meets with a rule of its own")
+        yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {fix}")
+
+
+RULE = register(LintRule(
+    code="TP321",
+    name="shard-leak",
+    severity="error",
+    summary="A local shard (or partial sum) reaches a module, op or output that needs the whole tensor.",
+    what="""
+        Follows the local tensors that colwise (and other styles with
+        `use_local_output: true` and a shard or partial layout) return, through
+        views, transposes, elementwise ops and attention, and reports the first
+        place that needs the whole tensor: a module with parameters that the
+        plan leaves alone, an op that meets a tensor of full size or reduces
+        over the sharded dim, or the model's output. Shards of the sequence dim
+        are TP322's.
+    """,
+    why="""
+        A colwise Linear hands on one rank's slice of its output features. Only a
+        rowwise Linear (or a rule that gathers it) may consume that slice; any
+        other module gets a tensor of the wrong width and fails with a shape
+        error deep in the forward, or, when shapes happen to broadcast, silently
+        computes on part of the features.
+    """,
+    model="tpplan.models.mlp:tiny",
+    failing="""
+        version: 1
+        rules:
+          blocks.*.in_proj: colwise
+    """,
+    passing="""
+        version: 1
+        rules:
+          blocks.*.in_proj: colwise
+          blocks.*.out_proj: rowwise
+    """,
+    check=check,
+))

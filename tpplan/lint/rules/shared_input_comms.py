@@ -1,0 +1,130 @@
+"""TP340: colwise siblings that each pay a collective for the same input."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..registry import Finding, LintRule, register
+from ..text import generalize, plural, rule_ref, shard_text
+
+
+def _receiver(siblings, node):
+    """The innermost module running around the siblings that takes `node` as an
+    argument: (fqn, positional index or keyword, call), or None."""
+    for fqn, call in reversed(siblings[0].enclosing):
+        for index, arg in enumerate(call.args):
+            if arg == node:
+                return fqn, index, call
+        for key, arg in call.kwargs.items():
+            if arg == node:
+                return fqn, key, call
+    return None
+
+
+def _fix(ctx, siblings, node, layout: str) -> str:
+    found = _receiver(siblings, node)
+    producer = siblings[0].value.src
+    if found is None:
+        if producer is not None:
+            return f"make '{producer.rule.pattern}' ({rule_ref(producer.rule)}) return a DTensor (use_local_output: false)"
+        return "make the shared input one DTensor before the siblings use it"
+    fqn, where, call = found
+    rule = ctx.matched.get(fqn)
+    if rule is not None:
+        if rule.spec.style == "prepare_module_input" and rule.spec.use_local_output:
+            return f"set use_local_output: false on {rule_ref(rule)}"
+        return f"have {rule_ref(rule)} hand '{generalize(fqn)}' its input as a DTensor"
+    if isinstance(where, int):
+        given = ", ".join(layout if i == where else "null" for i in range(len(call.args)))
+        wanted = ", ".join("replicate" if i == where else "null" for i in range(len(call.args)))
+        options = (f"input_layouts: [{given}], desired_input_layouts: [{wanted}]" if len(call.args) > 1
+                   else f"input_layouts: {layout}, desired_input_layouts: replicate")
+    else:
+        options = f"input_kwarg_layouts: {{{where}: {layout}}}, desired_input_kwarg_layouts: {{{where}: replicate}}"
+    return f"add '{generalize(fqn)}: {{style: prepare_module_input, {options}, use_local_output: false}}'"
+
+
+def check(ctx):
+    if ctx.flow is None:
+        return
+    by_input = defaultdict(list)
+    for entry in ctx.flow.colwise_inputs:
+        if entry.value.dt is False and entry.value.kind in ("R", "S"):
+            by_input[entry.node].append(entry)
+    groups: dict[tuple, list] = {}
+    for node, siblings in by_input.items():
+        if len(siblings) < 2:
+            continue
+        lay = siblings[0].value
+        if any(s.value != lay for s in siblings):
+            continue
+        count = len(siblings)
+        saved = {}
+        if lay.kind == "S":
+            saved["all_gather"] = count - 1  # forward: each gathers the shards
+            if siblings[0].needs_grad:
+                saved["reduce_scatter"] = count - 1
+        elif siblings[0].needs_grad:
+            saved["all_reduce"] = count - 1  # backward: each all-reduces its input gradient
+        if not saved:
+            continue
+        ndim = len(ctx.trace.shapes[node])
+        layout = "replicate" if lay.kind == "R" else shard_text(lay.dim, ndim)
+        names = tuple(generalize(s.fqn) for s in siblings)
+        key = (id(siblings[0].rule), names, layout, tuple(saved.items()))
+        groups.setdefault(key, []).append((node, siblings))
+    for (_, _, layout, saved), found in groups.items():
+        node, siblings = found[0]
+        rule = siblings[0].rule
+        shown = ", ".join(f"'{s.fqn}'" for s in siblings)
+        per_call = ", ".join(plural(n, op.replace("_", "-")) for op, n in saved)
+        total = ", ".join(plural(n * len(found), op.replace("_", "-")) for op, n in saved)
+        pays = ("all-gathers it in forward" + (" and reduce-scatters its gradient in backward" if len(saved) > 1 else "")
+                if layout != "replicate" else "all-reduces its gradient in backward")
+        yield Finding(ctx.at(rule), (
+            f"colwise {shown} ({rule_ref(rule)}) each turn the same plain {'replicated' if layout == 'replicate' else 'local ' + layout} "
+            "input into a DTensor of their own, "
+            f"so each one {pays}: {len(siblings)} times where one would do; {_fix(ctx, siblings, node, layout)} "
+            f"to save {per_call} per call ({total} per forward-backward, over {plural(len(found), 'call')})"
+        ))
+
+
+RULE = register(LintRule(
+    code="TP340",
+    name="shared-input-comms",
+    severity="warning",
+    summary="Colwise siblings each pay a collective for the same input, where one would do.",
+    what="""
+        Finds colwise modules that receive the same tensor as a plain local
+        tensor (wq, wk and wv reading one normed input; w1 and w3 of a SwiGLU),
+        counts the collectives this costs, and proposes the rule that makes the
+        input one DTensor before they use it: a prepare_module_input on their
+        parent with `use_local_output: false`.
+    """,
+    why="""
+        Each colwise style turns a plain input into a DTensor of its own. Fed a
+        replicated tensor, each one all-reduces its partial input gradient in
+        backward: three for q/k/v where autograd could first sum the three
+        partial gradients of one shared DTensor and all-reduce once. Fed a
+        sequence shard, each also all-gathers it in forward. The plan works
+        either way; it just moves more bytes than it needs.
+    """,
+    failing="""
+        version: 1
+        rules:
+          layers.*.attention.w{q,k,v}: colwise
+          layers.*.attention.wo: rowwise
+    """,
+    passing="""
+        version: 1
+        rules:
+          layers.*.attention:
+            style: prepare_module_input
+            input_layouts: [replicate, null]
+            desired_input_layouts: [replicate, null]
+            use_local_output: false
+          layers.*.attention.w{q,k,v}: colwise
+          layers.*.attention.wo: rowwise
+    """,
+    check=check,
+))

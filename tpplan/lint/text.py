@@ -1,0 +1,62 @@
+"""Pieces of messages shared by the rules: value, relation and fix, the way
+torchtitan words its checks ("tp (3) must divide n_kv_heads (8) ...")."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from ..plan import Rule
+
+# TP degrees worth listing: no real mesh axis goes beyond this.
+MAX_DEGREE = 64
+
+
+def degrees_that_work(*sizes: int) -> str:
+    """'1, 2, 4, 8': the degrees up to MAX_DEGREE that divide every size."""
+    common = math.gcd(*sizes) if sizes else 1
+    return ", ".join(str(d) for d in range(1, min(common, MAX_DEGREE) + 1) if common % d == 0)
+
+
+def rule_ref(rule: Rule) -> str:
+    return f"rule '{rule.pattern}' at {rule.where}"
+
+
+def styled(fqn: str, rule: Rule) -> str:
+    """"colwise 'layers.0.attention.wq' (rule 'layers.*.attention.w{q,k,v}' at plan.yaml:7)"."""
+    return f"{rule.spec.style} '{fqn or '<root>'}' ({rule_ref(rule)})"
+
+
+_INDEX_SEGMENT = re.compile(r"(?<![^.])\d+(?![^.])")
+
+
+def generalize(fqn: str) -> str:
+    """A glob for a module and its siblings in other blocks: layers.3.mlp -> layers.*.mlp."""
+    return _INDEX_SEGMENT.sub("*", fqn)
+
+
+def chunk_sizes(size: int, tp: int) -> list[int]:
+    """What each rank holds of a dim of `size` split `tp` ways, as DTensor chunks it."""
+    chunk = -(-size // tp)
+    return [max(0, min(chunk, size - rank * chunk)) for rank in range(tp)]
+
+
+def chunks_text(size: int, tp: int) -> str:
+    sizes = chunk_sizes(size, tp)
+    if tp <= 8:
+        return ", ".join(map(str, sizes))
+    return f"{sizes[0]} on rank 0 ... {sizes[-1]} on rank {tp - 1}"
+
+
+def shard_text(dim: int, ndim: int) -> str:
+    """A shard of the last dim reads as torch's shard(-1), others by their index."""
+    return "shard(-1)" if dim == ndim - 1 and ndim > 1 else f"shard({dim})"
+
+
+def plural(count: int, word: str) -> str:
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
+def article(word: str) -> str:
+    """'an Attention', 'a Linear'."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"

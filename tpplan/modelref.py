@@ -1,0 +1,144 @@
+"""`MOD:FN` references: import the callable, build the model on a device, make
+example inputs.
+
+A reference that cannot be resolved (bad syntax, no such module or attribute)
+is a usage error (`ModelRefError`, exit 2); a factory that runs but fails or
+returns something else is a problem of the model (`PlanError` with TP500,
+located at the line of the user's code that raised, exit 1).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .problems import PlanError, error
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class ModelRefError(ValueError):
+    """A `--model` / `--inputs` reference that does not name a callable."""
+
+
+def load_callable(ref: str, option: str = "--model") -> Callable[..., Any]:
+    """The callable that `ref` ("package.module:function") names."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelRefError(f"{option} {ref!r} must be MODULE:FUNCTION, e.g. tpplan.models.llama:tiny")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # Only the module we were asked for (or a parent package) counts as "not found";
+        # a missing import *inside* that module is its own error, shown with its location.
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ModelRefError(f"{option} {ref!r}: no module named {exc.name!r} (is it installed, or on PYTHONPATH?)") from None
+        raise ModelRefError(f"{option} {ref!r}: importing {module_name!r} failed: {_raised_at(exc)}") from None
+    except Exception as exc:  # user code runs at import: any error is reported with where it happened
+        raise ModelRefError(f"{option} {ref!r}: importing {module_name!r} failed: {_raised_at(exc)}") from None
+    target: Any = module
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            defined = [name for name, value in vars(module).items() if not name.startswith("_") and _defined_in(value, module_name)]
+            # Functions (the usual factories) before classes.
+            defined.sort(key=lambda name: (inspect.isclass(getattr(module, name)), name))
+            hint = f"; it defines {', '.join(defined[:8])}{' ...' if len(defined) > 8 else ''}" if defined else ""
+            raise ModelRefError(f"{option} {ref!r}: module {module_name!r} has no attribute {attr!r}{hint}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ModelRefError(f"{option} {ref!r}: {attr!r} is a {type(target).__name__}, not a callable")
+    return target
+
+
+def _defined_in(value: Any, module_name: str) -> bool:
+    return (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ == module_name
+
+
+def _raised_at(exc: BaseException) -> str:
+    """`ValueError: msg (at models.py:12)`: the innermost frame, the user's line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}{where}"
+
+
+def _failure(ref: str, what: str, exc: BaseException) -> PlanError:
+    frames = traceback.extract_tb(exc.__traceback__)
+    file, line = (frames[-1].filename, frames[-1].lineno or 1) if frames else (ref, 1)
+    text = str(exc).strip().splitlines()
+    return PlanError([error("TP500", f"{what} ({ref}) failed: {type(exc).__name__}: {text[0] if text else ''}", file, line)])
+
+
+def _definition(fn: Callable[..., Any], ref: str) -> tuple[str, int]:
+    """Where `fn` is defined (its file and first line), for problems about what it returned."""
+    try:
+        return inspect.getsourcefile(fn) or ref, inspect.getsourcelines(fn)[1] or 1
+    except (OSError, TypeError):  # builtins, C extensions, callable instances without source
+        return ref, 1
+
+
+def build_model(ref: str, device: "torch.device | str", factory: Callable[[], Any] | None = None) -> "nn.Module":
+    """Call the `MOD:FN` factory under `torch.device(device)` (so parameters are born
+    there; "meta" costs no memory) and check that it returns an `nn.Module`."""
+    import torch
+    from torch import nn
+
+    factory = factory or load_callable(ref, "--model")
+    try:
+        with torch.device(device):
+            model = factory()
+    except Exception as exc:  # the user's factory: report where it raised, not a traceback
+        raise _failure(ref, "building the model", exc) from None
+    if not isinstance(model, nn.Module):
+        raise PlanError([error("TP500", f"--model {ref} returned a {type(model).__name__}, not a torch.nn.Module", *_definition(factory, ref))])
+    return model
+
+
+def make_inputs(ref: str | None, model: "nn.Module | None", device: "torch.device | str") -> tuple:
+    """Positional example inputs: `ref`'s callable (returning a tensor or a tuple of
+    them, created under `torch.device(device)`), or the SPEC default from the model's
+    first module. Always a tuple."""
+    import torch
+
+    from .simulate import default_inputs
+
+    if ref is None:
+        try:
+            return (default_inputs(model),)
+        except ValueError as exc:
+            raise ModelRefError(str(exc)) from None
+    factory = load_callable(ref, "--inputs")
+    try:
+        with torch.device(device):
+            inputs = factory()
+    except Exception as exc:  # the user's inputs factory: located, not a traceback
+        raise _failure(ref, "making the inputs", exc) from None
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    if not args or not all(isinstance(a, torch.Tensor) for a in args):
+        kinds = ", ".join(type(a).__name__ for a in args) or "an empty tuple"
+        raise PlanError([error("TP500", f"--inputs {ref} must return a tensor or a tuple of tensors, got {kinds}", *_definition(factory, ref))])
+    return args
+
+
+def module_structure(model: "nn.Module") -> list[list]:
+    """[module path, class name, [(param name, shape, dtype)...]] per module: what
+    must be equal on every rank before a plan is applied."""
+    return [
+        [
+            name,
+            type(module).__qualname__,
+            [[key, list(p.shape), str(p.dtype).removeprefix("torch.")] for key, p in module.named_parameters(recurse=False)],
+        ]
+        for name, module in model.named_modules()
+    ]
+
+
+def structure_hash(structure: list[list]) -> str:
+    return hashlib.sha256(json.dumps(structure).encode()).hexdigest()[:16]
