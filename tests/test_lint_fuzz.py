@@ -67,7 +67,8 @@ def mutated(draw):
         elif action == "add":
             key = draw(st.sampled_from(module_globs(meta_model(ref))))
             rules[key] = draw(rule_values())
-            keys.append(key)
+            if key not in keys:  # re-adding a present key must not list it twice
+                keys.append(key)
         elif keys:
             key = keys[draw(st.integers(0, len(keys) - 1))]
             if action == "restyle" or not isinstance(rules[key], dict):

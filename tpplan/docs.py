@@ -93,8 +93,12 @@ def _option_item(param: Any) -> str:
         notes.append("required")
     if param.multiple:
         notes.append("repeatable")
-    if getattr(param, "min", None) is not None:
-        notes.append(f"at least {param.min}")
+    # typer 0.29 keeps `min=` on the parameter, earlier versions on its IntRange type
+    minimum = getattr(param, "min", None)
+    if minimum is None:
+        minimum = getattr(param.type, "min", None)
+    if minimum is not None:
+        notes.append(f"at least {minimum}")
     default = param.default.value if isinstance(param.default, Enum) else param.default
     # `is`, not `in`: a default of 0 is worth showing, and 0 == False.
     if not (param.is_flag or default is None or default is False or default in ((), [])):
