@@ -127,3 +127,13 @@ def test_a_hung_rank_fails_the_others_after_the_timeout_naming_it(helpers):
     assert result.returncode != 0
     assert elapsed < 25  # not the 30 s the hung rank sleeps
     assert "TP504 rank 0: plan consensus failed within 3 s: [Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms" in result.stdout
+
+
+def test_transformers_llama_passes_check_on_two_gloo_ranks():
+    pytest.importorskip("transformers")
+    result = torchrun(2, "-m", "tpplan", "apply", "--model", "tpplan.hf_models:llama", "--plan", "plans/hf/llama_tp.yaml", "--check", "--format", "json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["check"]["passed"] is True and report["check"]["max_abs_diff"] < 1e-4
+    # Communication-minimal: one all-reduce per attention and per MLP backward, + the head.
+    assert report["comms"]["backward"] == {"all_reduce": 5}
