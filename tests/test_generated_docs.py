@@ -23,6 +23,25 @@ def test_committed_schema_is_the_plan_json_schema():
     assert json.loads((docs.ROOT / docs.SCHEMA_JSON).read_text(encoding="utf-8")) == plan_json_schema()
 
 
+def test_every_default_in_the_schema_is_valid_plan_input():
+    # An editor fills in these defaults: each must load as written.
+    from tpplan import load_plan
+
+    defs = plan_json_schema()["$defs"]
+    checked = 0
+    for name, spec in defs.items():
+        if "style" not in spec["properties"]:
+            continue
+        style = spec["properties"]["style"]["const"]
+        required = {key: ["replicate"] for key in spec.get("required", []) if key != "style"}
+        for key, prop in spec["properties"].items():
+            if "default" in prop and prop["default"] is not None:
+                rule = {"style": style, **required, key: prop["default"]}
+                load_plan(text=json.dumps({"version": 1, "rules": {"m": rule}}))
+                checked += 1
+    assert checked >= 10
+
+
 def test_cli_reference_does_not_depend_on_the_terminal(monkeypatch):
     wide = docs.cli_markdown()
     monkeypatch.setenv("COLUMNS", "30")

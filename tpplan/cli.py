@@ -3,10 +3,10 @@
 Commands turn arguments into library calls and hand the problems to
 `report`; they hold no checks of their own. Plan-only `validate` must not
 import torch and starts in a benchmarked time (bench/bench_validate_startup.py),
-so anything heavy is imported inside the command that needs it.
+so anything heavy is imported inside the command that needs it. The CLI modules
+avoid `from __future__ import annotations`: typer would compile every option's
+annotation string at start-up (~4 ms of the benchmark).
 """
-
-from __future__ import annotations
 
 import sys
 from collections.abc import Callable
@@ -103,8 +103,8 @@ def validate(
 
 
 def _check_against_model(
-    ref: str, factory: Callable[[], Any], loaded: list[tuple[CheckedPlan, Plan]], tp: list[int] | None
-) -> list[Problem]:
+    ref: str, factory: Callable[[], Any], loaded: "list[tuple[CheckedPlan, Plan]]", tp: list[int] | None
+) -> "list[Problem]":
     """Build the model once, on the meta device, and check every loaded plan against it."""
     from .checks import check_model, tp_sizes_for
     from .modelref import build_model
@@ -121,7 +121,7 @@ def _check_against_model(
     return problems
 
 
-def _print(outcome: Outcome, format: Format) -> NoReturn:
+def _print(outcome: "Outcome", format: Format) -> NoReturn:
     from . import report
 
     if format is Format.text:

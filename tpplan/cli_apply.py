@@ -4,10 +4,7 @@ Imported whenever `tpplan` starts (cli.py registers the command), so nothing
 here imports torch at import time.
 """
 
-from __future__ import annotations
-
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -155,6 +152,8 @@ def _print(report, format: ApplyFormat, rank: int) -> int:
             sys.stderr.write(f"rank {rank}: {problem}\n")
         return outcome.exit_code
     if format is ApplyFormat.json:
+        import json
+
         sys.stdout.write(json.dumps(report.to_json(), indent=2) + "\n")
         return outcome.exit_code
     from rich.console import Console

@@ -4,8 +4,6 @@ Imported whenever `tpplan` starts (cli.py registers the command), so nothing
 here imports torch or transformers at import time.
 """
 
-from __future__ import annotations
-
 import sys
 from pathlib import Path
 from typing import Annotated, Optional

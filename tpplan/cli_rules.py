@@ -1,7 +1,5 @@
 """`tpplan rules [CODE]`: what each problem code means, from the same text as docs/rules.md."""
 
-from __future__ import annotations
-
 from typing import Annotated, Optional
 
 import typer

@@ -7,7 +7,6 @@ other formats, and text written to a pipe or file, do without it.
 
 from __future__ import annotations
 
-import json
 import linecache
 import os
 import sys
@@ -78,6 +77,8 @@ def _plural(n: int, word: str) -> str:
 
 def render_json(outcome: Outcome) -> str:
     """SPEC §4: one object, `{"ok": bool, "problems": [...]}`, whatever the number of plans."""
+    import json  # only this format needs it: keep plan-only start-up lean
+
     return json.dumps({"ok": outcome.ok, "problems": [p.to_dict() for p in outcome.ordered_problems()]}, indent=2) + "\n"
 
 

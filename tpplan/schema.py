@@ -3,10 +3,9 @@ validation must stay fast, so specs are turned into torch styles in compile.py.
 
 Option names and defaults are those of torch's style constructors; the
 constructors' cross-field asserts are `cross_field_problems()`, reported at the
-offending key like any other schema error.
+offending key like any other schema error. No `from __future__ import annotations`
+here: pydantic would compile every field's annotation string at start-up.
 """
-
-from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
@@ -168,13 +167,19 @@ class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
     use_local_output: bool = True
 
 
+def _layout_default(text: str) -> Any:
+    # The JSON Schema shows the default as the plan would spell it (pydantic alone
+    # would dump the PlacementSpec dataclass as an object).
+    return Field(parse_placement(text), json_schema_extra={"default": text})
+
+
 class NoParallelSpec(StyleSpec):
     """Replicate the module's parameters and buffers; redistribute its first input and output."""
 
     style: Literal["no_parallel"]
-    input_layout: Layout = PlacementSpec("replicate")
-    output_layout: Layout = PlacementSpec("replicate")
-    desired_input_layout: Layout = PlacementSpec("replicate")
+    input_layout: Layout = _layout_default("replicate")
+    output_layout: Layout = _layout_default("replicate")
+    desired_input_layout: Layout = _layout_default("replicate")
     use_local_output: bool = True
 
 
@@ -220,7 +225,9 @@ class PlanSpec(_Strict):
     version: Annotated[Literal[1], BeforeValidator(_exact_int)]
     name: str | None = None
     description: str | None = None
-    mesh: MeshSpec = MeshSpec()
+    # model_construct: the defaults need no validation, and building MeshSpec's own
+    # validator at import would cost start-up (PlanSpec's validator covers mesh).
+    mesh: MeshSpec = MeshSpec.model_construct()
     src_data_rank: Annotated[int, Field(ge=0)] | None = Field(
         0, description="Rank whose weights are scattered, as in parallelize_module; null keeps each rank's local data."
     )
@@ -238,6 +245,7 @@ class PlanSpec(_Strict):
 
 def plan_json_schema() -> dict:
     """JSON Schema of the plan format, with the style-name shorthand the models accept."""
+    MeshSpec.model_rebuild()  # its default is encoded with its own serializer, built lazily
     schema = PlanSpec.model_json_schema()
     rules = schema["properties"]["rules"]
     rules["additionalProperties"] = {
