@@ -753,7 +753,7 @@ def compare_with_reference(model: "nn.Module", reference: "nn.Module", inputs: t
     weights gathered to full tensors. Tolerances as simulate.check_parity's."""
     import torch
 
-    from .simulate import _TOLERANCES, output_tensors, scalar_loss
+    from .simulate import output_tensors, scalar_loss, tolerance
 
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -780,7 +780,7 @@ def compare_with_reference(model: "nn.Module", reference: "nn.Module", inputs: t
             problems.append(f"{what}: shape {tuple(got.shape)}, single device {tuple(want.shape)}")
             worst = math.inf
             continue
-        rtol, atol = _TOLERANCES.get(want.dtype, _TOLERANCES[torch.float32])
+        rtol, atol = tolerance(want.dtype)
         diff = (got.to(want.dtype) - want).abs().max().item() if want.numel() else 0.0
         limit = atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
         if not diff <= limit:  # also catches NaN

@@ -193,6 +193,11 @@ _TOLERANCES = {
 }
 
 
+def tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(rtol, atol) for comparing a TP result of `dtype` with its single-device reference."""
+    return _TOLERANCES.get(dtype, _TOLERANCES[torch.float32])
+
+
 @dataclass
 class ParityResult:
     """How a tensor-parallel run compares with the single-device reference."""
@@ -268,7 +273,7 @@ def check_parity(
     gradient, gathered to full size on every rank, must be within
     `atol + rtol * max|reference|` of the reference (defaults by `dtype`).
     """
-    default_rtol, default_atol = _TOLERANCES.get(dtype, _TOLERANCES[torch.float32])
+    default_rtol, default_atol = tolerance(dtype)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
 
