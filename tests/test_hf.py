@@ -15,9 +15,6 @@ import pytest
 
 pytest.importorskip("transformers")
 
-# CommDebugMode's module tracker hooks every module; transformers' ModelOutput is not a tensor.
-pytestmark = pytest.mark.filterwarnings("ignore:For backward hooks to be called:UserWarning")
-
 from tpplan import load_plan  # noqa: E402
 from tpplan import hf_models  # noqa: E402
 from tpplan.hf import (  # noqa: E402

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import warnings
 from collections.abc import Callable, Iterator
 
 from .apply_report import ApplyReport, CheckResult, human_bytes
@@ -62,14 +61,10 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
     try:
-        with warnings.catch_warnings():
-            # CommDebugMode's module tracker hooks every module's backward and warns for each
-            # module whose output is not a tensor (HuggingFace ModelOutput): noise here.
-            warnings.filterwarnings("ignore", message="For backward hooks to be called", category=UserWarning)
-            _simulate_shapes(options, plan, factory, report, event)
-            if options.check:
-                event(f"checking {tp} ranks with real values against a single device")
-                _simulate_values(options, plan, factory, report)
+        _simulate_shapes(options, plan, factory, report, event)
+        if options.check:
+            event(f"checking {tp} ranks with real values against a single device")
+            _simulate_values(options, plan, factory, report)
     except PlanError as exc:
         report.problems = exc.problems
     return report

@@ -46,9 +46,13 @@ _COLLECTIVE_NAMES = {
     "broadcast": "broadcast",
 }
 
-# CommDebugMode's module tracker hooks every module's backward; for a module
-# whose inputs need no grad (an Embedding fed token ids) torch warns on each call.
-_TRACKER_WARNING = "Full backward hook is firing when gradients are computed with respect to module outputs"
+# CommDebugMode's module tracker hooks every module's backward, and torch warns for
+# each module whose inputs need no grad (an Embedding fed token ids) and each whose
+# output is not a tensor (transformers' ModelOutput): noise from the counting itself.
+_TRACKER_WARNINGS = (
+    "Full backward hook is firing when gradients are computed with respect to module outputs",
+    "For backward hooks to be called",
+)
 
 
 @contextlib.contextmanager
@@ -96,7 +100,8 @@ def collective_name(op: object) -> str:
 @contextlib.contextmanager
 def _counting(into: Counter) -> Iterator[None]:
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_TRACKER_WARNING)
+        for message in _TRACKER_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
         with CommDebugMode() as mode:
             yield
     for op, n in mode.get_comm_counts().items():  # functional and c10d ops can share a name: add them up
