@@ -74,6 +74,34 @@ def test_a_replayed_block_keeps_its_dataflow():
     assert calls["blocks.1.in_proj"].args[0] == calls["blocks.1"].args[0]
 
 
+def test_a_block_returning_an_opaque_object_in_a_tuple_is_run_again_not_replayed():
+    class Cache:
+        pass
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x), Cache()
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x, _ = block(x)
+            return x
+
+    with torch.device("meta"):
+        model = Stack()
+    trace = trace_model(model, (torch.zeros(2, 4, device="meta"),))  # a replay would return None, not a tuple
+    assert [e.fqn for e in trace.events if isinstance(e, Call)][-1] == "blocks.2.lin"
+
+
 def test_tracing_leaves_the_model_as_it_was_even_when_the_forward_fails():
     class Broken(nn.Module):
         def __init__(self):

@@ -274,7 +274,8 @@ class _Tracer(TorchFunctionMode):
                 return None
             if isinstance(value, (tuple, list)):
                 items = [shape_of(v) for v in value]
-                return None if any(i is _OPAQUE for i in items) else (type(value), items)
+                # anything opaque inside makes the whole output opaque: replay would put None there
+                return _OPAQUE if any(i is _OPAQUE for i in items) else (type(value), items)
             return _OPAQUE
 
         structure = shape_of(out)
