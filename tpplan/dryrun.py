@@ -21,7 +21,16 @@ from .loader import load_plan
 from .modelref import build_model, load_callable, make_inputs
 from .plan import Plan
 from .problems import PlanError, error
-from .runtime import ApplyOptions, FailureLocator, UsageError, apply_plan, first_line, param_layouts, run_located
+from .runtime import (
+    ApplyOptions,
+    FailureLocator,
+    UsageError,
+    apply_plan,
+    first_line,
+    run_located,
+    shard_recorded,
+    unpromised_tp_note,
+)
 
 # Above this, a model whose forward fake tensors cannot run is not retried with
 # real values: the retry would hold the whole model in memory.
@@ -55,8 +64,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     tp, note = dry_run_tp(options, plan)
     report.plan_name, report.world_size, report.tp = plan.name, tp, tp
     report.notes += [note] if note else []
-    if plan.mesh_sizes and tp not in plan.mesh_sizes:
-        report.notes.append(f"TP {tp} is not among the degrees the plan promises (mesh.sizes {list(plan.mesh_sizes)})")
+    report.notes += unpromised_tp_note(plan, tp)
     if options.device not in ("auto", "cpu"):
         report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
@@ -86,11 +94,7 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
             event("building the model on fake tensors")
             model = build_model(options.model, "cpu", factory)
             inputs = make_inputs(options.inputs, model, "cpu")
-            rules = apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
-            report.modules = {fqn: rule.spec.style for fqn, rule in rules.items()}
-            report.rule_of = {fqn: rule.pattern for fqn, rule in rules.items()}
-            report.rule_where = {rule.pattern: rule.where for rule in rules.values()}
-            report.params = param_layouts(model, tp)
+            rules = shard_recorded(plan, model, mesh, report, event)
             event("forward and backward on fake tensors")
             locator = FailureLocator(plan, model, rules, tp)
             with locator.tracking():

@@ -102,6 +102,24 @@ class CommFailure(Exception):
         super().__init__(str(problem))
 
 
+def shard_recorded(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", report: ApplyReport, event: Callable[[str], None]) -> dict[str, Rule]:
+    """`apply_plan` with a progress event per module, recording in `report` which
+    rule gave each module its style and the parameters' resulting layouts."""
+    rules = apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
+    report.modules = {fqn: rule.spec.style for fqn, rule in rules.items()}
+    report.rule_of = {fqn: rule.pattern for fqn, rule in rules.items()}
+    report.rule_where = {rule.pattern: rule.where for rule in rules.values()}
+    report.params = param_layouts(model, report.tp)
+    return rules
+
+
+def unpromised_tp_note(plan: Plan, tp: int) -> list[str]:
+    """A note when `tp` is not among the plan's mesh.sizes (none when it lists none)."""
+    if plan.mesh_sizes and tp not in plan.mesh_sizes:
+        return [f"TP {tp} is not among the degrees the plan promises (mesh.sizes {list(plan.mesh_sizes)})"]
+    return []
+
+
 def _module_shapes(module: "nn.Module") -> str:
     shapes = [f"{key} {tuple(p.shape)}" for key, p in module.named_parameters(recurse=False)]
     return f", {', '.join(shapes)}" if shapes else ""
@@ -668,17 +686,12 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     report.tp = shape[-1]
     report.dp = shape[0] if len(shape) == 2 else 1
-    if plan.mesh_sizes and report.tp not in plan.mesh_sizes:
-        report.notes.append(f"TP {report.tp} is not among the degrees the plan promises (mesh.sizes {list(plan.mesh_sizes)})")
+    report.notes += unpromised_tp_note(plan, report.tp)
     torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
     inputs = make_inputs(options.inputs, model, ctx.device)
     reference = copy.deepcopy(model) if options.check else None
 
-    rules = apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
-    report.modules = {fqn: rule.spec.style for fqn, rule in rules.items()}
-    report.rule_of = {fqn: rule.pattern for fqn, rule in rules.items()}
-    report.rule_where = {rule.pattern: rule.where for rule in rules.values()}
-    report.params = param_layouts(model, report.tp)
+    rules = shard_recorded(plan, model, mesh, report, event)
     locator = FailureLocator(plan, model, rules, report.tp)
 
     event("forward and backward")
@@ -753,7 +766,7 @@ def compare_with_reference(model: "nn.Module", reference: "nn.Module", inputs: t
     weights gathered to full tensors. Tolerances as simulate.check_parity's."""
     import torch
 
-    from .simulate import output_tensors, scalar_loss, tolerance
+    from .simulate import allowed_diff, max_abs_diff, output_tensors, scalar_loss, tolerance
 
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -775,14 +788,12 @@ def compare_with_reference(model: "nn.Module", reference: "nn.Module", inputs: t
             if (got is None) != (want is None):
                 problems.append(f"{what} is {'missing' if got is None else 'unexpected'}")
             continue
-        got = _full(got).detach()
+        got = _full(got)
         if got.shape != want.shape:
             problems.append(f"{what}: shape {tuple(got.shape)}, single device {tuple(want.shape)}")
             worst = math.inf
             continue
-        rtol, atol = tolerance(want.dtype)
-        diff = (got.to(want.dtype) - want).abs().max().item() if want.numel() else 0.0
-        limit = atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
+        diff, limit = max_abs_diff(got, want), allowed_diff(want, *tolerance(want.dtype))
         if not diff <= limit:  # also catches NaN
             problems.append(f"{what} differs by up to {diff:.3g} (allowed {limit:.3g})")
         worst = math.inf if math.isnan(diff) else max(worst, diff)
@@ -794,7 +805,7 @@ def _merge_checks(results: list[CheckResult]) -> CheckResult:
     return CheckResult(
         passed=all(r.passed for r in results),
         max_abs_diff=max(r.max_abs_diff for r in results),
-        problems=problems[:10] + ([f"and {len(problems) - 10} more"] if len(problems) > 10 else []),
+        problems=_at_most(problems, 10),
     )
 
 

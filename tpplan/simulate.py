@@ -203,6 +203,16 @@ def tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return _TOLERANCES.get(dtype, _TOLERANCES[torch.float32])
 
 
+def allowed_diff(want: torch.Tensor, rtol: float, atol: float) -> float:
+    """The largest max|got - want| that passes: atol + rtol * max|want|."""
+    return atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
+
+
+def max_abs_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max|got - want| in `want`'s dtype (NaN when either holds one; 0 when empty)."""
+    return (got.detach().to(want.dtype) - want).abs().max().item() if want.numel() else 0.0
+
+
 @dataclass
 class ParityResult:
     """How a tensor-parallel run compares with the single-device reference."""
@@ -234,12 +244,12 @@ def _rank_values(t: torch.Tensor) -> list[torch.Tensor]:
 def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, problems: list[str]) -> float:
     """Max abs diff of `got` (every rank's value) from `want`; records a problem when out of tolerance."""
     worst = 0.0
-    limit = atol + rtol * (want.abs().max().item() if want.numel() else 0.0)
+    limit = allowed_diff(want, rtol, atol)
     for rank, value in enumerate(_rank_values(got)):
         if value.shape != want.shape:
             problems.append(f"{what}: rank {rank} has shape {tuple(value.shape)}, single device {tuple(want.shape)}")
             return math.inf
-        diff = (value.detach().to(want.dtype) - want).abs().max().item() if want.numel() else 0.0
+        diff = max_abs_diff(value, want)
         if not diff <= limit:  # also catches NaN
             problems.append(f"{what}: rank {rank} differs by up to {diff:.3g} (allowed {limit:.3g})")
         worst = max(worst, diff) if not math.isnan(diff) else math.inf
