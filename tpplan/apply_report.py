@@ -9,7 +9,9 @@ SPEC leaves open (`mode`, `tp`, `dp`, `parameters`, `step_time_s`, `steps`,
 
 from __future__ import annotations
 
+import math
 import re
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +31,10 @@ class ParamLayout:
 
     @property
     def global_bytes(self) -> int:
-        return _numel(self.global_shape) * self.element_size
+        return math.prod(self.global_shape) * self.element_size
 
     def rank_bytes(self, rank: int) -> int:
-        return _numel(self.local_shapes[rank]) * self.element_size
+        return math.prod(self.local_shapes[rank]) * self.element_size
 
     @property
     def uneven(self) -> bool:
@@ -45,13 +47,6 @@ class ParamLayout:
             "local_shapes": [list(s) for s in self.local_shapes],
             "placements": self.placements,
         }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @dataclass
@@ -71,9 +66,7 @@ class StepsResult:
 
     @property
     def median_step_s(self) -> float:
-        ordered = sorted(self.step_times_s)
-        mid = len(ordered) // 2
-        return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        return statistics.median(self.step_times_s)
 
     def to_json(self) -> dict:
         return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s}
@@ -215,7 +208,7 @@ def render_text(report: ApplyReport, console) -> None:
         for p in report.params:
             groups.setdefault((_family(p.name), p.global_shape, p.local_shapes, p.placements, p.dtype), []).append(p)
         for (family, global_shape, local_shapes, placements, _), members in groups.items():
-            local = _shape(local_shapes[0]) if len(set(local_shapes)) == 1 else " | ".join(_shape(s) for s in local_shapes) + " (uneven)"
+            local = " | ".join(_shape(s) for s in local_shapes) + " (uneven)" if members[0].uneven else _shape(local_shapes[0])
             row(table, family, str(len(members)), _shape(global_shape), local, placements, human_bytes(sum(m.rank_bytes(0) for m in members)))
         console.print(table)
         table = Table(title="Parameter memory", title_justify="left")
