@@ -34,18 +34,22 @@ def _call_order(ctx: "LintContext") -> dict[str, list[str]]:
     return order
 
 
-def _rules_by_child(ctx: "LintContext", fqn: str) -> dict[str, list]:
-    """{child: [(path inside it, what its rule does)]}: by meaning, not by pattern, so
-    blocks that two rules with equal styles cover count as identical."""
-    prefix = f"{fqn}." if fqn else ""
+def _rules_by_child(ctx: "LintContext", containers) -> dict[str, dict[str, list]]:
+    """{container: {child: [(path inside it, what its rule does)]}}: by meaning, not by
+    pattern, so blocks that two rules with equal styles cover count as identical.
+    One pass over the matched modules: each one is filed under its container ancestors."""
     meaning: dict[int, str] = {}
-    inside: dict[str, list] = defaultdict(list)
+    inside: dict[str, dict[str, list]] = {fqn: defaultdict(list) for fqn in containers}
     for name, rule in ctx.matched.items():
-        if name.startswith(prefix) and name != fqn:
-            key, _, rest = name[len(prefix):].partition(".")
-            if id(rule) not in meaning:
-                meaning[id(rule)] = rule.spec.model_dump_json()
-            inside[key].append((rest, meaning[id(rule)]))
+        parent, rest = name, ""
+        while parent:
+            parent, _, key = parent.rpartition(".")
+            children = inside.get(parent)
+            if children is not None:
+                if id(rule) not in meaning:
+                    meaning[id(rule)] = rule.spec.model_dump_json()
+                children[key].append((rest, meaning[id(rule)]))
+            rest = f"{key}.{rest}" if rest else key
     return inside
 
 
@@ -53,22 +57,21 @@ def kept_blocks(ctx: "LintContext") -> list[tuple["nn.Module", dict]]:
     """(container, the children it keeps) for each container worth cutting."""
     from torch import nn
 
-    from .trace import _Structures
-
     if ctx.trace is None:
         return []
     order = _call_order(ctx)
-    structures = ctx.trace.structures or _Structures()
+    containers = {
+        fqn: module for fqn, module in ctx.modules.items()
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module._modules) >= 3
+        and order.get(fqn) == list(module._modules)
+    }
+    rules = _rules_by_child(ctx, containers)
+    structures = ctx.trace.structures
     cuts = []
-    for fqn, module in ctx.modules.items():
-        if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module._modules) < 3:
-            continue
-        if order.get(fqn) != list(module._modules):
-            continue
-        rules = _rules_by_child(ctx, fqn)
+    for fqn, module in containers.items():
         kept, run, last = {}, 0, None
         for key, child in module._modules.items():
-            signature = (structures.of(child), tuple(rules.get(key, ())))
+            signature = (structures.of(child), tuple(rules[fqn].get(key, ())))
             run = run + 1 if signature == last else 1
             last = signature
             if run <= 2:
