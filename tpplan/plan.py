@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from .globs import Glob, ModuleTree
-from .problems import PlanError, Problem, error
+from .problems import PlanError, Problem, error, sort_problems
 from .schema import PlanSpec, StyleSpec
 
 if TYPE_CHECKING:
@@ -71,6 +71,15 @@ class Plan:
         Strict: a rule matching no module, or a module matched by two rules, is
         a PlanError (torch would warn and skip, or fail deep inside).
         """
+        claimed, problems = self.claim(model_or_names)
+        if problems:
+            raise PlanError(problems)
+        return claimed
+
+    def claim(self, model_or_names: "nn.Module | Iterable[str]") -> tuple[dict[str, Rule], list[Problem]]:
+        """What `match` resolves, without raising: {module path: the first rule that
+        matches it}, in module order, and the problems (TP200, TP201), sorted. The
+        model checks run on the claimed modules even when there are problems."""
         names = model_or_names
         if hasattr(model_or_names, "named_modules"):
             names = (name for name, _ in model_or_names.named_modules())
@@ -97,9 +106,7 @@ class Plan:
                     f"rule '{rule.pattern}' (line {rule.line}) and rule '{other.pattern}' ({other_at}) "
                     f"both match {shown}: a module takes one style, narrow one of the globs",
                 ))
-        if problems:
-            raise PlanError(problems)
-        return dict(sorted(claimed.items(), key=lambda item: tree.order[item[0]]))
+        return dict(sorted(claimed.items(), key=lambda item: tree.order[item[0]])), sort_problems(problems)
 
     def resolve(self, model: "nn.Module") -> dict[str, "ParallelStyle"]:
         """{concrete module path: a fresh ParallelStyle}, in module order."""

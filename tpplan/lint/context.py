@@ -12,9 +12,8 @@ import weakref
 from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
-from ..globs import ModuleTree
 from ..plan import Plan, Rule
-from ..problems import PlanError, Problem
+from ..problems import Problem
 
 if TYPE_CHECKING:
     from torch import nn
@@ -87,16 +86,7 @@ def resolve(plan: Plan, modules: dict[str, "nn.Module"]) -> tuple[dict[str, Rule
     (each module claimed by the first rule that matches it), so one typo in a
     glob does not hide every other finding.
     """
-    try:
-        return plan.match(modules), []
-    except PlanError as exc:
-        problems = exc.problems
-    tree = ModuleTree(modules)
-    claimed: dict[str, Rule] = {}
-    for rule in plan.rules:
-        for fqn in tree.match(rule.glob):
-            claimed.setdefault(fqn, rule)
-    return dict(sorted(claimed.items(), key=lambda item: tree.order[item[0]])), problems
+    return plan.claim(modules)
 
 
 def _trace(model: "nn.Module") -> "tuple[Trace | None, str]":
