@@ -107,6 +107,15 @@ def test_resolve_against_a_model_is_strict():
     assert "did you mean 'down'?" in problem.message
 
 
+def test_claim_returns_what_match_raises_and_what_does_resolve():
+    plan = load_plan(text="version: 1\nrules:\n  down: rowwise\n  '*': colwise\n  donw: rowwise\n")
+    claimed, problems = plan.claim(TwoLinear())
+    assert {fqn: rule.pattern for fqn, rule in claimed.items()} == {"up": "*", "act": "*", "down": "down"}  # first rule wins
+    with pytest.raises(PlanError) as info:
+        plan.match(TwoLinear())
+    assert problems == info.value.problems and [p.code for p in problems] == ["TP201", "TP200"]
+
+
 def test_a_plan_that_does_not_match_leaves_the_model_untouched():
     plan = load_plan(text="version: 1\nrules:\n  up: colwise\n  donw: rowwise\n")
     model = TwoLinear()
