@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from .globs import Glob, ModuleTree
 from .problems import PlanError, Problem, error, sort_problems
-from .schema import PlanSpec, StyleSpec
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from .schema import PlanSpec, StyleSpec  # annotations only: `tpplan rules` need not import pydantic
     from .styles import ParallelStyle
     from .yamlsource import SourceMap
 
