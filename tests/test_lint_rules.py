@@ -341,6 +341,14 @@ def test_a_colwise_shard_fed_to_a_colwise_expecting_replicated_input_is_a_layout
     assert "declare input_layouts: shard(-1)" in problem.message
 
 
+def test_a_declared_shard_dim_the_tensor_does_not_have_asks_for_a_dim_in_range():
+    problem = only(lint("version: 1\nrules:\n  blocks.*.in_proj: {style: colwise, input_layouts: shard(5)}\n", MLP, select=["TP320"]), "TP320")
+    assert problem.message.endswith("takes its input 0 (2, 8, 32) as shard(5), but it arrives replicated: DTensor.from_local "
+                                    "believes the declaration and computes on wrong data; it has 3 dims: pick a dim in range")
+    problem = only(lint("version: 1\nrules:\n  blocks.*.in_proj: {style: colwise, input_layouts: shard(-3)}\n", MLP, select=["TP320"]), "TP320")
+    assert "declare input_layouts: replicate" in problem.message  # -3 is in range for 3 dims
+
+
 def test_a_consistent_plan_has_no_layout_findings():
     plan = "version: 1\nrules:\n  tok_embeddings: {style: rowwise, input_layouts: replicate}\n" + ATTENTION_PREPARED + """\
   layers.*.attention.w{q,k,v}: colwise

@@ -95,6 +95,7 @@ class Mismatch:
     declared_default: bool  # the declaration is torch's default, not written in the plan
     actual: Lay
     shape: tuple
+    impossible: bool = False  # the declared shard dim is out of range for the tensor
 
 
 @dataclass(frozen=True)
@@ -319,7 +320,7 @@ class _Interpreter:
         shape = self.shape(node)
         want = placement_lay(declared, len(shape), False, None)
         if want is None:  # a shard dim the tensor does not have
-            self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, str(declared), default, have, shape))
+            self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, str(declared), default, have, shape, impossible=True))
             self.set(node, DEAD)
             return False
         if (want.kind, want.dim) != (have.kind, have.dim):

@@ -21,7 +21,7 @@ def _fix(m, ndim: int) -> str:
     have, key = m.actual, "input_layouts" if m.what.startswith("input") else "output_layouts"
     if m.what.startswith("input '"):
         key = "input_kwarg_layouts"
-    if m.declared.startswith("shard(") and not -ndim <= int(m.declared[6:-1]) < ndim:
+    if m.impossible:
         return f"it has {ndim} dims: pick a dim in range"
     if m.rule.spec.style == "rowwise" and m.declared_default and have.kind == "R":
         return "a rowwise Embedding (vocabulary-parallel) takes token ids whole: give it input_layouts: replicate (torch's default is shard(-1))"
