@@ -1,8 +1,7 @@
 """`tpplan apply --dry-run`: one process simulates N ranks on meta tensors.
 
-The expected bytes and collective counts are derived from the model configs
-(not copied from a run): every sharded weight splits evenly at the promised
-degrees, norms stay whole on every rank.
+The expected bytes and collective counts (tests/expected.py) are derived from
+the model configs, not copied from a run.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import pytest
 import torch.distributed as dist
 from typer.testing import CliRunner
 
+from expected import llama_bytes, llama_comms, mlp_bytes, mlp_comms
 from tpplan import load_plan
 from tpplan.cli import app
 from tpplan.dryrun import dry_run
@@ -24,7 +24,6 @@ from tpplan.runtime import ApplyOptions, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
-FP32 = 4
 
 
 @pytest.fixture(autouse=True)
@@ -37,43 +36,10 @@ def run(*args: str):
     return CliRunner().invoke(app, ["apply", *args], env={"FORCE_COLOR": None, "NO_COLOR": None})
 
 
-def llama_bytes(cfg: LlamaConfig, tp: int) -> tuple[int, int]:
-    """(total, per rank) parameter bytes of a Llama under the shipped plans: embedding,
-    head, attention and feed-forward weights split over tp; norms whole on every rank."""
-    head_dim = cfg.dim // cfg.n_heads
-    attention = 2 * cfg.dim * cfg.n_heads * head_dim + 2 * cfg.dim * cfg.n_kv_heads * head_dim
-    sharded = 2 * cfg.vocab_size * cfg.dim + cfg.n_layers * (attention + 3 * cfg.dim * cfg.ffn_hidden)
-    norms = (2 * cfg.n_layers + 1) * cfg.dim
-    assert sharded % tp == 0
-    return FP32 * (sharded + norms), FP32 * (sharded // tp + norms)
-
-
-def mlp_bytes(model: mlp.MLP, tp: int) -> tuple[int, int]:
-    """in_proj weight and bias split by rows, out_proj weight by columns; out_proj bias whole."""
-    block = model.blocks[0]
-    dim, hidden = block.in_proj.in_features, block.in_proj.out_features
-    sharded, whole = len(model.blocks) * (2 * dim * hidden + hidden), len(model.blocks) * dim
-    return FP32 * (sharded + whole), FP32 * (sharded // tp + whole)
-
-
-def llama_comms(plan: str, layers: int) -> dict:
-    if plan == "llama_tp.yaml":
-        # wo and w2 all-reduce per layer, + the vocab-parallel embedding; the head gathers logits.
-        return {"forward": {"all_gather": 1, "all_reduce": 2 * layers + 1}, "backward": {"all_reduce": 2 * layers + 1}}
-    # Sequence parallel: gather into attention and feed_forward, scatter out of wo and w2,
-    # + the embedding's scatter and the head's two gathers; backward mirrors it.
-    return {
-        "forward": {"all_gather": 2 * layers + 2, "reduce_scatter": 2 * layers + 1},
-        "backward": {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers + 1},
-    }
-
-
 def _expected(file: str):
     if file == "mlp_tp.yaml":
         model = mlp.tiny()
-        n = len(model.blocks)
-        # The first block's input is data (no grad), so its input-grad all-reduce never happens.
-        return "tpplan.models.mlp:tiny", lambda tp: mlp_bytes(model, tp), {"forward": {"all_reduce": n}, "backward": {"all_reduce": n - 1}}
+        return "tpplan.models.mlp:tiny", lambda tp: mlp_bytes(model, tp), mlp_comms(len(model.blocks))
     cfg = llama.tiny().config
     return "tpplan.models.llama:tiny", lambda tp: llama_bytes(cfg, tp), llama_comms(file, cfg.n_layers)
 

@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
 from tpplan import hf_models  # noqa: E402
 from tpplan.hf import (  # noqa: E402
@@ -30,17 +31,10 @@ from tpplan.simulate import check_parity  # noqa: E402
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
 L = hf_models.TINY["num_hidden_layers"]  # 2
 
-# Attention and MLP: one all-reduce forward (out of o_proj, down_proj), one
-# backward (into the parent); + the vocab-parallel embedding forward, + the
-# lm_head's logits all-gather forward and input all-reduce backward.
-TP = {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 2 * L + 1}}
-# Per layer: gather the sequence into self_attn and mlp, scatter it out of o_proj
-# and down_proj. + embedding scatter; lm_head gathers its input and its logits.
-# Backward mirrors it; the embedding gathers its output gradient.
-TP_SP = {
-    "forward": {"all_gather": 2 * L + 2, "reduce_scatter": 2 * L + 1},
-    "backward": {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1},
-}
+# The same counts as our Llama under plans/llama_tp.yaml and llama_tp_sp.yaml
+# (transformers' names for the same modules: o_proj and down_proj for wo and w2).
+TP = llama_comms("llama_tp.yaml", L)
+TP_SP = llama_comms("llama_tp_sp.yaml", L)
 # The sparse block hands back its own sequence slice (no reduce-scatter); its
 # shared expert all-reduces forward and backward.
 MOE_TP_SP = {

@@ -3,7 +3,7 @@
 Each plan runs at every TP degree it promises (`mesh.sizes`) under a fake
 process group with real per-rank values (LocalTensorMode): outputs and every
 parameter gradient must equal the single-device run, and the collectives of
-one forward and backward must be exactly the counts below.
+one forward and backward must be exactly the counts of tests/expected.py.
 """
 
 from pathlib import Path
@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from expected import llama_comms, mlp_comms
 from tpplan import load_plan
 from tpplan.models import llama, mlp
 from tpplan.simulate import (
@@ -29,33 +30,9 @@ LAYERS = llama.tiny().config.n_layers  # 2
 
 # Counts of one forward / backward, the same at every TP degree.
 SHIPPED = {
-    "llama_tp.yaml": (
-        llama.tiny,
-        {
-            # wo and w2 per layer, + the vocab-parallel embedding; the head all-gathers logits.
-            "forward": {"all_gather": 1, "all_reduce": 2 * LAYERS + 1},
-            # One per shared input (attention, feed_forward) per layer, + the head's input.
-            "backward": {"all_reduce": 2 * LAYERS + 1},
-        },
-    ),
-    "llama_tp_sp.yaml": (
-        llama.tiny,
-        {
-            # Per layer: gather the sequence into attention and feed_forward, scatter it out
-            # of wo and w2. + embedding scatter, head gathers its input and its logits.
-            "forward": {"all_gather": 2 * LAYERS + 2, "reduce_scatter": 2 * LAYERS + 1},
-            # The mirror image; the embedding gathers its output grad, the head scatters
-            # its input grad. Norm weight grads stay Partial (reduced at the optimizer step).
-            "backward": {"all_gather": 2 * LAYERS + 1, "reduce_scatter": 2 * LAYERS + 1},
-        },
-    ),
-    "mlp_tp.yaml": (
-        mlp.tiny,
-        {
-            "forward": {"all_reduce": 2},  # one per out_proj
-            "backward": {"all_reduce": 1},  # block 1's input; block 0's input is data, needing no grad
-        },
-    ),
+    "llama_tp.yaml": (llama.tiny, llama_comms("llama_tp.yaml", LAYERS)),
+    "llama_tp_sp.yaml": (llama.tiny, llama_comms("llama_tp_sp.yaml", LAYERS)),
+    "mlp_tp.yaml": (mlp.tiny, mlp_comms(len(mlp.tiny().blocks))),
 }
 assert LAYERS == 2  # the literal counts in the test ids below assume it
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_dryrun import llama_bytes, llama_comms, mlp_bytes
+from expected import llama_bytes, llama_comms, mlp_bytes
 from tpplan import load_plan
 from tpplan.models import llama, mlp
 
