@@ -33,10 +33,12 @@ independent of the TP degree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..placements import PlacementSpec
+from .text import shard_text
 from .trace import Call, Op, Return, Trace
 
 if TYPE_CHECKING:
@@ -61,10 +63,7 @@ class Lay:
     src: Source | None = None
 
     def text(self, ndim: int) -> str:
-        if self.kind == "S":
-            base = "shard(-1)" if self.dim == ndim - 1 and ndim > 1 else f"shard({self.dim})"
-        else:
-            base = {"R": "replicated", "P": "partial", "?": "unknown"}[self.kind]
+        base = shard_text(self.dim, ndim) if self.kind == "S" else {"R": "replicated", "P": "partial", "?": "unknown"}[self.kind]
         return f"{base} DTensor" if self.dt else base
 
 
@@ -483,7 +482,7 @@ class _Interpreter:
             return self.set_all(op, dead)
         dts = [v for v in values if v.dt]
         if dts:
-            plain = [i for i, v in enumerate(values) if not v.dt and _numel(self.shape(op.inputs[i])) > 1]
+            plain = [i for i, v in enumerate(values) if not v.dt and math.prod(self.shape(op.inputs[i])) > 1]
             if plain:
                 first_dt = next(i for i, v in enumerate(values) if v.dt)
                 self.report.mixed.append(Mixed(
@@ -532,7 +531,7 @@ class _Interpreter:
             if name in ("add", "sub") and all(v.kind == "P" for v in values):
                 return [values[0]] * len(out_shapes)
             if name in ("mul", "div", "truediv", "neg", "to", "float", "type_as", "contiguous", "clone", "view", "reshape") and len(sharded) == 1:
-                others = [i for i, v in enumerate(values) if v.kind == "R" and _numel(shapes[i]) > 1]
+                others = [i for i, v in enumerate(values) if v.kind == "R" and math.prod(shapes[i]) > 1]
                 return None if others else [sharded[0][1]] * len(out_shapes)
             return None
 
@@ -546,7 +545,7 @@ class _Interpreter:
         out = out_shapes[0]
         moved: int | None = None
         if name in VIEWS:
-            moved = _view_dim(shape, out, dim) if _numel(shape) == _numel(out) else None
+            moved = _view_dim(shape, out, dim) if math.prod(shape) == math.prod(out) else None
         elif name in EXPANDS:
             new = dim + len(out) - len(shape)
             moved = new if out[new] == shape[dim] else None
@@ -703,13 +702,6 @@ class _Frame:
     def restore(self, interpreter: _Interpreter) -> None:
         for node, lay in reversed(self.saved):
             interpreter.set(node, lay)
-
-
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def analyze(trace: Trace, rules: dict[str, "Rule"], modules: dict[str, "nn.Module"]) -> FlowReport:
