@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .schema import PlanSpec, StyleSpec  # annotations only: `tpplan rules` need not import pydantic
+    # annotations only: `tpplan rules` need not import pydantic
+    from .schema import PlanSpec, StyleSpec
     from .styles import ParallelStyle
     from .yamlsource import SourceMap
 
