@@ -102,7 +102,8 @@ class Placed:
     rule: Rule | None  # the rule that decides it
 
 
-def _kind(module: "nn.Module") -> str | None:
+def module_kind(module: "nn.Module") -> str | None:
+    """'Linear' or 'Embedding' (the modules colwise and rowwise shard), else None."""
     from torch import nn
 
     return "Linear" if isinstance(module, nn.Linear) else "Embedding" if isinstance(module, nn.Embedding) else None
@@ -122,7 +123,7 @@ def placements(ctx: "LintContext") -> dict[str, Placed]:
         inherited = replicated_by.get(parent) if parent is not None else None
         style = rule.spec.style if rule else None
         replicated_by[fqn] = rule if style in ("sequence_parallel", "no_parallel") else inherited
-        table = _SHARDED.get((_kind(module), style))
+        table = _SHARDED.get((module_kind(module), style))
         for key, param in module._parameters.items():
             if param is None:
                 continue

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..facts import head_split
+from ..facts import head_split, module_kind
 from ..registry import Finding, LintRule, register
 from ..text import chunks_text, degrees_that_work, rule_ref
 
@@ -18,12 +18,9 @@ _SHARDED_DIM = {
 def sharded_dims(ctx):
     """(fqn, rule, dim name, weight dim, size) for each Linear/Embedding a rule shards,
     except those split by whole heads (TP311 checks those)."""
-    from torch import nn
-
     for fqn, rule in ctx.matched.items():
         module = ctx.modules[fqn]
-        kind = "Linear" if isinstance(module, nn.Linear) else "Embedding" if isinstance(module, nn.Embedding) else None
-        entry = _SHARDED_DIM.get((kind, rule.spec.style))
+        entry = _SHARDED_DIM.get((module_kind(module), rule.spec.style))
         if entry is None or head_split(ctx, fqn, rule) is not None:
             continue
         name, dim = entry
