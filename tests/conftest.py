@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from tpplan import PlanError, load_plan
 
@@ -31,3 +32,11 @@ def plan_error():
         return info.value
 
     return _plan_error
+
+
+@pytest.fixture
+def no_process_group_leaks():
+    """Fails a test that leaves a process group initialized (later tests would inherit it).
+    Used by the files that simulate ranks in-process: `pytestmark = pytest.mark.usefixtures(...)`."""
+    yield
+    assert not dist.is_initialized(), "a test left a process group behind"

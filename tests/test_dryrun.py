@@ -11,7 +11,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 from typer.testing import CliRunner
 
 from expected import llama_bytes, llama_comms, mlp_bytes, mlp_comms
@@ -26,10 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_leaks():
-    yield
-    assert not dist.is_initialized(), "a test left a process group behind"
+pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
 
 def run(*args: str):

@@ -8,7 +8,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -48,10 +47,7 @@ def collectives(mode: CommDebugMode) -> dict[str, int]:
     return {collective_name(op): n for op, n in mode.get_comm_counts().items() if n}
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_leaks():
-    yield
-    assert not dist.is_initialized(), "a test left a process group behind"
+pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
 
 @pytest.fixture

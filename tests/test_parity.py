@@ -43,10 +43,7 @@ def _cases():
             yield pytest.param(file, build, comms, tp, id=f"{file.removesuffix('.yaml')}-tp{tp}")
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_leaks():
-    yield
-    assert not dist.is_initialized(), "a test left a process group behind"
+pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
 
 @pytest.mark.parametrize("file, build, comms, tp", _cases())

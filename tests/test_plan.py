@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed._local_tensor import LocalTensorMode
 from torch.distributed.device_mesh import init_device_mesh
@@ -43,10 +42,7 @@ def per_rank(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [tensor._local_tensors[rank] for rank in sorted(tensor._local_tensors)]
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_leaks():
-    yield
-    assert not dist.is_initialized(), "a test left a process group behind"
+pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tpplan import load_plan
 from tpplan.modelref import ModelRefError, build_model, load_callable, make_inputs, module_structure
@@ -37,10 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_leaks():
-    yield
-    assert not dist.is_initialized(), "a test left a process group behind"
+pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
 
 @pytest.fixture
