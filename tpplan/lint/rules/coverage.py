@@ -23,12 +23,7 @@ def _count(n: float) -> str:
 
 def check(ctx):
     placed = placements(ctx)
-    sizes = {}
-    seen = set()
-    for name, param in ctx.model.named_parameters():
-        if id(param) not in seen:
-            seen.add(id(param))
-            sizes[name] = param.numel()
+    sizes = {name: param.numel() for name, param in ctx.model.named_parameters()}  # a tied parameter once
     total = sum(sizes.values())
     if not total:
         return
