@@ -38,8 +38,10 @@ def _static(ctx):
         layouts = getattr(spec, "input_layouts", None)
         if spec.style not in ("prepare_module_input", "prepare_module_input_output") or layouts is None:
             continue
+        if (id(rule), type(module)) in seen:
+            continue
         signature = forward_signature(module)
-        if signature is None or (id(rule), type(module)) in seen:
+        if signature is None:
             continue
         seen.add((id(rule), type(module)))
         names, _, varargs = signature
