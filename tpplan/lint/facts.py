@@ -84,6 +84,12 @@ def head_split(ctx: "LintContext", fqn: str, rule: Rule) -> tuple[Heads, list[tu
     return (heads, split, size) if split else None
 
 
+def nested_parameters(module: "nn.Module") -> list[str]:
+    """Names of the parameters `module` holds in its submodules: sequence_parallel
+    re-registers parameters under these dotted names, which torch refuses."""
+    return [name for name, _ in module.named_parameters() if "." in name]
+
+
 # -- parameter placements ---------------------------------------------------------------
 
 # (module kind, style) -> {parameter name: placement}; other parameter names get the weight's.

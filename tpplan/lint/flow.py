@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..placements import PlacementSpec
+from .facts import nested_parameters
 from .text import shard_text
 from .trace import Call, Op, Return, Trace
 
@@ -388,7 +389,7 @@ class _Interpreter:
         if style in ("colwise", "rowwise"):
             return isinstance(module, (nn.Linear, nn.Embedding))
         if style == "sequence_parallel":
-            return all("." not in name for name, _ in module.named_parameters())
+            return not nested_parameters(module)
         return True
 
     def declared_input(self, style: str, spec, fqn: str) -> tuple[PlacementSpec | None, bool]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..facts import nested_parameters
 from ..registry import Finding, LintRule, register
 from ..text import rule_ref
 
@@ -11,7 +12,7 @@ def check(ctx):
         if rule.spec.style != "sequence_parallel":
             continue
         module = ctx.modules[fqn]
-        nested = [name for name, _ in module.named_parameters() if "." in name]
+        nested = nested_parameters(module)
         if not nested:
             continue
         shown = ", ".join(nested[:3]) + (", ..." if len(nested) > 3 else "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from ..facts import nested_parameters
 from ..registry import Finding, LintRule, register
 from ..text import rule_ref
 
@@ -29,7 +30,7 @@ def check(ctx):
         if rule.spec.style != "sequence_parallel":
             continue
         module = ctx.modules[fqn]
-        if positionwise(module) or any("." in name for name, _ in module.named_parameters()):
+        if positionwise(module) or nested_parameters(module):
             continue  # nested parameters are TP301's
         yield Finding(ctx.at(rule), (
             f"sequence_parallel runs '{fqn or '<root>'}' ({type(module).__name__}) on one sequence shard per rank "
