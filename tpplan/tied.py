@@ -20,10 +20,11 @@ Owner = tuple[str, str]  # (module fqn, parameter name)
 def shared_parameters(model: "nn.Module") -> list[list[Owner]]:
     """Groups of owners that hold one Parameter object."""
     owners: dict[int, list[Owner]] = defaultdict(list)
+    # Each path once (a module held twice appears under both), each name once per module:
+    # no (fqn, name) repeats.
     for fqn, module in model.named_modules(remove_duplicate=False):
         for name, param in module.named_parameters(recurse=False):
-            if (fqn, name) not in owners[id(param)]:
-                owners[id(param)].append((fqn, name))
+            owners[id(param)].append((fqn, name))
     return [group for group in owners.values() if len(group) > 1]
 
 
