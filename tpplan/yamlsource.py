@@ -56,14 +56,13 @@ class _Builder:
     def __init__(self, loader: yaml.SafeLoader, source: SourceMap):
         self.loader = loader
         self.source = source
-        self.problems: list[Problem] = []
+        self.problems: dict[Problem, None] = {}  # ordered and de-duplicated in constant time
         self.count = 0
         self.open_nodes: set[int] = set()  # ids of the collections being built, for alias cycles
 
     def problem(self, code: str, message: str, node: Node) -> None:
         found = error(code, message, self.source.file, *_pos(node))
-        if found not in self.problems:  # an alias revisits its anchor's node: report that once
-            self.problems.append(found)
+        self.problems[found] = None  # an alias revisits its anchor's node: report that once
 
     def build(self, node: Node, path: Path) -> Any:
         self.count += 1
@@ -177,7 +176,7 @@ def parse_yaml(text: str, file: str) -> tuple[Any, SourceMap]:
         if loader is not None:
             loader.dispose()
     if builder.problems:
-        raise PlanError(builder.problems)
+        raise PlanError(list(builder.problems))
     return data, source
 
 
