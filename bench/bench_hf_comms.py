@@ -17,52 +17,35 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import warnings
-from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 from tpplan import hf_models, load_plan
 from tpplan.hf import apply_transformers_plan, import_hf
-from tpplan.simulate import collective_name, default_inputs, scalar_loss, simulated_world, tp_mesh
+from tpplan.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
 FAMILIES = ("llama", "qwen2", "mistral", "qwen2_moe")
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC"}
 
 
-def _count(fn) -> Counter:
-    # Summed by SPEC name: transformers mixes functional (all_reduce) and c10d (allreduce_) ops.
-    counts: Counter = Counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with CommDebugMode() as mode:
-            fn()
-    for op, n in mode.get_comm_counts().items():
-        counts[collective_name(op)] += n
-    return counts
-
-
-def step_collectives(family: str, tp: int, apply) -> tuple[Counter, Counter]:
+def step_collectives(family: str, tp: int, apply) -> tuple[dict, dict]:
     """(forward, backward) collectives of one step of `family` parallelized by `apply(model, mesh)`."""
     torch.manual_seed(0)
     with simulated_world(tp):
         model = hf_models.FACTORIES[family]("sdpa")
         apply(model, tp_mesh(tp))
-        inputs = default_inputs(model, generator=torch.Generator().manual_seed(0))
-        out = {}
-        forward = _count(lambda: out.setdefault("y", model(inputs)))
-        backward = _count(lambda: scalar_loss(out["y"]).backward())
-    return forward, backward
+        # Summed by SPEC name: transformers mixes functional (all_reduce) and c10d (allreduce_) ops.
+        comms = count_collectives(model, default_inputs(model, generator=torch.Generator().manual_seed(0)))
+    return comms["forward"], comms["backward"]
 
 
-def _fmt(counts: Counter) -> str:
+def _fmt(counts: dict) -> str:
     return " ".join(f"{counts[k]}{SHORT[k]}" for k in SHORT if counts.get(k)) or "-"
 
 
-def _total(counts: Counter) -> int:
+def _total(counts: dict) -> int:
     return sum(counts.values())
 
 
