@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpplan import load_plan
-from tpplan.globs import GlobSyntaxError, ModuleTree, compile_glob
+from tpplan.globs import GlobSyntaxError, ModuleTree, compile_glob, generalize
 
 
 def llama_names(layers=(0, 1, 10)) -> list[str]:
@@ -261,3 +261,8 @@ def test_resolution_follows_module_order_not_rule_order():
     matched = plan.match(NAMES)
     assert list(matched) == ["tok_embeddings", "layers.0.attention.wq", "layers.1.attention.wq", "layers.10.attention.wq", "output"]
     assert matched["output"].line == 3 and matched["layers.1.attention.wq"].pattern == "**.wq"
+
+
+def test_generalize_turns_only_whole_index_segments_into_stars():
+    assert generalize("model.layers.12.mlp.experts.3.w1") == "model.layers.*.mlp.experts.*.w1"
+    assert [generalize(name) for name in ("0", "h1.2", "layer0.attn", "")] == ["*", "h1.*", "layer0.attn", ""]

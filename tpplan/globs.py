@@ -143,6 +143,12 @@ def compile_glob(pattern: str) -> Glob:
     return Glob(pattern, tuple(segments))
 
 
+def generalize(fqn: str) -> str:
+    """A glob for a module and its siblings in other blocks: layers.3.mlp -> layers.*.mlp
+    (each all-digit segment, an index into a ModuleList, becomes `*`)."""
+    return ".".join("*" if part.isdecimal() else part for part in fqn.split("."))
+
+
 @dataclass
 class _Node:
     fqn: str

@@ -172,7 +172,7 @@ def _parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
     transformers' decoder layers call attention by keyword (`hidden_states=`) and
     MLPs positionally; tests/test_hf.py checks both by parity.
     """
-    from .globs import ModuleTree, compile_glob
+    from .globs import ModuleTree, compile_glob, generalize
 
     modules = dict(model.named_modules())
     tree = ModuleTree(modules)
@@ -197,7 +197,7 @@ def _parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
     for parent, module in qualifying.items():
         # One glob for all layers, unless it would also reach a parent that does not
         # qualify (a sparse MoE block beside dense MLPs): then this layer's own path.
-        general = _generalize(parent)
+        general = generalize(parent)
         key = general if set(tree.match(compile_glob(general))) <= set(qualifying) else parent
         if type(module).__name__.endswith("Attention"):
             added[key] = {
@@ -208,11 +208,6 @@ def _parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
         else:
             added[key] = {"style": "prepare_module_input", "input_layouts": "replicate", "desired_input_layouts": "replicate"}
     return added
-
-
-def _generalize(name: str) -> str:
-    """`model.layers.3.mlp` -> `model.layers.*.mlp`, as transformers writes layer indices."""
-    return ".".join("*" if part.isdigit() else part for part in name.split("."))
 
 
 def import_hf(
@@ -323,7 +318,7 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
     leave embed_tokens whole, which `Plan.apply` rejects (tied parameters laid out differently)."""
     from torch import nn
 
-    from .globs import ModuleTree, compile_glob
+    from .globs import ModuleTree, compile_glob, generalize
     from .tied import shared_parameters
 
     tree = ModuleTree(name for name, _ in model.named_modules())
@@ -338,7 +333,7 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
         )
         for fqn in owners:
             if sharded_as_vocab and fqn not in planned and isinstance(model.get_submodule(fqn), nn.Embedding):
-                added[_generalize(fqn)] = SOUND_STYLES["embedding_rowwise"]
+                added[generalize(fqn)] = SOUND_STYLES["embedding_rowwise"]
     return added
 
 

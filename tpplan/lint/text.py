@@ -4,8 +4,8 @@ torchtitan words its checks ("tp (3) must divide n_kv_heads (8) ...")."""
 from __future__ import annotations
 
 import math
-import re
 
+from ..globs import generalize  # noqa: F401  the rules import it from here
 from ..plan import Rule
 
 # TP degrees worth listing: no real mesh axis goes beyond this.
@@ -25,14 +25,6 @@ def rule_ref(rule: Rule) -> str:
 def styled(fqn: str, rule: Rule) -> str:
     """"colwise 'layers.0.attention.wq' (rule 'layers.*.attention.w{q,k,v}' at plan.yaml:7)"."""
     return f"{rule.spec.style} '{fqn or '<root>'}' ({rule_ref(rule)})"
-
-
-_INDEX_SEGMENT = re.compile(r"(?<![^.])\d+(?![^.])")
-
-
-def generalize(fqn: str) -> str:
-    """A glob for a module and its siblings in other blocks: layers.3.mlp -> layers.*.mlp."""
-    return _INDEX_SEGMENT.sub("*", fqn)
 
 
 def chunk_sizes(size: int, tp: int) -> list[int]:
