@@ -251,7 +251,6 @@ def import_hf(
             skipped.append(Skipped(key, hf_style, reason))
 
     added: list[tuple[str, str]] = []
-    model = None
     if check_model or minimal:
         try:
             model = _meta_model(config, model_cls)
@@ -260,15 +259,14 @@ def import_hf(
                 f"cannot build {model_cls.__name__} from this config to check the plan against it "
                 f"({type(exc).__name__}: {exc}); pass a complete config, or check_model=False"
             ) from exc
-    if model is not None:
         rules = _keep_module_rules(rules, hf_plan, model, skipped)
         for key, value in _tied_embedding_rules(rules, model).items():
             rules = {key: value, **rules}
             added.append((key, "vocab-parallel, as the lm_head it is tied to (tie_word_embeddings): both shard(0)"))
-    if minimal and model is not None:
-        sharing = _parents_sharing_input(rules, model)
-        rules = {**sharing, **rules}
-        added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
+        if minimal:
+            sharing = _parents_sharing_input(rules, model)
+            rules = {**sharing, **rules}
+            added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
 
     header = [
         f"# yaml-language-server: $schema={schema}",
@@ -312,6 +310,11 @@ def _keep_module_rules(
     return kept
 
 
+def _style(value: Any) -> Any:
+    """The style of a rule value: a style name, or a mapping with `style:`."""
+    return value.get("style") if isinstance(value, Mapping) else value
+
+
 def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
     """A vocab-parallel rule for each Embedding whose weight is tied to a planned
     colwise Linear but is itself unplanned: transformers' plans shard lm_head and
@@ -328,7 +331,7 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
         owners = [fqn for fqn, pname in group if pname == "weight"]
         sharded_as_vocab = any(
             isinstance(model.get_submodule(f), nn.Linear)
-            and (planned.get(f) == "colwise" or getattr(planned.get(f), "get", lambda k: None)("style") == "colwise")
+            and _style(planned.get(f)) == "colwise"
             for f in owners
         )
         for fqn in owners:
