@@ -242,9 +242,9 @@ def test_a_small_model_that_needs_values_is_counted_with_real_ones(gated):
 
 
 def test_a_big_model_that_needs_values_is_not_materialized(gated, monkeypatch):
-    from tpplan import dryrun
+    from tpplan import simulate
 
-    monkeypatch.setattr(dryrun, "REAL_VALUES_LIMIT_BYTES", 1024)
+    monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     report = dry_run(ApplyOptions(plan=str(gated), model="gated:build", tp=2))
     (problem,) = report.problems
     assert problem.code == "TP502"

@@ -11,10 +11,8 @@ compared with a single-device reference.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from .apply_report import ApplyReport, CheckResult, human_bytes
 from .loader import load_plan
@@ -31,10 +29,6 @@ from .runtime import (
     shard_recorded,
     unpromised_tp_note,
 )
-
-# Above this, a model whose forward fake tensors cannot run is not retried with
-# real values: the retry would hold the whole model in memory.
-REAL_VALUES_LIMIT_BYTES = 1 << 30
 
 
 def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
@@ -79,18 +73,15 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
 
 
 def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event) -> None:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .simulate import forward_backward, simulated_world, tp_mesh
+    from .simulate import VALUES_LIMIT_BYTES, fake_tensors, forward_backward, simulated_world, tp_mesh
 
     tp = report.tp
     with simulated_world(tp):
         mesh = tp_mesh(tp, plan.mesh_axis)
         # Fake tensors rather than bare meta ones: no memory either, and code that
         # checks for tracing (transformers' attention masks) skips the data-dependent
-        # branches that meta tensors cannot run. Real tensors made elsewhere (a module
-        # constant) are let in.
-        with FakeTensorMode(allow_non_fake_inputs=True), _quiet_fake_tensor_log():
+        # branches that meta tensors cannot run.
+        with fake_tensors():
             event("building the model on fake tensors")
             model = build_model(options.model, "cpu", factory)
             inputs = make_inputs(options.inputs, model, "cpu")
@@ -103,7 +94,9 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
                     return
                 except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
                     failure, problem = exc, locator.problem(exc)
-    if report.total_bytes > REAL_VALUES_LIMIT_BYTES:
+    # Above the limit, a model fake tensors cannot run is not retried with real
+    # values: the retry would hold the whole model in memory.
+    if report.total_bytes > VALUES_LIMIT_BYTES:
         raise PlanError([dataclasses.replace(problem, message=problem.message + (
             f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
             "try --check on a smaller configuration, or torchrun)"
@@ -117,19 +110,6 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         f"fake tensors could not run the forward and backward ({first_line(failure)}); "
         f"the collectives were counted with real values of rank 0 ({human_bytes(report.total_bytes)} model)"
     )
-
-
-@contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """torch logs a traceback when a fake kernel fails; the failure is handled here
-    (retried with values, or a located problem), so the traceback is noise."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> dict:

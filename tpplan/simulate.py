@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import warnings
 from collections import Counter
@@ -53,6 +54,28 @@ _TRACKER_WARNINGS = (
     "Full backward hook is firing when gradients are computed with respect to module outputs",
     "For backward hooks to be called",
 )
+
+
+# Real values cost real memory: a dry run (`apply --dry-run`, the lint's TP330)
+# gives them only to models up to this size.
+VALUES_LIMIT_BYTES = 1 << 30
+
+
+@contextlib.contextmanager
+def fake_tensors() -> Iterator[None]:
+    """FakeTensorMode that lets in real tensors made elsewhere (a module constant),
+    with torch's traceback log of failing fake kernels off: the caller reports the
+    failure (or retries with values), so the traceback is noise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -22,8 +21,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 MODES = ("meta", "fake", "values")
-# Real values cost real memory: only models up to this size get them (as `apply --dry-run`).
-VALUES_LIMIT_BYTES = 1 << 30
 
 
 def model_bytes(model: "nn.Module") -> int:
@@ -36,6 +33,8 @@ def model_bytes(model: "nn.Module") -> int:
 
 
 def available(model: "nn.Module") -> tuple[str, ...]:
+    from ..simulate import VALUES_LIMIT_BYTES
+
     return MODES if model_bytes(model) <= VALUES_LIMIT_BYTES else MODES[:2]
 
 
@@ -45,18 +44,10 @@ def running(mode: str, model: "nn.Module") -> Iterator[None]:
     import torch
 
     if mode == "fake":
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from ..simulate import fake_tensors
 
-        # torch logs a traceback whenever a fake kernel fails; the failure is ours to
-        # report (or to retry with values), so the traceback is noise.
-        logger = logging.getLogger("torch._subclasses.fake_tensor")
-        level = logger.level
-        logger.setLevel(logging.CRITICAL)
-        try:
-            with FakeTensorMode(allow_non_fake_inputs=True):
-                yield
-        finally:
-            logger.setLevel(level)
+        with fake_tensors():
+            yield
     elif mode == "meta" and any(p.device.type == "meta" for p in model.parameters()):
         with torch.device("meta"):  # tensors the forward makes without a device stay on meta too
             yield
