@@ -10,11 +10,11 @@ SPEC leaves open (`mode`, `tp`, `dp`, `parameters`, `step_time_s`, `steps`,
 from __future__ import annotations
 
 import math
-import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from .globs import generalize
 from .problems import Problem
 
 
@@ -138,14 +138,6 @@ class ApplyReport:
 
 # -- text ----------------------------------------------------------------------
 
-_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
-
-
-def _family(name: str) -> str:
-    """`layers.12.attention.wq.weight` -> `layers.*.attention.wq.weight`: repeated
-    blocks collapse into one row, so a 32-layer model prints like a 2-layer one."""
-    return _INDEX.sub("*", name)
-
 
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -206,7 +198,9 @@ def render_text(report: ApplyReport, console) -> None:
             table.add_column(column, justify=justify)
         groups: dict[tuple, list[ParamLayout]] = {}
         for p in report.params:
-            groups.setdefault((_family(p.name), p.global_shape, p.local_shapes, p.placements, p.dtype), []).append(p)
+            # layers.12.attention.wq.weight -> layers.*.attention.wq.weight: repeated blocks
+            # collapse into one row, so a 32-layer model prints like a 2-layer one.
+            groups.setdefault((generalize(p.name), p.global_shape, p.local_shapes, p.placements, p.dtype), []).append(p)
         for (family, global_shape, local_shapes, placements, _), members in groups.items():
             local = " | ".join(_shape(s) for s in local_shapes) + " (uneven)" if members[0].uneven else _shape(local_shapes[0])
             row(table, family, str(len(members)), _shape(global_shape), local, placements, human_bytes(sum(m.rank_bytes(0) for m in members)))
