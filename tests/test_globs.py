@@ -140,6 +140,8 @@ def test_matches_come_in_module_order_not_tree_or_name_order():
         ("a..b", 2, "empty path segment (a leading, trailing or doubled '.')"),
         ("a.b.", 3, "empty path segment (a leading, trailing or doubled '.')"),  # the dot, not past the end
         ("a.w[z-a]", 3, "bad character class '[z-a]': bad character range z-a"),
+        ("a{b,c**}", 5, "'**' must be a whole segment (e.g. 'a.**.b')"),  # in a later alternative
+        ("x.a{b,cd,e[z-a]}", 10, "bad character class '[z-a]': bad character range z-a"),
     ],
 )
 def test_glob_syntax_errors_name_their_offset(pattern, offset, message):

@@ -117,7 +117,11 @@ def _segment_regex(text: str, offset: int) -> str:
             alternatives = text[i + 1 : end].split(",")
             if alternatives == [""]:
                 raise GlobSyntaxError("empty alternatives '{}'", offset + i)
-            out.append("(?:" + "|".join(_segment_regex(a, offset + i + 1) for a in alternatives) + ")")
+            regexes, at = [], i + 1  # `at`: where each alternative starts, for error offsets
+            for alternative in alternatives:
+                regexes.append(_segment_regex(alternative, offset + at))
+                at += len(alternative) + 1
+            out.append("(?:" + "|".join(regexes) + ")")
             i = end
         else:
             out.append(re.escape(ch))
