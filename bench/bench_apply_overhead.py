@@ -75,8 +75,8 @@ def worker(steps: int) -> None:
 
     from tpplan import load_plan
     from tpplan.models.llama import LlamaConfig, Transformer
-    from tpplan.runtime import apply_plan
-    from tpplan.simulate import default_inputs
+    from tpplan.runtime.torchrun import apply_plan
+    from tpplan.runtime.simulate import default_inputs
 
     dist.init_process_group("gloo")
     try:

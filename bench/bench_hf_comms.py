@@ -5,8 +5,8 @@ layers) and TP degree, one forward and one backward are run in one process
 under torch's fake process group, and the collectives are counted:
 
 - `transformers`: transformers' plan on transformers' own runtime
-  (`tpplan.hf.apply_transformers_plan`), as `from_pretrained(tp_plan="auto")`;
-- `hf->tpplan`: the same plan imported with `tpplan.hf.import_hf`;
+  (`tpplan.hf.importer.apply_transformers_plan`), as `from_pretrained(tp_plan="auto")`;
+- `hf->tpplan`: the same plan imported with `tpplan.hf.importer.import_hf`;
 - `ours`: plans/hf/<family>_tp.yaml (and `ours SP`: <family>_tp_sp.yaml).
 
 Prints a table and the backward ratio transformers / ours. Run:
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from tpplan import hf_models, load_plan
-from tpplan.hf import apply_transformers_plan, import_hf
-from tpplan.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
+from tpplan.hf.importer import apply_transformers_plan, import_hf
+from tpplan.runtime.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
 FAMILIES = ("llama", "qwen2", "mistral", "qwen2_moe")

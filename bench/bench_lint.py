@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--check", action="store_true", help=f"exit 1 above {GOAL_S:.0f} s or on super-linear growth")
     args = parser.parse_args()
 
-    from tpplan.checks import check_model
+    from tpplan.lint.checks import check_model
 
     plan = load_plan(text=plan_text(), file="bench.yaml")
     print(f"plan: {len(plan.rules)} rules; TP degrees {TP_SIZES}; median of {args.runs} runs, fresh model each")

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tpplan import checks
-from tpplan.cli import app
+from tpplan.lint import checks
+from tpplan.cli.app import app
 from tpplan.docs import schema_text
-from tpplan.problems import error, warning
-from tpplan.report import CheckedPlan, Outcome, render_github
-from tpplan.schema import plan_json_schema
+from tpplan.core.problems import error, warning
+from tpplan.render.problems import CheckedPlan, Outcome, render_github
+from tpplan.core.schema import plan_json_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 MLP_PLAN = str(ROOT / "plans" / "mlp_tp.yaml")
@@ -110,7 +110,7 @@ def test_colour_changes_no_character_of_the_text_output(workdir):
 
 def test_a_caret_past_the_end_of_its_line_still_points_at_the_column():
     outcome = Outcome([CheckedPlan("p.yaml", text="a: b\n", rules=None)], [error("TP999", "m", "p.yaml", 1, 7)])
-    from tpplan.report import text_lines
+    from tpplan.render.problems import text_lines
 
     rendered = ["".join(text for text, _ in line) for line in text_lines(outcome)]
     assert rendered[1:3] == ["1 | a: b", "  |       ^ error"]
@@ -356,7 +356,7 @@ def test_a_factory_that_raises_is_reported_at_the_raising_line(workdir, factorie
 
 def test_a_factory_that_returns_no_module_is_an_error(workdir, factories):
     result = run("validate", workdir("plan.yaml", GOOD), "--model", "cli_test_factories:not_a_module")
-    assert result.exit_code == 1  # tpplan.modelref: a factory that runs is a model problem (TP500)
+    assert result.exit_code == 1  # tpplan.runtime.modelref: a factory that runs is a model problem (TP500)
     assert "TP500 --model cli_test_factories:not_a_module returned a dict, not a torch.nn.Module" in result.stdout
 
 
@@ -397,7 +397,7 @@ def test_plan_only_validate_does_not_import_torch():
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"{MLP_PLAN}: ok, 2 rules\n"
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")}
-    assert "tpplan.loader" in imported  # the probe sees our own imports
+    assert "tpplan.core.loader" in imported  # the probe sees our own imports
     assert not {name for name in imported if name == "torch" or name.startswith("torch.")}
 
 

@@ -15,11 +15,11 @@ from typer.testing import CliRunner
 
 from expected import llama_bytes, llama_comms, mlp_bytes, mlp_comms
 from tpplan import load_plan
-from tpplan.cli import app
-from tpplan.dryrun import dry_run
+from tpplan.cli.app import app
+from tpplan.runtime.dryrun import dry_run
 from tpplan.models import llama, mlp
 from tpplan.models.llama import LlamaConfig
-from tpplan.runtime import ApplyOptions, UsageError
+from tpplan.runtime.torchrun import ApplyOptions, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
@@ -242,7 +242,7 @@ def test_a_small_model_that_needs_values_is_counted_with_real_ones(gated):
 
 
 def test_a_big_model_that_needs_values_is_not_materialized(gated, monkeypatch):
-    from tpplan import simulate
+    from tpplan.runtime import simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     report = dry_run(ApplyOptions(plan=str(gated), model="gated:build", tp=2))

@@ -9,7 +9,7 @@ import pytest
 import typer
 
 from tpplan import docs
-from tpplan.schema import plan_json_schema
+from tpplan.core.schema import plan_json_schema
 
 
 @pytest.mark.parametrize("name", list(docs.GENERATED))
@@ -53,7 +53,7 @@ def test_cli_reference_does_not_depend_on_the_terminal(monkeypatch):
 def test_cli_reference_covers_every_registered_command():
     from typer.main import get_command
 
-    from tpplan.cli import app
+    from tpplan.cli.app import app
 
     group = get_command(app)
     names = group.list_commands(group.context_class(group, info_name="tpplan"))

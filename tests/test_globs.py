@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpplan import load_plan
-from tpplan.globs import GlobSyntaxError, ModuleTree, compile_glob, generalize
+from tpplan.core.globs import GlobSyntaxError, ModuleTree, compile_glob, generalize
 
 
 def llama_names(layers=(0, 1, 10)) -> list[str]:

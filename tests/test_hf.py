@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
 from tpplan import hf_models  # noqa: E402
-from tpplan.hf import (  # noqa: E402
+from tpplan.hf.importer import (  # noqa: E402
     SOUND_STYLES,
     UNPLANNED_STYLES,
     UNSOUND_STYLES,
@@ -26,7 +26,7 @@ from tpplan.hf import (  # noqa: E402
     apply_transformers_plan,
     import_hf,
 )
-from tpplan.simulate import check_parity  # noqa: E402
+from tpplan.runtime.simulate import check_parity  # noqa: E402
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
 L = hf_models.TINY["num_hidden_layers"]  # 2
@@ -186,7 +186,7 @@ def test_every_transformers_style_is_mapped_or_reported():
 def test_linear_styles_map_to_torch_styles_with_transformers_layouts(hf_style):
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES  # registers the styles
 
-    from tpplan.compile import compile_style
+    from tpplan.sharding.compile import compile_style
 
     theirs = ALL_PARALLEL_STYLES[hf_style]
     value = SOUND_STYLES[hf_style]
@@ -212,7 +212,7 @@ def test_unknown_model_type_is_a_value_error():
 
 
 def test_tied_weights_stay_one_parameter_through_apply():
-    from tpplan.simulate import simulated_world, tp_mesh
+    from tpplan.runtime.simulate import simulated_world, tp_mesh
 
     model = hf_models.llama_tied()
     with simulated_world(2):
@@ -222,7 +222,7 @@ def test_tied_weights_stay_one_parameter_through_apply():
 
 def test_tied_parameters_laid_out_differently_are_a_located_plan_error():
     from tpplan import PlanError
-    from tpplan.simulate import simulated_world, tp_mesh
+    from tpplan.runtime.simulate import simulated_world, tp_mesh
 
     plan = load_plan(
         text="version: 1\nrules:\n  model.embed_tokens: {style: colwise, output_layouts: replicate}\n"
@@ -246,7 +246,7 @@ def test_transformers_runtime_all_reduces_each_column_parallel_input():
 def test_import_hf_command_writes_a_plan_that_validates_against_its_model(tmp_path):
     from typer.testing import CliRunner
 
-    from tpplan.cli import app
+    from tpplan.cli.app import app
 
     out = tmp_path / "llama.yaml"
     result = CliRunner().invoke(app, ["import-hf", "llama", "--minimal", "-o", str(out)])
@@ -261,7 +261,7 @@ def test_import_hf_command_writes_a_plan_that_validates_against_its_model(tmp_pa
 def test_import_hf_command_lists_what_it_leaves_out_and_rejects_unknown_types():
     from typer.testing import CliRunner
 
-    from tpplan.cli import app
+    from tpplan.cli.app import app
 
     moe = CliRunner().invoke(app, ["import-hf", "qwen2_moe"])
     assert moe.exit_code == 0

@@ -14,7 +14,7 @@ from lint_helpers import lint
 from typer.testing import CliRunner
 
 from tpplan import load_plan
-from tpplan.cli import app
+from tpplan.cli.app import app
 from tpplan.lint import RULES
 from tpplan.lint.codes import catalog
 from tpplan.lint.docs import REGENERATE, RULES_MD, rules_markdown

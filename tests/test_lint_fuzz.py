@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from lint_helpers import meta_model
 
 from tpplan import PlanError, load_plan
-from tpplan.checks import check_model
+from tpplan.lint.checks import check_model
 from tpplan.lint.codes import catalog
-from tpplan.schema import STYLE_NAMES
+from tpplan.core.schema import STYLE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = [

@@ -9,7 +9,7 @@ import pytest
 from lint_helpers import meta_model
 
 from tpplan import load_plan
-from tpplan.checks import check_model
+from tpplan.lint.checks import check_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tpplan import Plan, PlanError, load_plan
-from tpplan.yamlsource import MAX_NODES
+from tpplan.core.yamlsource import MAX_NODES
 
 # -- reading the file (TP001, CLI exit 2) -------------------------------------------
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from expected import llama_comms, mlp_comms
 from tpplan import load_plan
 from tpplan.models import llama, mlp
-from tpplan.simulate import (
+from tpplan.runtime.simulate import (
     check_parity,
     collective_name,
     count_collectives,

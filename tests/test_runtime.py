@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tpplan import load_plan
-from tpplan.modelref import ModelRefError, build_model, load_callable, make_inputs, module_structure
+from tpplan.runtime.modelref import ModelRefError, build_model, load_callable, make_inputs, module_structure
 from tpplan.models import llama, mlp
-from tpplan.problems import PlanError
-from tpplan.runtime import (
+from tpplan.core.problems import PlanError
+from tpplan.runtime.torchrun import (
     BACKENDS,
     UsageError,
     apply_plan,
@@ -30,7 +30,7 @@ from tpplan.runtime import (
     sgd_steps,
     torchrun_env,
 )
-from tpplan.simulate import simulated_world, tp_mesh
+from tpplan.runtime.simulate import simulated_world, tp_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
@@ -343,5 +343,5 @@ def test_sgd_steps_lower_the_loss_towards_fixed_targets():
 
 def test_the_cli_still_starts_without_torch():
     # `apply` is registered on the app at start-up; its module must not pull torch in.
-    code = "import sys, tpplan.cli; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, tpplan.cli.app; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

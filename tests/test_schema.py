@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from tpplan import load_plan
-from tpplan.placements import PlacementSpec, parse_placement
-from tpplan.schema import STYLE_NAMES
+from tpplan.core.placements import PlacementSpec, parse_placement
+from tpplan.core.schema import STYLE_NAMES
 
 
 def rule(options: str) -> str:
@@ -402,7 +402,7 @@ def _torch():
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor import parallel
 
-    from tpplan.styles import NoParallel
+    from tpplan.sharding.styles import NoParallel
 
     return SimpleNamespace(**vars(parallel), Partial=Partial, Replicate=Replicate, Shard=Shard, NoParallel=NoParallel)
 
@@ -480,7 +480,7 @@ def test_every_style_name_has_a_compile_case():
 
 @pytest.mark.parametrize("options, build_expected", COMPILE_CASES, ids=[options[:60] for options, _ in COMPILE_CASES])
 def test_style_compiles_to_the_torch_object_with_the_same_options(options, build_expected):
-    from tpplan.compile import compile_style
+    from tpplan.sharding.compile import compile_style
 
     expected = build_expected(_torch())
     compiled = compile_style(only_spec(rule(options)), src_data_rank=None)
@@ -489,7 +489,7 @@ def test_style_compiles_to_the_torch_object_with_the_same_options(options, build
 
 
 def test_compiled_styles_default_to_scattering_from_rank_0():
-    from tpplan.compile import compile_style
+    from tpplan.sharding.compile import compile_style
 
     assert compile_style(only_spec(rule("colwise"))).src_data_rank == 0
 

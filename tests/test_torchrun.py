@@ -85,7 +85,7 @@ def helpers(tmp_path):
     (tmp_path / "rank_plans.py").write_text(textwrap.dedent("""\
         # `tpplan apply` with a plan that depends on the rank: ranks that disagree.
         import os, sys
-        from tpplan.cli import main
+        from tpplan.cli.app import main
         plans = sys.argv[1].split(",")
         sys.argv = ["tpplan", "apply", "--plan", plans[int(os.environ["RANK"])], *sys.argv[2:]]
         main()

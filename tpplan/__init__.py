@@ -8,11 +8,11 @@ never pays for torch.
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_plan": "loader",
-    "Plan": "plan",
-    "Rule": "plan",
-    "PlanError": "problems",
-    "Problem": "problems",
+    "load_plan": "core.loader",
+    "Plan": "core.plan",
+    "Rule": "core.plan",
+    "PlanError": "core.problems",
+    "Problem": "core.problems",
     **dict.fromkeys(
         [
             "NoParallel",
@@ -24,7 +24,7 @@ _EXPORTS = {
             "PrepareModuleInputOutput",
             "ParallelStyle",
         ],
-        "styles",
+        "sharding.styles",
     ),
 }
 __all__ = list(_EXPORTS)

@@ -5,7 +5,7 @@
 
 cli.md is written from the commands' parameters, not from typer's help screen,
 so it depends on neither the terminal width nor colours, and it covers every
-command registered on `tpplan.cli.app`.
+command registered on `tpplan.cli.app.app`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ REGENERATE = "python -m tpplan.docs"
 
 def schema_text() -> str:
     """`tpplan schema`'s output: the plan JSON Schema, keys sorted so the file diffs cleanly."""
-    from .schema import plan_json_schema
+    from .core.schema import plan_json_schema
 
     return json.dumps(plan_json_schema(), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
@@ -36,7 +36,7 @@ def cli_markdown(app: Any = None) -> str:
     from typer.main import get_command
 
     if app is None:
-        from .cli import app
+        from .cli.app import app
 
     group = get_command(app)
     ctx = group.context_class(group, info_name="tpplan")

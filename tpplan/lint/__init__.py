@@ -17,8 +17,8 @@ from .registry import RULES, Finding, LintRule, run_rules
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..plan import Plan
-    from ..problems import Problem
+    from ..core.plan import Plan
+    from ..core.problems import Problem
 
 
 def ordered_rules() -> list[LintRule]:

@@ -103,7 +103,7 @@ def _plain(code: str, name: str, text: str, severity: str = "error") -> Entry:
 
 
 def _runtime_entries() -> list[Entry]:
-    from ..runtime import RULE_DOCS  # no torch at import
+    from ..runtime.torchrun import RULE_DOCS  # no torch at import
 
     names = {
         "TP500": "model-factory", "TP501": "apply-failed", "TP502": "forward-failed",

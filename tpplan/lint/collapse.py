@@ -97,8 +97,8 @@ def collapsed_copy(ctx: "LintContext") -> "nn.Module":
 
 def plan_for(ctx: "LintContext", model: "nn.Module"):
     """The plan without the rules that match nothing in the collapsed `model`."""
-    from ..globs import ModuleTree
-    from ..plan import Plan
+    from ..core.globs import ModuleTree
+    from ..core.plan import Plan
 
     tree = ModuleTree(name for name, _ in model.named_modules())
     rules = [rule for rule in ctx.plan.rules if tree.match(rule.glob)]

@@ -12,8 +12,8 @@ import weakref
 from functools import cached_property
 from typing import TYPE_CHECKING, Sequence
 
-from ..plan import Plan, Rule
-from ..problems import Problem
+from ..core.plan import Plan, Rule
+from ..core.problems import Problem
 
 if TYPE_CHECKING:
     from torch import nn
@@ -90,7 +90,7 @@ def resolve(plan: Plan, modules: dict[str, "nn.Module"]) -> tuple[dict[str, Rule
 
 
 def _trace(model: "nn.Module") -> "tuple[Trace | None, str]":
-    from ..simulate import default_inputs
+    from ..runtime.simulate import default_inputs
     from .simulation import available, prepared, running
     from .trace import TraceError, trace_model
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..plan import Rule
+from ..core.plan import Rule
 
 if TYPE_CHECKING:
     from torch import nn

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..placements import PlacementSpec
+from ..core.placements import PlacementSpec
 from .facts import nested_parameters
 from .text import shard_text
 from .trace import Call, Op, Return, Trace
@@ -45,7 +45,7 @@ from .trace import Call, Op, Return, Trace
 if TYPE_CHECKING:
     from torch import nn
 
-    from ..plan import Rule
+    from ..core.plan import Rule
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..problems import Problem, Severity
+from ..core.problems import Problem, Severity
 
 if TYPE_CHECKING:
     from .context import LintContext

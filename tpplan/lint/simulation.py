@@ -33,7 +33,7 @@ def model_bytes(model: "nn.Module") -> int:
 
 
 def available(model: "nn.Module") -> tuple[str, ...]:
-    from ..simulate import VALUES_LIMIT_BYTES
+    from ..runtime.simulate import VALUES_LIMIT_BYTES
 
     return MODES if model_bytes(model) <= VALUES_LIMIT_BYTES else MODES[:2]
 
@@ -44,7 +44,7 @@ def running(mode: str, model: "nn.Module") -> Iterator[None]:
     import torch
 
     if mode == "fake":
-        from ..simulate import fake_tensors
+        from ..runtime.simulate import fake_tensors
 
         with fake_tensors():
             yield

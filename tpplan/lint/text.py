@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from ..globs import generalize  # noqa: F401  the rules import it from here
-from ..plan import Rule
+from ..core.globs import generalize  # noqa: F401  the rules import it from here
+from ..core.plan import Rule
 
 # TP degrees worth listing: no real mesh axis goes beyond this.
 MAX_DEGREE = 64

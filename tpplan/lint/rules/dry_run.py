@@ -35,9 +35,9 @@ def check(ctx):
 
 def _simulate(ctx, tp: int, mode: str):
     """None when the plan applies and a forward and backward run at `tp`; else the problems."""
-    from ...problems import PlanError
-    from ...runtime import FailureLocator, apply_plan, run_located
-    from ...simulate import default_inputs, scalar_loss, simulated_world, tp_mesh
+    from ...core.problems import PlanError
+    from ...runtime.torchrun import FailureLocator, apply_plan, run_located
+    from ...runtime.simulate import default_inputs, scalar_loss, simulated_world, tp_mesh
     from ..collapse import collapsed_copy, plan_for
     from ..simulation import prepared, running
 

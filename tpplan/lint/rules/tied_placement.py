@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...tied import shared_parameters
+from ...sharding.tied import shared_parameters
 from ..facts import placements
 from ..registry import Finding, LintRule, register
 from ..text import rule_ref

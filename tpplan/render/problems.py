@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from .problems import Problem, sort_problems
+from ..core.problems import Problem, sort_problems
 
 # Problems that mean "could not read the input" rather than "the input is wrong".
 UNREADABLE_INPUT = frozenset({"TP001"})

@@ -14,8 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from .globs import generalize
-from .problems import Problem
+from ..core.globs import generalize
+from ..core.problems import Problem
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .problems import PlanError, error
+from ..core.problems import PlanError, error
 
 if TYPE_CHECKING:
     import torch

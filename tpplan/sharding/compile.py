@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .placements import PlacementSpec
-from .schema import StyleSpec
+from ..core.placements import PlacementSpec
+from ..core.schema import StyleSpec
 from .styles import (
     ColwiseParallel,
     NoParallel,

@@ -12,7 +12,7 @@ def rules(
     ] = None,
 ) -> None:
     """Document the checks: list every problem code, or print one code's documentation."""
-    from .lint.codes import catalog, find
+    from ..lint.codes import catalog, find
 
     if code is None:
         entries = catalog()

@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from .apply_report import ApplyReport, CheckResult, human_bytes
-from .loader import load_plan
+from ..render.apply_report import ApplyReport, CheckResult, human_bytes
+from ..core.loader import load_plan
 from .modelref import build_model, load_callable, make_inputs
-from .plan import Plan
-from .problems import PlanError, error
-from .runtime import (
+from ..core.plan import Plan
+from ..core.problems import PlanError, error
+from .torchrun import (
     ApplyOptions,
     FailureLocator,
     UsageError,

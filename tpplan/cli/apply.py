@@ -79,9 +79,9 @@ def apply(
     ] = 300.0,
 ) -> None:
     """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
-    from .cli import usage_error
-    from .modelref import ModelRefError
-    from .runtime import ApplyOptions, UsageError
+    from .app import usage_error
+    from ..runtime.modelref import ModelRefError
+    from ..runtime.torchrun import ApplyOptions, UsageError
 
     options = ApplyOptions(
         plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout
@@ -91,11 +91,11 @@ def apply(
     with _progress(rank == 0 and format is ApplyFormat.text) as on_event:
         try:
             if dry_run:
-                from .dryrun import dry_run as run
+                from ..runtime.dryrun import dry_run as run
 
                 report = run(options, on_event)
             else:
-                from .runtime import run_torchrun
+                from ..runtime.torchrun import run_torchrun
 
                 report = run_torchrun(options, on_event)
             code = _print(report, format, rank)
@@ -138,9 +138,9 @@ def _progress(show: bool) -> Iterator[Callable[[str], None]]:
 
 
 def _print(report, format: ApplyFormat, rank: int) -> int:
-    from .loader import read_plan_text
-    from .problems import PlanError
-    from .report import CheckedPlan, Outcome
+    from ..core.loader import read_plan_text
+    from ..core.problems import PlanError
+    from ..render.problems import CheckedPlan, Outcome
 
     checked = CheckedPlan(report.plan_file)
     with contextlib.suppress(PlanError):  # unreadable: its TP001 problem is in the report already
@@ -158,8 +158,8 @@ def _print(report, format: ApplyFormat, rank: int) -> int:
         return outcome.exit_code
     from rich.console import Console
 
-    from .apply_report import render_text
-    from .report import render_text as render_problems
+    from ..render.apply_report import render_text
+    from ..render.problems import render_text as render_problems
 
     if report.modules:
         console = Console(highlight=False)

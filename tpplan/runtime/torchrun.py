@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .apply_report import ApplyReport, CheckResult, ParamLayout, StepsResult
+from ..render.apply_report import ApplyReport, CheckResult, ParamLayout, StepsResult
 from .modelref import ModelRefError, build_model, make_inputs, module_structure, structure_hash
-from .plan import Plan, Rule
-from .problems import PlanError, Problem, error
+from ..core.plan import Plan, Rule
+from ..core.problems import PlanError, Problem, error
 
 if TYPE_CHECKING:
     import torch
@@ -635,7 +635,7 @@ def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None =
 def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> ApplyReport:
     import torch
 
-    from .loader import load_plan
+    from ..core.loader import load_plan
 
     report = ApplyReport(mode="torchrun", plan_file=options.plan, model=options.model, world_size=ctx.world, device=ctx.device.type, backend=ctx.backend)
     plan = model = structure = shape = names = None

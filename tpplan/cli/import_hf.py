@@ -42,7 +42,7 @@ def import_hf(
     every rule is checked to match a module.
     """
     try:
-        from .hf import import_hf as run_import
+        from ..hf.importer import import_hf as run_import
     except ModuleNotFoundError as exc:
         typer.echo(f"Error: import-hf needs transformers ({exc}): pip install 'tpplan[hf]'", err=True)
         raise typer.Exit(2) from None

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 import typer
 
 if TYPE_CHECKING:
-    from .plan import Plan
-    from .problems import Problem
-    from .report import CheckedPlan, Outcome
+    from ..core.plan import Plan
+    from ..core.problems import Problem
+    from ..render.problems import CheckedPlan, Outcome
 
 app = typer.Typer(
     name="tpplan",
@@ -68,13 +68,13 @@ def validate(
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
 ) -> None:
     """Validate plans: schema and plan-only checks; with --model, strict resolution and model checks."""
-    from .loader import load_plan, read_plan_text
-    from .problems import PlanError
-    from .report import CheckedPlan, Outcome
+    from ..core.loader import load_plan, read_plan_text
+    from ..core.problems import PlanError
+    from ..render.problems import CheckedPlan, Outcome
 
     factory = None
     if model is not None:
-        from .modelref import ModelRefError, load_callable
+        from ..runtime.modelref import ModelRefError, load_callable
 
         try:
             factory = load_callable(model, "--model")
@@ -106,9 +106,9 @@ def _check_against_model(
     ref: str, factory: Callable[[], Any], loaded: "list[tuple[CheckedPlan, Plan]]", tp: list[int] | None
 ) -> "list[Problem]":
     """Build the model once, on the meta device, and check every loaded plan against it."""
-    from .checks import check_model, tp_sizes_for
-    from .modelref import build_model
-    from .problems import PlanError
+    from ..lint.checks import check_model, tp_sizes_for
+    from ..runtime.modelref import build_model
+    from ..core.problems import PlanError
 
     try:
         built = build_model(ref, "meta", factory)
@@ -122,7 +122,7 @@ def _check_against_model(
 
 
 def _print(outcome: "Outcome", format: Format) -> NoReturn:
-    from . import report
+    from ..render import problems as report
 
     if format is Format.text:
         report.render_text(outcome)
@@ -135,7 +135,7 @@ def _print(outcome: "Outcome", format: Format) -> NoReturn:
 @app.command()
 def schema() -> None:
     """Print the JSON Schema of the plan format (what schemas/plan.schema.json holds)."""
-    from .docs import schema_text
+    from ..docs import schema_text
 
     sys.stdout.write(schema_text())
 
@@ -150,9 +150,9 @@ def main() -> None:
 # They are imported whenever `tpplan` starts, so such a module must not import
 # torch (or anything heavy) at import time. cli.md covers every registered
 # command: regenerate it with `python -m tpplan.docs`.
-from .cli_apply import apply  # noqa: E402
+from .apply import apply  # noqa: E402
 app.command()(apply)
-from .cli_hf import import_hf  # noqa: E402
+from .import_hf import import_hf  # noqa: E402
 app.command("import-hf")(import_hf)
-from .cli_rules import rules  # noqa: E402
+from .rules import rules  # noqa: E402
 app.command()(rules)

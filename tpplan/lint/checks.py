@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from .problems import Problem
+from ..core.problems import Problem
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from .plan import Plan
+    from ..core.plan import Plan
 
 # What `validate --model` checks when neither --tp nor the plan's mesh.sizes says.
 DEFAULT_TP_SIZES = (2, 4, 8)
@@ -30,6 +30,6 @@ def tp_sizes_for(plan: "Plan", requested: Sequence[int] | None) -> list[int]:
 def check_model(plan: "Plan", model: "nn.Module", tp_sizes: Sequence[int]) -> list[Problem]:
     """Problems of `plan` applied to `model` (best built on the meta device) at each TP degree
     (none given: the plan's mesh.sizes, else DEFAULT_TP_SIZES)."""
-    from .lint import lint_model
+    from . import lint_model
 
     return lint_model(plan, model, tp_sizes_for(plan, tp_sizes))

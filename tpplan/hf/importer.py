@@ -172,7 +172,7 @@ def _parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
     transformers' decoder layers call attention by keyword (`hidden_states=`) and
     MLPs positionally; tests/test_hf.py checks both by parity.
     """
-    from .globs import ModuleTree, compile_glob, generalize
+    from ..core.globs import ModuleTree, compile_glob, generalize
 
     modules = dict(model.named_modules())
     tree = ModuleTree(modules)
@@ -270,7 +270,7 @@ def import_hf(
 
     header = [
         f"# yaml-language-server: $schema={schema}",
-        f"# Imported by tpplan.hf.import_hf from transformers {transformers.__version__}:",
+        f"# Imported by tpplan.hf.importer.import_hf from transformers {transformers.__version__}:",
         f"# {type(config).__name__}.base_model_tp_plan + {model_cls.__name__}._tp_plan.",
     ]
     if added:
@@ -292,7 +292,7 @@ def import_hf(
 def _keep_module_rules(
     rules: dict[str, Any], hf_plan: Mapping[str, str], model, skipped: list[Skipped]
 ) -> dict[str, Any]:
-    from .globs import ModuleTree, compile_glob
+    from ..core.globs import ModuleTree, compile_glob
 
     modules = ModuleTree(name for name, _ in model.named_modules())
     params = ModuleTree(name for name, _ in model.named_parameters())
@@ -321,8 +321,8 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
     leave embed_tokens whole, which `Plan.apply` rejects (tied parameters laid out differently)."""
     from torch import nn
 
-    from .globs import ModuleTree, compile_glob, generalize
-    from .tied import shared_parameters
+    from ..core.globs import ModuleTree, compile_glob, generalize
+    from ..sharding.tied import shared_parameters
 
     tree = ModuleTree(name for name, _ in model.named_modules())
     planned = {name: value for pattern, value in rules.items() for name in tree.match(compile_glob(pattern))}

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
     # annotations only: `tpplan rules` need not import pydantic
     from .schema import PlanSpec, StyleSpec
-    from .styles import ParallelStyle
+    from ..sharding.styles import ParallelStyle
     from .yamlsource import SourceMap
 
 
@@ -111,7 +111,7 @@ class Plan:
 
     def resolve(self, model: "nn.Module") -> dict[str, "ParallelStyle"]:
         """{concrete module path: a fresh ParallelStyle}, in module order."""
-        from .compile import compile_style
+        from ..sharding.compile import compile_style
 
         return {fqn: compile_style(rule.spec, self.src_data_rank) for fqn, rule in self.match(model).items()}
 
@@ -138,8 +138,8 @@ class Plan:
         """
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from .compile import compile_style
-        from .tied import retie, shared_parameters
+        from ..sharding.compile import compile_style
+        from ..sharding.tied import retie, shared_parameters
 
         tp_mesh = self.tp_mesh(mesh)
         claimed = self.match(model)
