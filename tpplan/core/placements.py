@@ -1,7 +1,9 @@
 """The placement grammar of plan files, without importing torch.
 
-`replicate`, `shard(D)` (D may be negative), `partial` or `partial(sum|avg|max|min)`,
-case-insensitive. Parsed into `PlacementSpec`, turned into torch placements only
+`replicate`, `shard(D)` (D may be negative), `packed_shard(D, N)` (dim D holds N
+equal blocks, e.g. a fused gate/up projection, and each block is sharded, so every
+rank holds matching slices of all N: torch's `_StridedShard(D, split_factor=N)`),
+`partial` or `partial(sum|avg|max|min)`, case-insensitive. Parsed into `PlacementSpec`, turned into torch placements only
 when a plan is compiled.
 """
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
-GRAMMAR = "replicate, shard(DIM), partial or partial(sum|avg|max|min)"
+GRAMMAR = "replicate, shard(DIM), packed_shard(DIM, BLOCKS), partial or partial(sum|avg|max|min)"
 
 
 def _anycase(word: str) -> str:
@@ -23,10 +25,12 @@ def _anycase(word: str) -> str:
 # For the JSON Schema, so that editors flag a bad placement as it is typed.
 PATTERN = (
     rf"^\s*({_anycase('replicate')}|{_anycase('shard')}\(\s*-?\d+\s*\)"
+    rf"|{_anycase('packed_shard')}\(\s*-?\d+\s*,\s*\d+\s*\)"
     rf"|{_anycase('partial')}(\(\s*({'|'.join(map(_anycase, REDUCE_OPS))})\s*\))?)\s*$"
 )
 
 _SHARD = re.compile(r"shard\(\s*(-?\d+)\s*\)")
+_PACKED = re.compile(r"packed_shard\(\s*(-?\d+)\s*,\s*(\d+)\s*\)")
 _PARTIAL = re.compile(r"partial(?:\(\s*(\w+)\s*\))?")
 
 
@@ -35,8 +39,11 @@ class PlacementSpec:
     kind: Literal["replicate", "shard", "partial"]
     dim: int | None = None
     reduce_op: str = "sum"
+    blocks: int = 1  # shard only: > 1 for packed_shard(dim, blocks)
 
     def __str__(self) -> str:
+        if self.kind == "shard" and self.blocks > 1:
+            return f"packed_shard({self.dim}, {self.blocks})"
         if self.kind == "shard":
             return f"shard({self.dim})"
         if self.kind == "partial" and self.reduce_op != "sum":
@@ -46,6 +53,10 @@ class PlacementSpec:
     def to_torch(self):
         from torch.distributed.tensor import Partial, Replicate, Shard
 
+        if self.kind == "shard" and self.blocks > 1:
+            from torch.distributed.tensor.placement_types import _StridedShard
+
+            return _StridedShard(self.dim, split_factor=self.blocks)
         if self.kind == "shard":
             return Shard(self.dim)
         if self.kind == "partial":
@@ -64,6 +75,10 @@ def parse_placement(value: object) -> PlacementSpec:
         return PlacementSpec("replicate")
     if m := _SHARD.fullmatch(text):
         return PlacementSpec("shard", int(m.group(1)))
+    if m := _PACKED.fullmatch(text):
+        if int(m.group(2)) < 1:
+            raise ValueError(f"packed_shard needs at least 1 block, not {m.group(2)} in {value!r}")
+        return PlacementSpec("shard", int(m.group(1)), blocks=int(m.group(2)))
     if m := _PARTIAL.fullmatch(text):
         op = m.group(1) or "sum"
         if op not in REDUCE_OPS:

@@ -183,6 +183,65 @@ class NoParallelSpec(StyleSpec):
     use_local_output: bool = True
 
 
+# -- styles beyond torch's (SPEC §2a) -------------------------------------------
+
+
+class ExpertTPSpec(StyleSpec):
+    """Shard every expert of a fused 3-D expert module (transformers' `experts`) on its
+    intermediate dim; the partial output is reduced to `output_layouts`."""
+
+    style: Literal["expert_tp"]
+    params: dict[str, Layout] | None = Field(
+        None,
+        description="Placement per own parameter, over the defaults: gate_up_proj packed_shard(1, 2) "
+        "([E, 2I, H]; shard(2) for gpt-oss's interleaved [E, H, 2I]), down_proj shard(2) ([E, H, I]; "
+        "shard(1) transposed), gate_up_proj_bias like its gate/up dim, down_proj_bias replicate.",
+    )
+    input_layouts: Layout | None = Field(None, description="Layout of the hidden states; default replicate.")
+    output_layouts: Layout | None = Field(
+        None, description="The partial output is reduced to it: replicate (all-reduce, default) or shard(D) (reduce-scatter)."
+    )
+    use_local_output: bool = True
+
+
+class ExpertParallelSpec(StyleSpec):
+    """Whole experts per rank: shard(0) of the expert dim of every fused expert parameter."""
+
+    style: Literal["expert_parallel"]
+    dispatch: Literal["all_reduce"] = Field(
+        "all_reduce",
+        description="all_reduce: tokens replicated, each rank runs its experts on every token "
+        "(weight 0 where not routed), one all-reduce sums the ranks' outputs.",
+    )
+    input_layouts: Layout | None = Field(None, description="Layout of the hidden states; default replicate.")
+    output_layouts: Layout | None = Field(None, description="The summed output's layout: replicate (default) or shard(D).")
+    use_local_output: bool = True
+
+
+class KVColwiseSpec(StyleSpec):
+    """colwise over whole heads (a GQA k_proj/v_proj): when the TP degree exceeds `heads`,
+    rank r holds head r // (degree / heads), replicated, with summed gradients; the
+    attention's KV-group count is set to the local ratio."""
+
+    style: Literal["kv_colwise"]
+    heads: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Heads in the projection's output (num_key_value_heads); default out_features / the parent's head_dim."
+    )
+    input_layouts: Layout | None = Field(None, description="Layout of the input; default replicate.")
+    use_local_output: bool = True
+
+
+class LocalParamsSpec(StyleSpec):
+    """A module inside a sharded region that computes on local tensors: its own parameters
+    laid out by `params` (default replicate, the gradient summed over the mesh, as
+    transformers' replicated_with_grad_allreduce)."""
+
+    style: Literal["local_params"]
+    params: dict[str, Layout] | None = Field(
+        None, description="Placement per own parameter (default replicate, gradient summed over the mesh)."
+    )
+
+
 STYLE_SPECS: dict[str, type[StyleSpec]] = {
     cls.model_fields["style"].annotation.__args__[0]: cls
     for cls in (
@@ -193,6 +252,10 @@ STYLE_SPECS: dict[str, type[StyleSpec]] = {
         PrepareModuleOutputSpec,
         PrepareModuleInputOutputSpec,
         NoParallelSpec,
+        ExpertTPSpec,
+        ExpertParallelSpec,
+        KVColwiseSpec,
+        LocalParamsSpec,
     )
 }
 STYLE_NAMES = tuple(STYLE_SPECS)

@@ -85,7 +85,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+        # The local ratio: under TP with replicated KV heads a rank holds n_heads / tp query
+        # heads and one KV head, not n_heads / n_kv_heads of them per KV head.
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

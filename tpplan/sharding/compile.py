@@ -6,6 +6,9 @@ from typing import Any
 
 from ..core.placements import PlacementSpec
 from ..core.schema import StyleSpec
+from .experts import ExpertParallel, ExpertTensorParallel
+from .kv_heads import KVColwiseParallel
+from .params import LocalParams
 from .styles import (
     ColwiseParallel,
     NoParallel,
@@ -25,6 +28,10 @@ STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
     "prepare_module_output": PrepareModuleOutput,
     "prepare_module_input_output": PrepareModuleInputOutput,
     "no_parallel": NoParallel,
+    "expert_tp": ExpertTensorParallel,
+    "expert_parallel": ExpertParallel,
+    "kv_colwise": KVColwiseParallel,
+    "local_params": LocalParams,
 }
 
 
