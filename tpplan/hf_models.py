@@ -125,8 +125,15 @@ def gpt_oss(attn_implementation: str = "eager"):
         num_experts_per_tok=2,
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
         output_router_logits=False,
     )
+
+
+def apertus(attn_implementation: str = "sdpa"):
+    """ApertusForCausalLM: xIELU activation with learnable alpha_p/alpha_n between the MLP's
+    up_proj and down_proj; per-head q_norm/k_norm."""
+    return _build("ApertusConfig", "ApertusForCausalLM", attn_implementation, head_dim=8, dtype="float32")
 
 
 def llama_kv2(attn_implementation: str = "sdpa"):
@@ -145,5 +152,6 @@ FACTORIES = {
     "mixtral": mixtral,
     "qwen3_moe": qwen3_moe,
     "gpt_oss": gpt_oss,
+    "apertus": apertus,
     "llama_kv2": llama_kv2,
 }

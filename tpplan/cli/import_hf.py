@@ -33,6 +33,14 @@ def import_hf(
             "once per parent instead of once per Linear.",
         ),
     ] = False,
+    ep: Annotated[
+        bool,
+        typer.Option(
+            "--ep",
+            help="Import transformers' expert-parallel plan (base_model_ep_plan: whole experts per rank) "
+            "over its TP plan for the rest of the model.",
+        ),
+    ] = False,
 ) -> None:
     """Turn the TP plan transformers defines for a model into tpplan YAML.
 
@@ -47,7 +55,7 @@ def import_hf(
         typer.echo(f"Error: import-hf needs transformers ({exc}): pip install 'tpplan[hf]'", err=True)
         raise typer.Exit(2) from None
     try:
-        imported = run_import(source, minimal=minimal)
+        imported = run_import(source, minimal=minimal, ep=ep)
     except (ValueError, OSError) as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(2) from None

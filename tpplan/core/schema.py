@@ -231,12 +231,13 @@ class KVColwiseSpec(StyleSpec):
     use_local_output: bool = True
 
 
-class LocalParamsSpec(StyleSpec):
+class LocalParamsSpec(_InputOptions):
     """A module inside a sharded region that computes on local tensors: its own parameters
     laid out by `params` (default replicate, the gradient summed over the mesh, as
-    transformers' replicated_with_grad_allreduce)."""
+    transformers' replicated_with_grad_allreduce); input layouts as prepare_module_input."""
 
     style: Literal["local_params"]
+    use_local_output: bool = False
     params: dict[str, Layout] | None = Field(
         None, description="Placement per own parameter (default replicate, gradient summed over the mesh)."
     )

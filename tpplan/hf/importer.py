@@ -54,32 +54,41 @@ SOUND_STYLES: dict[str, Any] = {
         "desired_input_layout": "shard(-2)",
         "output_layout": "shard(-2)",
     },
+    # Fused 3-D experts: every expert sharded on its intermediate dim (the packed
+    # gate_up_proj and down_proj parameter entries are expert_tp's defaults).
+    "moe_tp_experts": "expert_tp",
+    # base_model_ep_plan (--ep): whole experts per rank, tokens replicated.
+    "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
+}
+
+# Parameter entries of an experts module that its module rule above already lays out
+# (expert_tp's and expert_parallel's defaults are these): folded in, not skipped.
+EXPERT_MODULE_STYLES = ("moe_tp_experts", "ep_dispatch_experts")
+EXPERT_PARAM_STYLES = {
+    "packed_colwise": "packed_shard of its gate/up dim (expert_tp's default)",
+    "rowwise": "shard of its input dim (expert_tp's default)",
+    "colwise": "shard of its output dim (expert_tp's default)",
+    "packed_rowwise": "packed shard of its input dim (expert_tp's default for a packed down projection)",
+    "grouped_gemm": "shard(0) of the expert dim (expert_parallel's default)",
 }
 
 # Full parameters on every rank: what tpplan does to any module no rule names.
 UNPLANNED_STYLES = {
     "replicate": "every rank keeps the full parameter, as for any module no rule names: no rule needed",
+    "ep_router": "the router stays whole on every rank (expert_parallel's all_reduce dispatch routes the "
+    "replicated tokens on every rank): no rule needed",
 }
 
 _LOCAL = "runs the module on local shards outside DTensor (transformers' own hook); no torch style does"
-_EXPERTS = (
-    "shards fused 3-D expert parameters ([experts, out, in]); torch's colwise/rowwise shard only "
-    "nn.Linear and nn.Embedding, and no_parallel fails in the experts' forward (DTensor has no rule "
-    "for nonzero): leave the experts whole on every rank"
-)
 UNSOUND_STYLES: dict[str, str] = {
-    "packed_colwise": "shards a fused [gate; up] weight with a strided shard (_StridedShard), "
-    "which no torch style can express",
-    "packed_rowwise": "shards a fused weight with a strided shard (_StridedShard), which no torch style can express",
-    "moe_tp_experts": _EXPERTS,
+    "packed_colwise": "shards a fused [gate; up] Linear weight (packed_shard) outside an experts module; "
+    "tpplan's colwise shards it contiguously, which would pair one rank's gate with another's up",
+    "packed_rowwise": "shards a fused Linear weight (packed_shard) outside an experts module, which colwise/rowwise cannot express",
     "moe_identity_expert": "divides an identity expert's input by the TP degree to undo moe_tp_experts' sum; "
     "only meaningful with moe_tp_experts",
     "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output; no torch style "
     "splits an output this way",
     "local_params": _LOCAL,
-    "grouped_gemm": "expert parallelism (experts sharded by expert index), not tensor parallelism",
-    "ep_dispatch_experts": "expert parallelism (token all-to-all dispatch), not tensor parallelism",
-    "ep_router": "expert parallelism (token all-to-all dispatch), not tensor parallelism",
     # Names of transformers 4.x, kept so that older plans are reported by name.
     "local_colwise": _LOCAL,
     "local_rowwise": _LOCAL,
@@ -142,6 +151,19 @@ def hf_tp_plan(config, model_cls) -> dict[str, str]:
     base = getattr(config, "base_model_tp_plan", None) or {}
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
     plan.update(getattr(model_cls, "_tp_plan", None) or {})
+    return plan
+
+
+def hf_ep_plan(config, model_cls) -> dict[str, str]:
+    """transformers' expert-parallel plan (`base_model_ep_plan`) over its TP plan: the
+    TP plan for the rest of the model, the EP entries for the experts."""
+    prefix = getattr(model_cls, "base_model_prefix", "") or ""
+    ep = {f"{prefix}.{key}" if prefix else key: style for key, style in (getattr(config, "base_model_ep_plan", None) or {}).items()}
+    plan = hf_tp_plan(config, model_cls)
+    experts = [key for key, style in ep.items() if style in EXPERT_MODULE_STYLES]
+    # The TP entries of modules that EP now owns (the experts and their parameters) give way.
+    plan = {key: style for key, style in plan.items() if not any(key == e or key.startswith(e + ".") for e in experts)}
+    plan.update(ep)
     return plan
 
 
@@ -214,6 +236,7 @@ def import_hf(
     model_type_or_config_path: str | os.PathLike,
     *,
     minimal: bool = False,
+    ep: bool = False,
     check_model: bool = True,
     schema: str = "../../schemas/plan.schema.json",
 ) -> ImportedPlan:
@@ -226,13 +249,21 @@ def import_hf(
     only warns; tpplan's strict matching would reject the plan) are skipped and
     reported. `minimal` adds a `prepare_module_input` on each parent with two
     or more colwise children and no unplanned child holding parameters, so
-    backward costs one all-reduce per parent instead of one per colwise child.
+    backward costs one all-reduce per parent instead of one per colwise child,
+    and `local_params` on each module with its own parameters between sharded
+    activations (TP325's fix: their gradients are summed). `ep` imports
+    `base_model_ep_plan` (experts whole per rank) over the TP plan.
     """
     import transformers
 
     config = load_config(model_type_or_config_path)
     model_cls = causal_lm_class(config)
-    hf_plan = hf_tp_plan(config, model_cls)
+    hf_plan = hf_ep_plan(config, model_cls) if ep else hf_tp_plan(config, model_cls)
+    if ep and not getattr(config, "base_model_ep_plan", None):
+        raise ValueError(
+            f"transformers {transformers.__version__} defines no expert-parallel plan (base_model_ep_plan) "
+            f"for {type(config).__name__}: import without --ep"
+        )
     if not hf_plan:
         raise ValueError(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
@@ -240,8 +271,13 @@ def import_hf(
         )
     rules: dict[str, Any] = {}
     skipped: list[Skipped] = []
+    added: list[tuple[str, str]] = []
+    expert_owners = {key for key, style in hf_plan.items() if style in EXPERT_MODULE_STYLES}
     for key, hf_style in hf_plan.items():
-        if hf_style in SOUND_STYLES:
+        owner = key.rpartition(".")[0]
+        if owner in expert_owners and hf_style in EXPERT_PARAM_STYLES:
+            added.append((owner, f"lays out {key.rpartition('.')[2]} ({hf_style}) as {EXPERT_PARAM_STYLES[hf_style]}"))
+        elif hf_style in SOUND_STYLES:
             rules[key] = SOUND_STYLES[hf_style]
         elif hf_style in UNPLANNED_STYLES:
             skipped.append(Skipped(key, hf_style, UNPLANNED_STYLES[hf_style]))
@@ -250,7 +286,6 @@ def import_hf(
             reason = UNSOUND_STYLES.get(hf_style, unknown)
             skipped.append(Skipped(key, hf_style, reason))
 
-    added: list[tuple[str, str]] = []
     if check_model or minimal:
         try:
             model = _meta_model(config, model_cls)
@@ -279,7 +314,7 @@ def import_hf(
     if skipped:
         header.append("# Left out (no rule here; the modules stay whole on every rank):")
         header += [f"#   {s.key}: {s.hf_style} -- {s.reason}" for s in skipped]
-    name = f"{config.model_type.replace('_', '-')}-hf-tp" + ("-minimal" if minimal else "")
+    name = f"{config.model_type.replace('_', '-')}-hf-{'ep' if ep else 'tp'}" + ("-minimal" if minimal else "")
     description = (
         f"transformers' own TP plan for {model_cls.__name__}"
         + (", plus one shared replicated input per column-parallel parent" if minimal else "")

@@ -70,9 +70,9 @@ def head_split(ctx: "LintContext", fqn: str, rule: Rule) -> tuple[Heads, list[tu
     from torch import nn
 
     module = ctx.modules.get(fqn)
-    if not isinstance(module, nn.Linear) or rule.spec.style not in ("colwise", "rowwise"):
+    if not isinstance(module, nn.Linear) or rule.spec.style not in ("colwise", "rowwise", "kv_colwise"):
         return None
-    size = module.out_features if rule.spec.style == "colwise" else module.in_features
+    size = module.in_features if rule.spec.style == "rowwise" else module.out_features
     heads = heads_of(ctx, fqn)
     if heads is None or heads.head_dim is None:
         return None
@@ -129,12 +129,15 @@ def placements(ctx: "LintContext") -> dict[str, Placed]:
         inherited = replicated_by.get(parent) if parent is not None else None
         style = rule.spec.style if rule else None
         replicated_by[fqn] = rule if style in ("sequence_parallel", "no_parallel") else inherited
-        table = _SHARDED.get((module_kind(module), style))
+        table = _SHARDED.get((module_kind(module), "colwise" if style == "kv_colwise" else style))
+        own = _own_placements(module, rule) if table is None and rule is not None else None
         for key, param in module._parameters.items():
             if param is None:
                 continue
             name = f"{fqn}.{key}" if fqn else key
-            if table is not None:
+            if own is not None and key in own:
+                out[name] = Placed(own[key], fqn, rule)
+            elif table is not None:
                 out[name] = Placed(table.get(key, table["weight"]), fqn, rule)
             elif replicated_by[fqn] is not None:
                 out[name] = Placed("replicate", fqn, replicated_by[fqn])
@@ -142,3 +145,19 @@ def placements(ctx: "LintContext") -> dict[str, Placed]:
                 out[name] = Placed("plain", fqn, None)
     ctx.__dict__["_placements"] = out
     return out
+
+
+def _own_placements(module: "nn.Module", rule: Rule) -> dict[str, str] | None:
+    """The expert styles' and local_params' placement of each own parameter (as plan text)."""
+    style = rule.spec.style
+    if style == "local_params":
+        given = rule.spec.params or {}
+        return {key: str(given.get(key, "replicate")) for key in module._parameters}
+    if style not in ("expert_tp", "expert_parallel"):
+        return None
+    from ..sharding.experts import expert_placements
+
+    try:
+        return expert_placements(module, style, rule.spec.params if style == "expert_tp" else None)
+    except ValueError:
+        return None  # not an experts module, or an unknown parameter name: TP302 / TP312 say so

@@ -68,6 +68,21 @@ class Lay:
         return f"{base} DTensor" if self.dt else base
 
 
+# Styles beyond torch's, as the flow sees them: kv_colwise hands on local head slices
+# like colwise; the expert styles own their module (inputs annotated, output reduced);
+# local_params prepares inputs as prepare_module_input does (its module's ops are followed).
+_FLOW_STYLES = {
+    "kv_colwise": "colwise",
+    "expert_tp": "experts",
+    "expert_parallel": "experts",
+    "local_params": "prepare_module_input",
+}
+
+
+def flow_style(style: str) -> str:
+    return _FLOW_STYLES.get(style, style)
+
+
 REPLICATED = Lay("R")
 DEAD = Lay("?", None)
 
@@ -338,12 +353,12 @@ class _Interpreter:
         frame = _Frame(event.fqn, rule, event)
         self.frames.append(frame)
         spec = rule.spec if rule else None
-        style = spec.style if spec else None
+        style = flow_style(spec.style) if spec else None
         if rule is not None:
             self.report.calls.append(CallSite(
                 event.fqn, rule, len(event.args), tuple(event.kwargs), bool(event.args) and event.args[0] is not None
             ))
-        if style in ("colwise", "rowwise", "sequence_parallel", "no_parallel"):
+        if style in ("colwise", "rowwise", "sequence_parallel", "no_parallel", "experts"):
             frame.owned = True
             self.skip = 1
             if not self.applicable(style, event.fqn):
@@ -360,7 +375,7 @@ class _Interpreter:
                 ))
             self.annotate(first, declared, default, frame, "input 0")
         elif style in ("prepare_module_input", "prepare_module_input_output"):
-            local = spec.use_local_input if style == "prepare_module_input_output" else spec.use_local_output
+            local = spec.use_local_input if spec.style == "prepare_module_input_output" else spec.use_local_output
             if spec.input_layouts is not None and len(spec.input_layouts) != len(event.args):
                 frame.dead = True  # torch raises on the call (TP303 reports it): nothing inside is judged
                 self.skip = 1
@@ -399,6 +414,8 @@ class _Interpreter:
             return PlacementSpec("shard", spec.sequence_dim), False
         if style == "no_parallel":
             return spec.input_layout, False
+        if style == "experts":
+            return spec.input_layouts or PlacementSpec("replicate"), spec.input_layouts is None
         if spec.input_layouts is not None:
             return spec.input_layouts, False
         # torch's defaults: colwise replicate; rowwise shard(-1), even on an Embedding
@@ -459,14 +476,14 @@ class _Interpreter:
             return
         src = Source(frame.fqn, frame.rule)
         ndim = len(self.shape(node))
-        style = spec.style
+        style = flow_style(spec.style)
         if style == "sequence_parallel":
             lay = placement_lay(PlacementSpec("shard", spec.sequence_dim), ndim, not spec.use_local_output, src)
         elif style == "no_parallel":
             lay = placement_lay(spec.output_layout, ndim, not spec.use_local_output, src)
         else:
             natural = PlacementSpec("shard", -1) if style == "colwise" else PlacementSpec("replicate")
-            lay = placement_lay(spec.output_layouts or natural, ndim, not spec.use_local_output, src)
+            lay = placement_lay(getattr(spec, "output_layouts", None) or natural, ndim, not spec.use_local_output, src)
         self.set(node, lay or Lay("?", False, None, src))
 
     # -- ops ------------------------------------------------------------------------------
@@ -536,6 +553,8 @@ class _Interpreter:
                 return None if others else [sharded[0][1]] * len(out_shapes)
             return None
 
+        if name in ("max", "min") and len(op.inputs) > 1:
+            return self.elementwise(op, values, shapes, out_shapes)  # torch.min(x, other): per element
         if name in ELEMENTWISE or (name in ("softmax", "log_softmax", "layer_norm", "rms_norm") and self.keeps_dim(op, values, shapes)):
             return self.elementwise(op, values, shapes, out_shapes)
         if name in ("softmax", "log_softmax", "layer_norm", "rms_norm"):

@@ -85,6 +85,29 @@ def distribute_param(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placemen
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride())
 
 
+def placement_text(placement: Placement) -> str:
+    """A torch placement as a plan spells it."""
+    if isinstance(placement, _StridedShard):
+        return f"packed_shard({placement.dim}, {placement.split_factor})"
+    if isinstance(placement, Shard):
+        return f"shard({placement.dim})"
+    return "partial" if isinstance(placement, Partial) else "replicate"
+
+
+def expert_placements(module: nn.Module, style: str, params: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """{own parameter: placement text} under `expert_tp` (with the plan's `params`) or
+    `expert_parallel`, for the lint; ValueError when it is no experts module."""
+    if not is_experts_module(module):
+        raise ValueError(f"{type(module).__name__} holds no fused 3-D expert parameters")
+    if style == "expert_parallel":
+        return {name: "shard(0)" for name, _ in module.named_parameters(recurse=False)}
+    placed = {name: placement_text(p) for name, p in expert_tp_defaults(module).items()}
+    unknown = set(params or {}) - set(placed)
+    if unknown:
+        raise ValueError(f"no parameter {', '.join(sorted(unknown))}")
+    return {**placed, **{name: str(p) for name, p in (params or {}).items()}}
+
+
 def _rank_values(mesh: DeviceMesh, values: list[float], like: torch.Tensor) -> torch.Tensor:
     """A 1-element tensor holding values[rank] on each rank, without a collective
     (each rank cuts its own element), so that it works in a simulated world too."""

@@ -21,22 +21,44 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from .experts import distribute_param
-from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
 __all__ = ["LocalParams"]
 
 
 class LocalParams(ParallelStyle):
     """Own parameters as DTensors laid out by `params` (default Replicate, gradients summed);
-    inputs and outputs pass as they are (local tensors).
+    outputs pass as they are.
 
     Keyword Args:
         params (dict[str, Placement], optional): placement per own parameter name.
+        input_layouts, desired_input_layouts, input_kwarg_layouts,
+        desired_input_kwarg_layouts, use_local_output: as torch's PrepareModuleInput,
+            applied to the inputs first when any layout is given (gpt-oss's attention:
+            its sinks sharded and its hidden_states one replicated DTensor for q/k/v).
     """
 
-    def __init__(self, *, params: Mapping[str, Placement] | None = None):
+    def __init__(
+        self,
+        *,
+        params: Mapping[str, Placement] | None = None,
+        input_layouts: Any = None,
+        desired_input_layouts: Any = None,
+        input_kwarg_layouts: dict | None = None,
+        desired_input_kwarg_layouts: dict | None = None,
+        use_local_output: bool = False,
+    ):
         super().__init__()
         self.params = dict(params or {})
+        self.prepare = None
+        if input_layouts is not None or input_kwarg_layouts is not None:
+            self.prepare = PrepareModuleInput(
+                input_layouts=input_layouts,
+                desired_input_layouts=desired_input_layouts,
+                input_kwarg_layouts=input_kwarg_layouts,
+                desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+                use_local_output=use_local_output,
+            )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         own = dict(module.named_parameters(recurse=False))
@@ -46,6 +68,8 @@ class LocalParams(ParallelStyle):
                 f"local_params: {type(module).__name__} has no parameter {', '.join(map(repr, unknown))} "
                 f"(its own parameters: {', '.join(own) or 'none'})"
             )
+        if self.prepare is not None:
+            self.prepare._apply(module, device_mesh)  # its input hook runs before ours
         for name, param in own.items():
             if isinstance(param, DTensor):
                 continue
@@ -71,4 +95,4 @@ class LocalParams(ParallelStyle):
         return output
 
     def __repr__(self) -> str:
-        return f"LocalParams(params={self.params!r})"
+        return f"LocalParams(params={self.params!r}, prepare={self.prepare!r})"
