@@ -133,7 +133,14 @@ def gpt_oss(attn_implementation: str = "eager"):
 def apertus(attn_implementation: str = "sdpa"):
     """ApertusForCausalLM: xIELU activation with learnable alpha_p/alpha_n between the MLP's
     up_proj and down_proj; per-head q_norm/k_norm."""
-    return _build("ApertusConfig", "ApertusForCausalLM", attn_implementation, head_dim=8, dtype="float32")
+    return _build(
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        attn_implementation,
+        head_dim=8,
+        dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 12000000.0},
+    )
 
 
 def llama_kv2(attn_implementation: str = "sdpa"):

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
-GRAMMAR = "replicate, shard(DIM), packed_shard(DIM, BLOCKS), partial or partial(sum|avg|max|min)"
+GRAMMAR = "replicate, shard(DIM), partial or partial(sum|avg|max|min)"
+PACKED_GRAMMAR = "packed_shard(DIM, BLOCKS)"  # parameters only (expert_tp and local_params 'params')
 
 
 def _anycase(word: str) -> str:
@@ -84,4 +85,6 @@ def parse_placement(value: object) -> PlacementSpec:
         if op not in REDUCE_OPS:
             raise ValueError(f"unknown reduce op {op!r} in {value!r}: use one of {', '.join(REDUCE_OPS)}")
         return PlacementSpec("partial", reduce_op=op)
+    if text.startswith("packed_shard"):
+        raise ValueError(f"{value!r} is not a placement: write {PACKED_GRAMMAR}, e.g. packed_shard(1, 2) for a fused [gate; up] dim")
     raise ValueError(f"{value!r} is not a placement: use {GRAMMAR}")

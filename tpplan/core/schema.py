@@ -19,13 +19,13 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from .placements import GRAMMAR, PATTERN, PlacementSpec, parse_placement
+from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
 
 Layout = Annotated[
     PlacementSpec,
     PlainValidator(parse_placement),
     PlainSerializer(str),
-    WithJsonSchema({"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR}."}),
+    WithJsonSchema({"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR} (a parameter's also {PACKED_GRAMMAR})."}),
 ]
 
 
@@ -129,6 +129,18 @@ class ColwiseSpec(_LinearOptions):
     """Shard a Linear's weight by output features (an Embedding's by embedding dim)."""
 
     style: Literal["colwise"]
+    heads: Union[Annotated[int, Field(ge=1)], Literal["auto"], None] = Field(
+        None,
+        description="The output is whole heads (a GQA k_proj/v_proj): their count, or auto (out_features / the parent's "
+        "head_dim). When the TP degree is a multiple of the count above it, rank r holds head r // (tp / heads), "
+        "replicated, with summed gradients, and the attention's KV-group count becomes the local ratio.",
+    )
+
+    def cross_field_problems(self) -> list[tuple[tuple, str]]:
+        problems = super().cross_field_problems()
+        if self.heads is not None and self.output_layouts is not None and str(self.output_layouts) not in ("shard(-1)",):
+            problems.append((("output_layouts",), "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"))
+        return problems
 
 
 class RowwiseSpec(_LinearOptions):
@@ -218,19 +230,6 @@ class ExpertParallelSpec(StyleSpec):
     use_local_output: bool = True
 
 
-class KVColwiseSpec(StyleSpec):
-    """colwise over whole heads (a GQA k_proj/v_proj): when the TP degree exceeds `heads`,
-    rank r holds head r // (degree / heads), replicated, with summed gradients; the
-    attention's KV-group count is set to the local ratio."""
-
-    style: Literal["kv_colwise"]
-    heads: Annotated[int, Field(ge=1)] | None = Field(
-        None, description="Heads in the projection's output (num_key_value_heads); default out_features / the parent's head_dim."
-    )
-    input_layouts: Layout | None = Field(None, description="Layout of the input; default replicate.")
-    use_local_output: bool = True
-
-
 class LocalParamsSpec(_InputOptions):
     """A module inside a sharded region that computes on local tensors: its own parameters
     laid out by `params` (default replicate, the gradient summed over the mesh, as
@@ -255,7 +254,6 @@ STYLE_SPECS: dict[str, type[StyleSpec]] = {
         NoParallelSpec,
         ExpertTPSpec,
         ExpertParallelSpec,
-        KVColwiseSpec,
         LocalParamsSpec,
     )
 }

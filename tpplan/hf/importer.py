@@ -45,15 +45,9 @@ SOUND_STYLES: dict[str, Any] = {
         "output_layouts": "partial",
         "desired_output_layouts": "replicate",
     },
-    # A norm over the last dim of a head-sharded activation (Qwen3's q_norm/k_norm,
-    # input [batch, seq, heads, head_dim]): replicated weight whose gradient is
-    # partial, which is what a replicated DTensor fed a shard(-2) input gets.
-    "replicated_with_grad_allreduce": {
-        "style": "no_parallel",
-        "input_layout": "shard(-2)",
-        "desired_input_layout": "shard(-2)",
-        "output_layout": "shard(-2)",
-    },
+    # A module computing on head-sharded activations (Qwen3's q_norm/k_norm): its
+    # replicated parameters' gradients are summed over the mesh.
+    "replicated_with_grad_allreduce": "local_params",
     # Fused 3-D experts: every expert sharded on its intermediate dim (the packed
     # gate_up_proj and down_proj parameter entries are expert_tp's defaults).
     "moe_tp_experts": "expert_tp",
@@ -302,6 +296,12 @@ def import_hf(
             sharing = _parents_sharing_input(rules, model)
             rules = {**sharing, **rules}
             added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
+            summed = _partial_gradient_rules(rules, model)
+            rules = {**rules, **summed}
+            added += [
+                (key, f"local_params: its parameters compute on sharded activations, their gradients are summed (TP325)")
+                for key in summed
+            ]
 
     header = [
         f"# yaml-language-server: $schema={schema}",
@@ -322,6 +322,20 @@ def import_hf(
     )
     text = render_plan(name, description, _tp_sizes(config), _group_siblings(rules), header)
     return ImportedPlan(text, skipped, added)
+
+
+def _partial_gradient_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
+    """`local_params` for each module whose replicated parameters the lint's layout flow
+    finds computing on sharded activations (TP325: their gradients would be partial);
+    the Apertus xIELU's alpha_p/alpha_n between up_proj and down_proj, say."""
+    from ..core.loader import load_plan
+    from ..lint.context import LintContext
+    from ..lint.rules.replicated_partial_grad import findings
+    from ..core.globs import generalize
+
+    text = render_plan("probe", "", [2], rules, [])
+    context = LintContext(load_plan(text=text), model, [2])
+    return {generalize(leak.fqn): "local_params" for leak, _ in findings(context)}
 
 
 def _keep_module_rules(

@@ -70,7 +70,7 @@ def head_split(ctx: "LintContext", fqn: str, rule: Rule) -> tuple[Heads, list[tu
     from torch import nn
 
     module = ctx.modules.get(fqn)
-    if not isinstance(module, nn.Linear) or rule.spec.style not in ("colwise", "rowwise", "kv_colwise"):
+    if not isinstance(module, nn.Linear) or rule.spec.style not in ("colwise", "rowwise"):
         return None
     size = module.in_features if rule.spec.style == "rowwise" else module.out_features
     heads = heads_of(ctx, fqn)
@@ -129,7 +129,7 @@ def placements(ctx: "LintContext") -> dict[str, Placed]:
         inherited = replicated_by.get(parent) if parent is not None else None
         style = rule.spec.style if rule else None
         replicated_by[fqn] = rule if style in ("sequence_parallel", "no_parallel") else inherited
-        table = _SHARDED.get((module_kind(module), "colwise" if style == "kv_colwise" else style))
+        table = _SHARDED.get((module_kind(module), style))
         own = _own_placements(module, rule) if table is None and rule is not None else None
         for key, param in module._parameters.items():
             if param is None:

@@ -68,11 +68,10 @@ class Lay:
         return f"{base} DTensor" if self.dt else base
 
 
-# Styles beyond torch's, as the flow sees them: kv_colwise hands on local head slices
-# like colwise; the expert styles own their module (inputs annotated, output reduced);
+# Styles beyond torch's, as the flow sees them: the expert styles own their module
+# (inputs annotated, output reduced);
 # local_params prepares inputs as prepare_module_input does (its module's ops are followed).
 _FLOW_STYLES = {
-    "kv_colwise": "colwise",
     "expert_tp": "experts",
     "expert_parallel": "experts",
     "local_params": "prepare_module_input",

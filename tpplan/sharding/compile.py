@@ -7,7 +7,7 @@ from typing import Any
 from ..core.placements import PlacementSpec
 from ..core.schema import StyleSpec
 from .experts import ExpertParallel, ExpertTensorParallel
-from .kv_heads import KVColwiseParallel
+from .kv_heads import HeadsColwiseParallel
 from .params import LocalParams
 from .styles import (
     ColwiseParallel,
@@ -30,7 +30,6 @@ STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
     "no_parallel": NoParallel,
     "expert_tp": ExpertTensorParallel,
     "expert_parallel": ExpertParallel,
-    "kv_colwise": KVColwiseParallel,
     "local_params": LocalParams,
 }
 
@@ -48,6 +47,13 @@ def _to_torch(value: Any) -> Any:
 def compile_style(spec: StyleSpec, src_data_rank: int | None = 0) -> ParallelStyle:
     """A new style object for one module: styles hold per-module state, so never share one."""
     options = {name: _to_torch(getattr(spec, name)) for name in type(spec).model_fields if name != "style"}
+    if spec.style == "colwise":
+        heads = options.pop("heads")
+        if heads is not None:  # whole heads, replicated above their count
+            options.pop("output_layouts")
+            style = HeadsColwiseParallel(heads=None if heads == "auto" else heads, **options)
+            style.src_data_rank = src_data_rank
+            return style
     style = STYLE_CLASSES[spec.style](**options)
     style.src_data_rank = src_data_rank
     return style

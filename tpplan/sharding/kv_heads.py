@@ -1,9 +1,11 @@
-"""`KVColwiseParallel`: a column-parallel projection whose output is whole heads
-(a GQA model's k_proj / v_proj), that keeps working when the TP degree exceeds
-the head count by replicating heads.
+"""`HeadsColwiseParallel` (a plan's `{style: colwise, heads: auto}`): a
+column-parallel projection whose output is whole heads (a GQA model's k_proj /
+v_proj), that keeps working when the TP degree exceeds the head count by
+replicating heads.
 
-- degree <= heads (heads divisible by it): exactly torch's `ColwiseParallel`.
-- degree > heads (divisible by heads): rank r holds head r // (degree / heads),
+- otherwise (degree <= heads, or not a multiple of them, or the query
+  projection): exactly torch's `ColwiseParallel`.
+- degree > heads, a multiple of them: rank r holds head r // (degree / heads),
   whole. The weight is a DTensor on the 2-D view (heads, replicas) of the TP mesh,
   `(Shard(0), Replicate())`; each replica computes its head for its own query
   heads, so the weight's gradient is partial over the replicas (summed there,
@@ -28,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-__all__ = ["KVColwiseParallel", "local_heads"]
+__all__ = ["HeadsColwiseParallel", "local_heads", "replicas"]
 
 _GLOBAL_GROUPS = "_tpplan_global_kv_groups"
 
@@ -44,8 +46,22 @@ def local_heads(heads: int, degree: int) -> tuple[int, int]:
     return 1, degree // heads
 
 
-class KVColwiseParallel(ParallelStyle):
-    """Column-parallel over whole heads; heads replicated when the degree exceeds them.
+def replicas(heads: int, degree: int) -> int:
+    """How many ranks hold each head at `degree`: 1 unless the degree is a multiple of `heads` above it."""
+    return degree // heads if degree > heads and degree % heads == 0 else 1
+
+
+def _query_heads(parent: nn.Module | None) -> int | None:
+    """The attention's query-head count, where it says (torchtitan's n_heads, transformers' config)."""
+    for value in (getattr(parent, "n_heads", None), getattr(getattr(parent, "config", None), "num_attention_heads", None)):
+        if isinstance(value, int):
+            return value
+    return None
+
+
+class HeadsColwiseParallel(ParallelStyle):
+    """Column-parallel over whole heads; heads replicated when the degree is a multiple of
+    their count above it (the query projection is never replicated: plain colwise).
 
     Keyword Args:
         heads (int, optional): number of heads in the projection's output; default
@@ -66,17 +82,19 @@ class KVColwiseParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"kv_colwise shards an nn.Linear, not {type(module).__name__}")
+            raise ValueError(f"colwise with heads shards an nn.Linear, not {type(module).__name__}")
         heads = self._heads(module)
         degree = device_mesh.size()
-        _, replicas = local_heads(heads, degree)
-        if self._parent is not None:
-            self._adjust_parent(self._parent, heads, degree)
-        if replicas == 1:
+        copies = replicas(heads, degree)
+        if copies > 1 and heads == _query_heads(self._parent):
+            copies = 1  # query heads are never replicated (o_proj needs them split): torch's colwise decides
+        if copies == 1:
             colwise = ColwiseParallel(input_layouts=self.input_layouts, use_local_output=self.use_local_output)
             colwise.src_data_rank = self.src_data_rank
             return colwise._apply(module, device_mesh)
-        heads_mesh = device_mesh._unflatten(0, (heads, replicas), ("kv_heads", "kv_replicas"))
+        if self._parent is not None:
+            self._adjust_parent(self._parent, heads, degree)
+        heads_mesh = device_mesh._unflatten(0, (heads, copies), ("kv_heads", "kv_replicas"))
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, heads_mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
@@ -87,7 +105,7 @@ class KVColwiseParallel(ParallelStyle):
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> tuple:
         if not args or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"kv_colwise on {type(module).__name__} expects a tensor as the first positional input")
+            raise TypeError(f"colwise with heads on {type(module).__name__} expects a tensor as the first positional input")
         x = args[0]
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, module._tpplan_mesh, (self.input_layouts,), run_check=False)
@@ -112,11 +130,11 @@ class KVColwiseParallel(ParallelStyle):
             head_dim = getattr(self._parent, "head_dim", None)
             if not isinstance(head_dim, int):
                 raise ValueError(
-                    "kv_colwise: give 'heads' (the number of KV heads): the parent module has no integer head_dim to infer it from"
+                    "colwise with heads: auto needs the parent module's integer head_dim; give the head count (heads: N)"
                 )
             heads = module.out_features // head_dim
-        if module.out_features % heads:
-            raise ValueError(f"kv_colwise: {module.out_features} output features are not {heads} whole heads")
+        if heads < 1 or module.out_features % heads:
+            raise ValueError(f"colwise with heads: {module.out_features} output features are not {heads} whole heads")
         return heads
 
     @staticmethod
@@ -129,8 +147,7 @@ class KVColwiseParallel(ParallelStyle):
         query_heads = groups * heads
         if query_heads % degree:
             raise ValueError(f"{query_heads} query heads do not divide over TP degree {degree}")
-        kv_local, _ = local_heads(heads, degree)
-        parent.num_key_value_groups = (query_heads // degree) // kv_local
+        parent.num_key_value_groups = query_heads // degree  # each rank: n_q / degree query heads, one KV head
 
     def __repr__(self) -> str:
-        return f"KVColwiseParallel(heads={self.heads}, input_layouts={self.input_layouts!r}, use_local_output={self.use_local_output})"
+        return f"HeadsColwiseParallel(heads={self.heads}, input_layouts={self.input_layouts!r}, use_local_output={self.use_local_output})"

@@ -16,7 +16,7 @@ def partial_grad_params(ctx, leak) -> list[str] | None:
 
     if leak.where != "module" or leak.value.kind != "S":
         return None
-    if leak.sequence and leak.value.src.rule.spec.style not in ("colwise", "kv_colwise"):
+    if leak.sequence and leak.value.src.rule.spec.style != "colwise":
         return None  # a sequence shard (TP322): sequence_parallel is the fix there
     module = ctx.modules.get(leak.fqn)
     if module is None or isinstance(module, (nn.Linear, nn.Embedding)):
