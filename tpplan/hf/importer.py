@@ -83,6 +83,8 @@ UNSOUND_STYLES: dict[str, str] = {
     "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output; no torch style "
     "splits an output this way",
     "local_params": _LOCAL,
+    "grouped_gemm": "shards an expert parameter by expert index; tpplan does that with expert_parallel on the "
+    "experts module (ep_dispatch_experts), not on a parameter alone",
     # Names of transformers 4.x, kept so that older plans are reported by name.
     "local_colwise": _LOCAL,
     "local_rowwise": _LOCAL,

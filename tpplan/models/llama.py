@@ -159,3 +159,20 @@ def llama3_8b() -> Transformer:
             max_seq_len=8192,
         )
     )
+
+
+def llama3_70b() -> Transformer:
+    """Llama 3 70B shapes (about 7.1e10 parameters; 8 KV heads, so TP 16 replicates each
+    twice); build it on the meta device only."""
+    return Transformer(
+        LlamaConfig(
+            dim=8192,
+            n_layers=80,
+            n_heads=64,
+            n_kv_heads=8,
+            vocab_size=128256,
+            ffn_hidden=28672,
+            rope_theta=500000.0,
+            max_seq_len=8192,
+        )
+    )

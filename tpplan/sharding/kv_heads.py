@@ -59,6 +59,15 @@ def _query_heads(parent: nn.Module | None) -> int | None:
     return None
 
 
+def _heads_mesh(mesh: DeviceMesh, heads: int, copies: int) -> DeviceMesh:
+    """The TP mesh viewed as (heads, replicas): rank r at (r // copies, r % copies). Built
+    outside any fake-tensor mode (a dry run's): the mesh's rank tensor must be real."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return mesh._unflatten(0, (heads, copies), ("kv_heads", "kv_replicas"))
+
+
 class HeadsColwiseParallel(ParallelStyle):
     """Column-parallel over whole heads; heads replicated when the degree is a multiple of
     their count above it (the query projection is never replicated: plain colwise).
@@ -94,7 +103,7 @@ class HeadsColwiseParallel(ParallelStyle):
             return colwise._apply(module, device_mesh)
         if self._parent is not None:
             self._adjust_parent(self._parent, heads, degree)
-        heads_mesh = device_mesh._unflatten(0, (heads, copies), ("kv_heads", "kv_replicas"))
+        heads_mesh = _heads_mesh(device_mesh, heads, copies)
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, heads_mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
