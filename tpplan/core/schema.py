@@ -1,5 +1,54 @@
-"""Pydantic models of plan version 1 (SPEC §2). No torch here: plan-only
-validation must stay fast, so specs are turned into torch styles in compile.py.
+"""Pydantic models of plan version 1 (SPEC §2), and the style table: what each
+style does. No torch here: plan-only validation must stay fast, so specs are
+turned into torch styles in sharding/compile.py.
+
+The style table
+---------------
+Each style is one spec class below: its options (pydantic fields, named and
+defaulted as torch's constructor) and a `semantics` class attribute, a
+`StyleSemantics`, that says what the style does. Everything else reads it:
+`sharding.compile` (the torch class), the lint's layout flow (`lint/flow.py`,
+`lint/styles_flow.py`) and its rules (parameter placements, which modules a
+style applies to, which inputs it takes). For example, colwise:
+
+    class ColwiseSpec(_LinearOptions):
+        style: Literal["colwise"]
+        semantics = StyleSemantics(
+            torch_class="torch.distributed.tensor.parallel:ColwiseParallel",
+            params={  # module kind -> {parameter name, or "*" for any other: placement}
+                "Linear": {"weight": "shard(0)", "bias": "shard(0)", "*": "shard(0)"},
+                "Embedding": {"weight": "shard(1)", "*": "shard(1)"},
+            },
+            runs_module=True, inputs="first", replicated_input=True,
+        )
+        def declared_input(self): ...   # (layout of a plain first input, torch's default?)
+        def natural_output(self): ...   # the layout the module's output gets
+
+The fields of `StyleSemantics`:
+
+- `torch_class`: "module:Class" of the ParallelStyle (resolved by compile, so
+  core never imports torch); the spec's fields are its keyword arguments.
+- `params`: module kind (a key of `MODULE_KINDS`) -> placement of each
+  parameter, as placement text. A style with `params` applies to those kinds
+  only (torch raises NotImplementedError on any other module: TP300). The text
+  is open: a packed or 3-D (expert) layout is a new placement string here and
+  in the code that reads it, not a new table.
+- `replicates`: every parameter and buffer of the module and of its submodules
+  becomes a replicated DTensor (sequence_parallel, no_parallel).
+- `flat_params`: the style refuses a module whose submodules hold parameters
+  (sequence_parallel re-registers them under dotted names: TP301).
+- `runs_module`: the style hands the module DTensors; what happens inside is
+  torch's business (the lint does not follow layouts in there). False: the
+  style only lays out inputs and/or outputs (prepare_module_*).
+- `inputs`: "first" (only the first positional input is handed on, torch drops
+  the rest), "first_tensor" (the first positional input must be a tensor, the
+  others pass), or "layouts" (one layout per input, from the options).
+- `replicated_input`: the module computes on its input replicated, so siblings
+  that share one input each pay for it (TP340).
+
+Adding a style is one spec class here (plus its tests): add it to
+`STYLE_SPECS` below, and if it shards a new kind of module, an entry in
+`MODULE_KINDS`.
 
 Option names and defaults are those of torch's style constructors; the
 constructors' cross-field asserts are `cross_field_problems()`, reported at the
@@ -7,7 +56,8 @@ offending key like any other schema error. No `from __future__ import annotation
 here: pydantic would compile every field's annotation string at start-up.
 """
 
-from typing import Annotated, Any, Literal, Union
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Union
 
 from pydantic import (
     BaseModel,
@@ -38,6 +88,48 @@ LayoutList = Annotated[list[Union[Layout, None]], BeforeValidator(_single_as_lis
 KwargLayouts = dict[str, Layout]
 
 
+@dataclass(frozen=True)
+class ModuleKind:
+    """A kind of module a style shards: its torch class, and what the dims of its
+    `weight` are called (as the module's attributes)."""
+
+    torch_class: str  # "module:Class", resolved by sharding/styles.py
+    weight_dims: tuple[str, ...]
+
+
+# Matched in this order (isinstance: subclasses count).
+MODULE_KINDS: dict[str, ModuleKind] = {
+    "Linear": ModuleKind("torch.nn:Linear", ("out_features", "in_features")),
+    "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim")),
+}
+
+
+@dataclass(frozen=True)
+class StyleSemantics:
+    """What a style does (see the module docstring)."""
+
+    torch_class: str
+    params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    replicates: bool = False
+    flat_params: bool = False
+    runs_module: bool = False
+    inputs: Literal["first", "first_tensor", "layouts"] = "layouts"
+    replicated_input: bool = False
+
+    def placement(self, kind: str | None, param: str) -> str | None:
+        """The placement text parameter `param` of a `kind` module gets; None when
+        the style does not shard that kind."""
+        table = self.params.get(kind) if kind is not None else None
+        if table is None:
+            return None
+        return table.get(param, table["*"])
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The module kinds the style applies to; () for any module."""
+        return tuple(self.params)
+
+
 class _Strict(BaseModel):
     # strict: "yes" is not a boolean and "1" is not a dimension.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, defer_build=True)
@@ -45,6 +137,17 @@ class _Strict(BaseModel):
 
 class StyleSpec(_Strict):
     style: str
+    semantics: ClassVar[StyleSemantics]
+
+    def declared_input(self) -> "tuple[PlacementSpec | None, bool] | None":
+        """For a style that runs the module: the layout it declares a plain first
+        input to have, and whether that is torch's default rather than the plan's
+        word. None for the prepare_module_* styles (their options say)."""
+        return None
+
+    def natural_output(self) -> "PlacementSpec | None":
+        """For a style that runs the module: the layout its (first) output gets."""
+        return None
 
     def cross_field_problems(self) -> list[tuple[tuple, str]]:
         """(path within the rule, message) for each constructor rule this spec breaks."""
@@ -122,19 +225,55 @@ def _paired_kwargs(spec: _InputOptions):
     ]
 
 
-# -- the seven styles -------------------------------------------------------------
+# -- the styles: torch's six, and no_parallel --------------------------------------
+
+_TORCH_TP = "torch.distributed.tensor.parallel"
+_REPLICATE = PlacementSpec("replicate")
+_LAST_DIM = PlacementSpec("shard", -1)
 
 
 class ColwiseSpec(_LinearOptions):
     """Shard a Linear's weight by output features (an Embedding's by embedding dim)."""
 
     style: Literal["colwise"]
+    semantics = StyleSemantics(
+        torch_class=f"{_TORCH_TP}:ColwiseParallel",
+        params={
+            "Linear": {"weight": "shard(0)", "bias": "shard(0)", "*": "shard(0)"},
+            "Embedding": {"weight": "shard(1)", "*": "shard(1)"},
+        },
+        runs_module=True,
+        inputs="first",
+        replicated_input=True,
+    )
+
+    def declared_input(self):
+        return (self.input_layouts, False) if self.input_layouts is not None else (_REPLICATE, True)
+
+    def natural_output(self):
+        return self.output_layouts or _LAST_DIM
 
 
 class RowwiseSpec(_LinearOptions):
     """Shard a Linear's weight by input features (an Embedding's by vocabulary)."""
 
     style: Literal["rowwise"]
+    semantics = StyleSemantics(
+        torch_class=f"{_TORCH_TP}:RowwiseParallel",
+        params={
+            "Linear": {"weight": "shard(1)", "bias": "replicate", "*": "shard(1)"},
+            "Embedding": {"weight": "shard(0)", "*": "shard(0)"},
+        },
+        runs_module=True,
+        inputs="first",
+    )
+
+    def declared_input(self):
+        # torch's default is shard(-1), even on an Embedding
+        return (self.input_layouts, False) if self.input_layouts is not None else (_LAST_DIM, True)
+
+    def natural_output(self):
+        return self.output_layouts or _REPLICATE
 
 
 class SequenceParallelSpec(StyleSpec):
@@ -143,6 +282,19 @@ class SequenceParallelSpec(StyleSpec):
     style: Literal["sequence_parallel"]
     sequence_dim: int = 1
     use_local_output: bool = False
+    semantics = StyleSemantics(
+        torch_class=f"{_TORCH_TP}:SequenceParallel",
+        replicates=True,
+        flat_params=True,
+        runs_module=True,
+        inputs="first",
+    )
+
+    def declared_input(self):
+        return PlacementSpec("shard", self.sequence_dim), False
+
+    def natural_output(self):
+        return PlacementSpec("shard", self.sequence_dim)
 
 
 class PrepareModuleInputSpec(_InputOptions):
@@ -150,6 +302,7 @@ class PrepareModuleInputSpec(_InputOptions):
 
     style: Literal["prepare_module_input"]
     use_local_output: bool = False
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInput")
 
 
 class PrepareModuleOutputSpec(_OutputOptions):
@@ -157,6 +310,7 @@ class PrepareModuleOutputSpec(_OutputOptions):
 
     style: Literal["prepare_module_output"]
     use_local_output: bool = True
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleOutput")
 
 
 class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
@@ -165,6 +319,7 @@ class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
     style: Literal["prepare_module_input_output"]
     use_local_input: bool = False
     use_local_output: bool = True
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInputOutput")
 
 
 def _layout_default(text: str) -> Any:
@@ -181,6 +336,18 @@ class NoParallelSpec(StyleSpec):
     output_layout: Layout = _layout_default("replicate")
     desired_input_layout: Layout = _layout_default("replicate")
     use_local_output: bool = True
+    semantics = StyleSemantics(
+        torch_class="tpplan.sharding.styles:NoParallel",
+        replicates=True,
+        runs_module=True,
+        inputs="first_tensor",
+    )
+
+    def declared_input(self):
+        return self.input_layout, False
+
+    def natural_output(self):
+        return self.output_layout
 
 
 STYLE_SPECS: dict[str, type[StyleSpec]] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import plural, rule_ref
 
 
@@ -103,7 +103,7 @@ def _applicable(ctx, call) -> bool:
     return call.rule.spec.style == "sequence_parallel" or isinstance(ctx.modules.get(call.fqn), (nn.Linear, nn.Embedding))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP303",
     name="style-arity",
     severity="error",
@@ -145,4 +145,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

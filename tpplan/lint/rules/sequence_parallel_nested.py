@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..facts import nested_parameters
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import rule_ref
 
 
@@ -24,7 +24,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP301",
     name="sequence-parallel-nested",
     severity="error",
@@ -67,4 +67,4 @@ RULE = register(LintRule(
           output: {style: colwise, input_layouts: shard(1), output_layouts: replicate}
     """,
     check=check,
-))
+)

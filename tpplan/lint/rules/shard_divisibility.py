@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..facts import head_split, module_kind
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import chunks_text, degrees_that_work, rule_ref
 
 # (module kind, style) -> (what the sharded dim is called, weight dim)
@@ -40,7 +40,7 @@ def check(ctx):
             ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP310",
     name="shard-divisibility",
     severity="warning",
@@ -75,4 +75,4 @@ RULE = register(LintRule(
           blocks.*.out_proj: rowwise
     """,
     check=check,
-))
+)
