@@ -19,7 +19,7 @@ style applies to, which inputs it takes). For example, colwise:
                 "Linear": {"weight": "shard(0)", "bias": "shard(0)", "*": "shard(0)"},
                 "Embedding": {"weight": "shard(1)", "*": "shard(1)"},
             },
-            runs_module=True, inputs="first", replicated_input=True,
+            runs_module=True, inputs="first", outputs="first", replicated_input=True,
         )
         def declared_input(self): ...   # (layout of a plain first input, torch's default?)
         def natural_output(self): ...   # the layout the module's output gets
@@ -42,7 +42,10 @@ The fields of `StyleSemantics`:
   style only lays out inputs and/or outputs (prepare_module_*).
 - `inputs`: "first" (only the first positional input is handed on, torch drops
   the rest), "first_tensor" (the first positional input must be a tensor, the
-  others pass), or "layouts" (one layout per input, from the options).
+  others pass), "layouts" (one layout per input, from the options), or "none"
+  (inputs pass untouched).
+- `outputs`: "first" (the output gets `natural_output()`), "layouts" (one
+  layout per output, from the options), or "none".
 - `replicated_input`: the module computes on its input replicated, so siblings
   that share one input each pay for it (TP340).
 
@@ -113,7 +116,8 @@ class StyleSemantics:
     replicates: bool = False
     flat_params: bool = False
     runs_module: bool = False
-    inputs: Literal["first", "first_tensor", "layouts"] = "layouts"
+    inputs: Literal["first", "first_tensor", "layouts", "none"] = "none"
+    outputs: Literal["first", "layouts", "none"] = "none"
     replicated_input: bool = False
 
     def placement(self, kind: str | None, param: str) -> str | None:
@@ -168,6 +172,11 @@ class _InputOptions(StyleSpec):
     desired_input_layouts: LayoutList | None = None
     input_kwarg_layouts: KwargLayouts | None = None
     desired_input_kwarg_layouts: KwargLayouts | None = None
+
+    def inputs_local(self) -> bool:
+        """Whether the laid-out inputs are handed on as local tensors (torch calls the
+        option use_local_output on PrepareModuleInput, use_local_input on the other)."""
+        return self.use_local_output
 
     def cross_field_problems(self) -> list[tuple[tuple, str]]:
         return [
@@ -244,6 +253,7 @@ class ColwiseSpec(_LinearOptions):
         },
         runs_module=True,
         inputs="first",
+        outputs="first",
         replicated_input=True,
     )
 
@@ -266,6 +276,7 @@ class RowwiseSpec(_LinearOptions):
         },
         runs_module=True,
         inputs="first",
+        outputs="first",
     )
 
     def declared_input(self):
@@ -288,6 +299,7 @@ class SequenceParallelSpec(StyleSpec):
         flat_params=True,
         runs_module=True,
         inputs="first",
+        outputs="first",
     )
 
     def declared_input(self):
@@ -302,7 +314,7 @@ class PrepareModuleInputSpec(_InputOptions):
 
     style: Literal["prepare_module_input"]
     use_local_output: bool = False
-    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInput")
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInput", inputs="layouts")
 
 
 class PrepareModuleOutputSpec(_OutputOptions):
@@ -310,7 +322,7 @@ class PrepareModuleOutputSpec(_OutputOptions):
 
     style: Literal["prepare_module_output"]
     use_local_output: bool = True
-    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleOutput")
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleOutput", outputs="layouts")
 
 
 class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
@@ -319,7 +331,10 @@ class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
     style: Literal["prepare_module_input_output"]
     use_local_input: bool = False
     use_local_output: bool = True
-    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInputOutput")
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInputOutput", inputs="layouts", outputs="layouts")
+
+    def inputs_local(self) -> bool:
+        return self.use_local_input
 
 
 def _layout_default(text: str) -> Any:
@@ -341,6 +356,7 @@ class NoParallelSpec(StyleSpec):
         replicates=True,
         runs_module=True,
         inputs="first_tensor",
+        outputs="first",
     )
 
     def declared_input(self):
