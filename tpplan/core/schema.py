@@ -48,6 +48,8 @@ The fields of `StyleSemantics`:
   layout per output, from the options), or "none".
 - `replicated_input`: the module computes on its input replicated, so siblings
   that share one input each pay for it (TP340).
+- `input_option`: the option that declares the first input's layout, for
+  messages that say what to change (None: the options say per input).
 
 Adding a style is one spec class here (plus its tests): add it to
 `STYLE_SPECS` below, and if it shards a new kind of module, an entry in
@@ -119,6 +121,7 @@ class StyleSemantics:
     inputs: Literal["first", "first_tensor", "layouts", "none"] = "none"
     outputs: Literal["first", "layouts", "none"] = "none"
     replicated_input: bool = False
+    input_option: str | None = None  # the option that declares the first input's layout
 
     def placement(self, kind: str | None, param: str) -> str | None:
         """The placement text parameter `param` of a `kind` module gets; None when
@@ -255,6 +258,7 @@ class ColwiseSpec(_LinearOptions):
         inputs="first",
         outputs="first",
         replicated_input=True,
+        input_option="input_layouts",
     )
 
     def declared_input(self):
@@ -277,6 +281,7 @@ class RowwiseSpec(_LinearOptions):
         runs_module=True,
         inputs="first",
         outputs="first",
+        input_option="input_layouts",
     )
 
     def declared_input(self):
@@ -300,6 +305,7 @@ class SequenceParallelSpec(StyleSpec):
         runs_module=True,
         inputs="first",
         outputs="first",
+        input_option="sequence_dim",
     )
 
     def declared_input(self):
@@ -357,6 +363,7 @@ class NoParallelSpec(StyleSpec):
         runs_module=True,
         inputs="first_tensor",
         outputs="first",
+        input_option="input_layout",
     )
 
     def declared_input(self):
