@@ -1,6 +1,6 @@
 """Facts about the model that several rules read: attention head counts, and the
 placement each parameter gets under the plan (from the style table,
-core/schema.py). The context computes each once (`LintContext.heads`,
+core/style_table.py). The context computes each once (`LintContext.heads`,
 `LintContext.placements`)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Abstract interpretation over a `Trace`. Every tensor gets a layout under the
 plan (layouts.py: replicated, a plain shard, a partial sum, a DTensor, or
 unknown), as torch would give it at run time. At module boundaries, styles
 change layouts exactly as torch's `_prepare_input_fn` and `_prepare_output_fn`
-do, as the style table (core/schema.py) describes each style: which input it
+do, as the style table (core/style_table.py) describes each style: which input it
 takes, the layout it declares for it, the layout of its output, whether it
 runs the module in DTensor land. Between modules, ops carry shards along the
 dims they map (ops.py). What can go wrong is recorded as findings (layouts.py)

@@ -1,12 +1,12 @@
 """Turn a style spec from a plan into a fresh torch ParallelStyle object: the class
-its style table entry names (core/schema.py), called with the spec's options."""
+its style table entry names (core/style_table.py), called with the spec's options."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..core.placements import PlacementSpec
-from ..core.schema import StyleSpec
+from ..core.style_table import StyleSpec
 from .styles import ParallelStyle, resolve
 
 

@@ -1,6 +1,6 @@
 """The parallel styles a plan can name: torch's six (subclasses of their base
 class `ParallelStyle`), re-exported as they are, and `NoParallel`, ours; and the
-resolution of the torch names in the style table (core/schema.py)."""
+resolution of the torch names in the style table (core/style_table.py)."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def resolve(name: str):
 
 
 def module_kind(module: nn.Module) -> str | None:
-    """The kind (a key of core.schema.MODULE_KINDS) of `module`, else None."""
-    from ..core.schema import MODULE_KINDS
+    """The kind (a key of core.style_table.MODULE_KINDS) of `module`, else None."""
+    from ..core.style_table import MODULE_KINDS
 
     for kind, entry in MODULE_KINDS.items():
         if isinstance(module, resolve(entry.torch_class)):
