@@ -49,7 +49,16 @@ The fields of `StyleSemantics`:
 
 Adding a style is one spec class here (plus its tests): add it to
 `STYLE_SPECS` below, and if it shards a new kind of module, an entry in
-`MODULE_KINDS`.
+`MODULE_KINDS` (a class, or a predicate for modules recognised by their
+parameters). The styles the next issues add fit the entry as it is, e.g.
+
+    expert_parallel: params={"Experts": {"*": "shard(0)"}}   # 3-D [experts, out, in]: whole experts per rank
+    expert_tp:       params={"Experts": {"w1": "shard(1)", "w3": "shard(1)", "w2": "shard(2)", "*": "shard(1)"}}
+    colwise, KV heads replicated: params={"Linear": {"weight": "<packed placement text>", ...}}
+
+with an "Experts" kind whose `torch_class` names a predicate; a placement the
+lint does not know (not replicate/shard(d)/partial) is left to the new style's
+own checks (`lint.facts.sharded_weight_dim` reads only shard(d)).
 
 Option names and defaults are those of torch's style constructors; the
 constructors' cross-field asserts are `cross_field_problems()`, reported at the
@@ -97,10 +106,10 @@ KwargLayouts = dict[str, Layout]
 
 @dataclass(frozen=True)
 class ModuleKind:
-    """A kind of module a style shards: its torch class, and what the dims of its
-    `weight` are called (as the module's attributes)."""
+    """A kind of module a style shards: its torch class (or a predicate), and what
+    the dims of its `weight` are called (as the module's attributes)."""
 
-    torch_class: str  # "module:Class", resolved by sharding/styles.py
+    torch_class: str  # "module:Class", or "module:function" (module -> bool); resolved by sharding/styles.py
     weight_dims: tuple[str, ...]
 
 

@@ -46,7 +46,8 @@ def module_kind(module: nn.Module) -> str | None:
     from ..core.style_table import MODULE_KINDS
 
     for kind, entry in MODULE_KINDS.items():
-        if isinstance(module, resolve(entry.torch_class)):
+        target = resolve(entry.torch_class)
+        if isinstance(module, target) if isinstance(target, type) else target(module):
             return kind
     return None
 
