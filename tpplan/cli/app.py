@@ -147,7 +147,8 @@ def _check_against_model(
     problems: list[Problem] = []
     for entry, plan in loaded:
         entry.model, entry.tp_sizes = ref, tp_sizes_for(plan, tp)
-        problems += check_model(plan, built, entry.tp_sizes, select=None if rules is None else sorted(rules))
+        selection = {} if rules is None else {"select": sorted(rules)}
+        problems += check_model(plan, built, entry.tp_sizes, **selection)
     return problems
 
 
