@@ -80,7 +80,8 @@ def collector_paused() -> Iterator[None]:
 
     The trace and the flow analysis allocate a few objects per tensor op and free
     none until they end: the collector would rescan them all, over and over, which
-    makes deep models superlinear (bench/bench_lint.py: x1.4-1.5 slower with it on).
+    makes deep models superlinear (bench/bench_lint_gc.py: x1.3-1.5 slower at 1,000
+    layers with it on).
     Nothing they allocate makes cycles worth collecting. Only these two blocks are
     paused, not the dry run (torch's fake tensors do make cycles)."""
     was_enabled = gc.isenabled()
