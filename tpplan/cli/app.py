@@ -66,12 +66,41 @@ def validate(
     ] = None,
     format: Annotated[Format, typer.Option(help="Output format: text (for people), json (SPEC §4), github (annotations).")] = Format.text,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
+    select: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODE",
+            help="With --model, run only these lint rules: TP3xx codes, prefixes (TP31) or names "
+            "(head-divisibility); repeatable, comma-separated lists accepted.",
+            show_default=False,
+        ),
+    ] = None,
+    ignore: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODE",
+            help="With --model, skip these lint rules (as --select); applied after --select.",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Validate plans: schema and plan-only checks; with --model, strict resolution and model checks."""
     from ..core.loader import load_plan, read_plan_text
     from ..core.problems import PlanError
     from ..render.problems import CheckedPlan, Outcome
 
+    rules = None
+    if select is not None or ignore is not None:
+        from ..lint.checks import UnknownRuleError, selected_codes
+
+        try:
+            selected_codes(select)
+        except UnknownRuleError as exc:
+            usage_error(f"--select: {exc}")
+        try:
+            rules = selected_codes(select, ignore)
+        except UnknownRuleError as exc:
+            usage_error(f"--ignore: {exc}")
     factory = None
     if model is not None:
         from ..runtime.modelref import ModelRefError, load_callable
@@ -97,13 +126,14 @@ def validate(
         loaded.append((entry, plan))
 
     if factory is not None:
-        problems += _check_against_model(model, factory, loaded, tp)
+        problems += _check_against_model(model, factory, loaded, tp, rules)
 
     _print(Outcome(checked, problems, strict), format)
 
 
 def _check_against_model(
-    ref: str, factory: Callable[[], Any], loaded: "list[tuple[CheckedPlan, Plan]]", tp: list[int] | None
+    ref: str, factory: Callable[[], Any], loaded: "list[tuple[CheckedPlan, Plan]]", tp: list[int] | None,
+    rules: "set[str] | None" = None,
 ) -> "list[Problem]":
     """Build the model once, on the meta device, and check every loaded plan against it."""
     from ..lint.checks import check_model, tp_sizes_for
@@ -117,7 +147,8 @@ def _check_against_model(
     problems: list[Problem] = []
     for entry, plan in loaded:
         entry.model, entry.tp_sizes = ref, tp_sizes_for(plan, tp)
-        problems += check_model(plan, built, entry.tp_sizes)
+        selection = {} if rules is None else {"select": sorted(rules)}
+        problems += check_model(plan, built, entry.tp_sizes, **selection)
     return problems
 
 

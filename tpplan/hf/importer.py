@@ -4,7 +4,7 @@ transformers ships a TP plan per model family: `base_model_tp_plan` on the confi
 class (keys relative to the base model, `layers.*.self_attn.q_proj`) and
 `_tp_plan` on the task model class (`lm_head`). Its style strings name
 transformers' own runtime classes; `import_hf` maps each one with a sound
-equivalent among tpplan's styles (torch's seven and `no_parallel`) and reports
+equivalent among tpplan's styles (torch's six and `no_parallel`) and reports
 every other one with its key and the reason, never dropping a rule silently.
 
     >>> plan, skipped = import_hf("llama")
