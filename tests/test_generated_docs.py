@@ -103,3 +103,18 @@ def test_cli_reference_lists_arguments_and_options_with_help_and_defaults():
     assert "- `--times N` (at least 1, default: `2`): How often." in text
     assert "- `--loud`: Shout." in text
     assert "## tpplan part\n\nSay goodbye." in text
+
+
+def test_the_cli_reference_points_at_nothing_the_repository_lacks():
+    # The contract (SPEC) is not shipped: cli.md lists the JSON keys itself.
+    text = docs.cli_markdown()
+    assert "SPEC" not in text
+    assert "## JSON output" in text and '"per_rank_bytes": int' in text
+
+
+def test_the_dry_run_is_described_as_fake_tensors_not_meta_tensors():
+    text = docs.cli_markdown()
+    dry_run = next(line for line in text.splitlines() if line.startswith("- `--dry-run`"))
+    assert "FakeTensorMode" in dry_run and "meta" not in dry_run
+    model = next(line for line in text.split("## tpplan apply")[1].splitlines() if line.startswith("- `--model"))
+    assert "meta device with --dry-run" not in model
