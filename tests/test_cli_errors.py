@@ -56,6 +56,26 @@ def test_user_errors_are_still_not_bugs(tmp_path):
     assert run("validate", "--no-such-option", PLAN).exit_code == 2
 
 
+def test_a_plan_error_or_bad_reference_a_command_lets_through_is_still_the_users(monkeypatch):
+    from tpplan.core.problems import PlanError, error
+    from tpplan.runtime.modelref import ModelRefError
+
+    def raises(exc):
+        def find(code):
+            raise exc
+
+        return find
+
+    monkeypatch.setattr("tpplan.lint.codes.find", raises(PlanError([error("TP201", "two rules claim 'a'", "p.yaml", 3, 5)])))
+    result = run("rules", "TP201")
+    assert result.exit_code == 1
+    assert "p.yaml:3:5: TP201 two rules claim 'a'" in result.output and "internal error" not in result.output
+    monkeypatch.setattr("tpplan.lint.codes.find", raises(ModelRefError("--model 'x' must be MODULE:FUNCTION")))
+    result = run("rules", "TP201")
+    assert result.exit_code == 2
+    assert result.output == "Error: --model 'x' must be MODULE:FUNCTION\n"
+
+
 def test_an_internal_error_in_a_real_process_exits_3_without_a_traceback():
     probe = (
         "import sys, tpplan.core.loader as loader\n"

@@ -8,8 +8,10 @@ command that needs it. The CLI modules avoid `from __future__ import
 annotations`: typer would compile every option's annotation string at start-up
 (~4 ms of the benchmark).
 
-An exception that no command turned into a result (problems, a usage error)
-is a bug in tpplan: `_Commands.invoke` reports it as one (exit 3), with the
+`_Commands.invoke` is the one handler of what commands let through: typer's
+exits and usage errors pass; a `PlanError` is printed as problems and a
+`ModelRefError` as a usage error (the user's, wherever raised); any other
+exception is a bug in tpplan and is reported as one (exit 3), with the
 traceback under `--debug` or TPPLAN_DEBUG=1.
 """
 
@@ -20,7 +22,7 @@ import typer
 from typer.core import TyperGroup
 
 from .commands import COMMANDS
-from .output import internal_error
+from .output import internal_error, print_outcome, usage_error
 
 try:  # typer >= 0.28 carries its own copy of click
     from typer._click.exceptions import ClickException
@@ -42,7 +44,25 @@ class _Commands(TyperGroup):
                 raise
             raise typer.Exit(internal_error(exc, debug=bool(ctx.params.get("debug")))) from exc
         except Exception as exc:
-            raise typer.Exit(internal_error(exc, debug=bool(ctx.params.get("debug")))) from exc
+            code = _user_error(exc)
+            if code is None:
+                code = internal_error(exc, debug=bool(ctx.params.get("debug")))
+            raise typer.Exit(code) from exc
+
+
+def _user_error(exc: Exception) -> "int | None":
+    """The exit code of a user-facing error that a command let through, printed as
+    commands print it (problems; a usage error for a bad MOD:FN); None for a bug."""
+    from ..core.problems import PlanError
+    from ..runtime.modelref import ModelRefError  # no torch at import
+
+    if isinstance(exc, PlanError):
+        from ..render.problems import Outcome
+
+        return print_outcome(Outcome([], exc.problems))
+    if isinstance(exc, ModelRefError):
+        usage_error(str(exc))
+    return None
 
 
 app = typer.Typer(
