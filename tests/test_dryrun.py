@@ -1,4 +1,4 @@
-"""`tpplan apply --dry-run`: one process simulates N ranks on meta tensors.
+"""`tpplan apply --dry-run`: one process simulates N ranks on fake tensors (FakeTensorMode).
 
 The expected bytes and collective counts (tests/expected.py) are derived from
 the model configs, not copied from a run.
@@ -19,7 +19,7 @@ from tpplan.cli.app import app
 from tpplan.runtime.dryrun import dry_run
 from tpplan.models import llama, mlp
 from tpplan.models.llama import LlamaConfig
-from tpplan.runtime.torchrun import ApplyOptions, UsageError
+from tpplan.runtime.options import ApplyOptions, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"

@@ -1,4 +1,4 @@
-"""`tpplan apply`: the command-line edge of runtime.py (torchrun) and dryrun.py.
+"""`tpplan apply`: the command-line edge of runtime/torchrun.py and runtime/dryrun.py.
 
 Imported whenever `tpplan` starts (cli.py registers the command), so nothing
 here imports torch at import time.
@@ -34,7 +34,7 @@ def apply(
             "--model",
             metavar="MOD:FN",
             help="An importable callable returning the nn.Module, built under a torch.device context "
-            "(the same on every rank; on the meta device with --dry-run).",
+            "(the same on every rank; under FakeTensorMode with --dry-run).",
             show_default=False,
         ),
     ],
@@ -51,7 +51,7 @@ def apply(
     ] = None,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="No torchrun, no devices: simulate --tp ranks in this process (fake process group, meta tensors)."),
+        typer.Option("--dry-run", help="No torchrun, no devices: simulate --tp ranks in this process (fake process group, fake tensors)."),
     ] = False,
     check: Annotated[
         bool,
@@ -81,7 +81,7 @@ def apply(
     """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
     from .app import usage_error
     from ..runtime.modelref import ModelRefError
-    from ..runtime.torchrun import ApplyOptions, UsageError
+    from ..runtime.options import ApplyOptions, UsageError
 
     options = ApplyOptions(
         plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout

@@ -26,7 +26,7 @@ class ParamLayout:
     dtype: str
     global_shape: tuple[int, ...]
     local_shapes: tuple[tuple[int, ...], ...]  # one per TP rank
-    placements: str  # "Shard(0)", "Replicate()"; "-" for a plain (unsharded) tensor
+    placements: str  # in the plan's spelling: "shard(0)", "replicate"; "-" for a plain (unsharded) tensor
     element_size: int
 
     @property
@@ -51,9 +51,28 @@ class ParamLayout:
 
 @dataclass
 class CheckResult:
+    """How a tensor-parallel run compares with its single-device reference
+    (`runtime.verify`): the verdict, the worst difference, why it did not pass
+    (the first difference first) and each compared tensor's difference."""
+
     passed: bool
-    max_abs_diff: float
-    problems: list[str] = field(default_factory=list)  # why it did not pass, first few
+    max_abs_diff: float  # over the outputs and every parameter gradient
+    problems: list[str] = field(default_factory=list)  # why it did not pass, in comparison order
+    diffs: dict[str, float] = field(default_factory=dict)  # compared tensor -> max abs diff
+    comms: dict[str, dict[str, int]] | None = None  # collectives of the compared run, when counted
+
+    @property
+    def first_difference(self) -> str | None:
+        return self.problems[0] if self.problems else None
+
+    @property
+    def out_diff(self) -> float:
+        return max((d for name, d in self.diffs.items() if name.startswith("output")), default=0.0)
+
+    @property
+    def grad_diffs(self) -> dict[str, float]:
+        """Parameter fqn -> max abs diff of its gradient."""
+        return {name.removesuffix(" grad"): d for name, d in self.diffs.items() if name.endswith(" grad")}
 
     def to_json(self) -> dict:
         return {"passed": self.passed, "max_abs_diff": self.max_abs_diff}
@@ -81,7 +100,7 @@ class ApplyReport:
     tp: int = 0
     dp: int = 1
     plan_name: str | None = None
-    device: str | None = None  # "meta", "cpu", "cuda", "npu"
+    device: str | None = None  # "fake" (a dry run on fake tensors), "cpu", "cuda", "npu"
     backend: str | None = None  # "fake", "gloo", "nccl", "hccl"
     modules: dict[str, str] = field(default_factory=dict)  # fqn -> style
     rule_of: dict[str, str] = field(default_factory=dict)  # fqn -> rule pattern

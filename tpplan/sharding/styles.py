@@ -16,6 +16,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ..core.problems import ModelError
+
 __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
@@ -27,6 +29,10 @@ __all__ = [
     "NoParallel",
 ]
 
+
+
+class NoParallelInputError(ModelError, TypeError):
+    """NoParallel's module got no tensor as its first positional input."""
 
 class NoParallel(ParallelStyle):
     """Keep a module whole on every rank of the TP mesh, inside a DTensor program.
@@ -76,7 +82,7 @@ class NoParallel(ParallelStyle):
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         if not inputs or not isinstance(inputs[0], torch.Tensor):
-            raise TypeError(
+            raise NoParallelInputError(
                 f"NoParallel on {type(module).__name__} expects a tensor as the first positional input, "
                 f"got {type(inputs[0]).__name__ if inputs else 'no positional input'}"
             )

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
+from ..core.placements import placements_text
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -30,7 +32,7 @@ def shared_parameters(model: "nn.Module") -> list[list[Owner]]:
 
 def _layout(param) -> str:
     placements = getattr(param, "placements", None)
-    return "[" + ", ".join(map(str, placements)) + "]" if placements else "a plain tensor"
+    return f"[{placements_text(placements)}]" if placements else "a plain tensor"
 
 
 def retie(model: "nn.Module", groups: list[list[Owner]]) -> list[tuple[list[Owner], str]]:
