@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from ..core.placements import placements_text
-
 if TYPE_CHECKING:
     from torch import nn
 
@@ -31,8 +29,10 @@ def shared_parameters(model: "nn.Module") -> list[list[Owner]]:
 
 
 def _layout(param) -> str:
+    # torch's own short spelling ([S(0)], [R]): TP210 quotes what torch made of the
+    # parameters, not a plan value (core.placements.placement_text spells those).
     placements = getattr(param, "placements", None)
-    return f"[{placements_text(placements)}]" if placements else "a plain tensor"
+    return "[" + ", ".join(map(str, placements)) + "]" if placements else "a plain tensor"
 
 
 def retie(model: "nn.Module", groups: list[list[Owner]]) -> list[tuple[list[Owner], str]]:
