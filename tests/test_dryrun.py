@@ -19,6 +19,7 @@ from tpplan.cli.app import app
 from tpplan.runtime.dryrun import dry_run
 from tpplan.models import llama, mlp
 from tpplan.models.llama import LlamaConfig
+from tpplan.cli.apply import worded
 from tpplan.runtime.options import ApplyOptions, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,7 +174,7 @@ def test_without_tp_the_largest_promised_degree_is_simulated_and_said():
 def test_plan_without_sizes_needs_tp(tmp_path):
     plan = tmp_path / "p.yaml"
     plan.write_text("version: 1\nrules:\n  blocks.*.in_proj: colwise\n")
-    with pytest.raises(UsageError, match=r"--dry-run needs --tp N"):
+    with pytest.raises(UsageError, match=r"--dry-run needs --tp N"), worded():
         dry_run(ApplyOptions(plan=str(plan), model="tpplan.models.mlp:tiny"))
 
 

@@ -224,3 +224,45 @@ def test_no_runtime_or_render_module_is_over_400_lines():
     for folder in ("runtime", "render"):
         for path in (ROOT / "tpplan" / folder).glob("*.py"):
             assert len(path.read_text().splitlines()) <= 400, path
+
+
+# -- typed usage errors: the library names the option, the CLI words it -------------------
+
+
+def test_options_errors_name_the_option_and_leave_flag_names_to_the_cli(tmp_path):
+    import pickle
+
+    from tpplan.cli.apply import usage_text
+    from tpplan.runtime.devices import mesh_shape
+    from tpplan.runtime.options import ApplyOptionsError
+
+    plan = tmp_path / "p.yaml"
+    plan.write_text("version: 1\nrules:\n  blocks.*.in_proj: colwise\n")
+    with pytest.raises(ApplyOptionsError) as caught:
+        dry_run(ApplyOptions(plan=str(plan), model="tpplan.models.mlp:tiny"))
+    assert (caught.value.option, caught.value.kind) == ("tp", "missing")
+    assert "--" not in str(caught.value)
+    assert usage_text(caught.value) == "--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)"
+
+    with pytest.raises(ApplyOptionsError) as caught:
+        mesh_shape(4, 3, "tp")
+    copied = pickle.loads(pickle.dumps(caught.value))  # it travels between ranks in the consensus
+    assert (copied.option, copied.facts) == ("tp", {"tp": 3, "world": 4})
+    assert usage_text(copied) == "--tp (3) must divide the world size (4)"
+
+
+def test_no_runtime_module_spells_a_usage_error_in_flag_names():
+    for path in (ROOT / "tpplan" / "runtime").glob("*.py"):
+        for line in path.read_text().splitlines():
+            if "ApplyOptionsError(" in line or "UsageError(" in line:
+                assert not re.search(r"--[a-z]", line.split("ApplyOptionsError(", 1)[-1]), (path.name, line)
+
+
+def test_usage_errors_of_ranks_are_worded_per_rank():
+    from tpplan.cli.apply import usage_text
+    from tpplan.runtime.consensus import usage_errors
+    from tpplan.runtime.options import ApplyOptionsError, RanksUsageError
+
+    error = ApplyOptionsError("tp", "not-a-divisor", "3 does not divide the world size (2)", tp=3, world=2)
+    states = [{"rank": 0, "host": "h", "usage": None}, {"rank": 1, "host": "h", "usage": error}]
+    assert usage_text(RanksUsageError(usage_errors(states))) == "rank 1: --tp (3) must divide the world size (2)"

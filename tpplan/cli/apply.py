@@ -79,7 +79,6 @@ def apply(
     ] = 300.0,
 ) -> None:
     """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
-    from .app import usage_error
     from ..runtime.modelref import ModelRefError
     from ..runtime.options import ApplyOptions, UsageError
 
@@ -99,14 +98,55 @@ def apply(
 
                 report = run_torchrun(options, on_event)
             code = _print(report, format, rank)
-        except (UsageError, ModelRefError) as exc:
-            if not under_torchrun:
-                usage_error(str(exc))
-            typer.echo(f"Error: rank {rank}: {exc}" if rank else f"Error: {exc}", err=True)
+        except (UsageError, ModelRefError) as exc:  # the one route to exit 2 (besides typer's own option checks)
+            text = usage_text(exc)
+            typer.echo(f"Error: rank {rank}: {text}" if rank else f"Error: {text}", err=True)
             code = 2
     if under_torchrun:
         _leave(code)
     raise typer.Exit(code)
+
+
+# (option, kind) of runtime.options.ApplyOptionsError -> its wording in flag names.
+_WORDING = {
+    ("launch", "not-torchrun"): "tpplan apply runs under torchrun ({missing_text} not set): "
+    "torchrun --nproc-per-node N -m tpplan apply ..., or add --dry-run --tp N to simulate N ranks in this process",
+    ("launch", "bad-env"): "RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)",
+    ("device", "unknown"): "--device must be auto, cpu, cuda or npu, not {value!r}",
+    ("device", "no-cuda"): "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)",
+    ("device", "no-npu"): "--device npu needs torch_npu installed and an Ascend NPU visible",
+    ("tp", "not-a-divisor"): "--tp ({tp}) must divide the world size ({world})",
+    ("tp", "below-one"): "--tp ({tp}) must be at least 1",
+    ("tp", "missing"): "--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)",
+    ("steps", "needs-ranks"): "--steps trains on real ranks (torchrun); --dry-run runs on fake tensors without values",
+}
+
+
+def usage_text(exc: BaseException) -> str:
+    """A usage error of the runtime in the command line's words."""
+    from ..runtime.options import ApplyOptionsError, RanksUsageError
+
+    if isinstance(exc, RanksUsageError):
+        return "\n".join(f"{ranks}: {usage_text(e)}" if ranks else usage_text(e) for ranks, e in exc.errors)
+    if isinstance(exc, ApplyOptionsError):
+        wording = _WORDING.get((exc.option, exc.kind))
+        if wording is None:  # a check without wording of its own (the plan's mesh.axis): the library's reason
+            return exc.reason
+        facts = dict(exc.facts)
+        facts["missing_text"] = ", ".join(facts.get("missing", ()))
+        return wording.format(**facts)
+    return str(exc)
+
+
+@contextlib.contextmanager
+def worded() -> Iterator[None]:
+    """Raise the runtime's typed usage errors as a UsageError in the command line's words."""
+    from ..runtime.options import ApplyOptionsError, RanksUsageError, UsageError
+
+    try:
+        yield
+    except (ApplyOptionsError, RanksUsageError) as exc:
+        raise UsageError(usage_text(exc)) from None
 
 
 def _leave(code: int) -> NoReturn:

@@ -28,8 +28,9 @@ def plan_summary(plan: Plan) -> dict:
     }
 
 
-def rank_state(rank: int, plan: Plan | None, structure: list | None, problems: list[Problem], usage: str | None) -> dict:
-    """What a rank tells the others before any sharding (plain data: it is pickled)."""
+def rank_state(rank: int, plan: Plan | None, structure: list | None, problems: list[Problem], usage: Any = None) -> dict:
+    """What a rank tells the others before any sharding (pickled): `usage` is its
+    usage error (an exception, or its text), if any."""
     return {
         "rank": rank,
         "host": socket.gethostname(),
@@ -50,9 +51,7 @@ def _groups(states: list[dict], key: Callable[[dict], Any]) -> list[tuple[Any, l
     return list(groups.values())
 
 
-def disagreements(states: list[dict]) -> tuple[list[str], list[Problem]]:
-    """(usage errors, problems) that stop every rank before sharding: errors any
-    rank had, and any difference in plan or model between ranks."""
+def _ranks_namer(states: list[dict]) -> Callable[[list[int]], str]:
     hosts = {s["rank"]: s["host"] for s in states}
 
     def ranks_text(ranks: list[int]) -> str:
@@ -62,9 +61,23 @@ def disagreements(states: list[dict]) -> tuple[list[str], list[Problem]]:
             text += " on " + ", ".join(sorted({hosts[r] for r in ranks}))
         return text
 
-    usage_groups = _groups(states, lambda s: s["usage"])
-    everywhere = len(usage_groups) == 1  # the same on every rank: naming them adds nothing
-    usage = [text if everywhere else f"{ranks_text(ranks)}: {text}" for text, ranks in usage_groups if text]
+    return ranks_text
+
+
+def usage_errors(states: list[dict]) -> list[tuple[str | None, Any]]:
+    """The usage errors of the ranks, each with the ranks that had it (None when
+    every rank had the same one: naming them adds nothing)."""
+    ranks_text = _ranks_namer(states)
+    groups = _groups(states, lambda s: s["usage"])
+    everywhere = len(groups) == 1
+    return [(None if everywhere else ranks_text(ranks), found) for found, ranks in groups if found]
+
+
+def disagreements(states: list[dict]) -> tuple[list[str], list[Problem]]:
+    """(usage errors, problems) that stop every rank before sharding: errors any
+    rank had, and any difference in plan or model between ranks."""
+    ranks_text = _ranks_namer(states)
+    usage = [f"{ranks}: {found}" if ranks else str(found) for ranks, found in usage_errors(states)]
     if usage:
         return usage, []
     problems: list[Problem] = []

@@ -6,7 +6,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from .options import UsageError
+from .options import ApplyOptionsError
 
 if TYPE_CHECKING:
     import torch
@@ -18,29 +18,26 @@ def torchrun_env() -> tuple[int, int, int]:
     """(rank, world size, local rank) from the variables torchrun sets."""
     missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
-        raise UsageError(
-            f"tpplan apply runs under torchrun ({', '.join(missing)} not set): "
-            "torchrun --nproc-per-node N -m tpplan apply ..., or add --dry-run --tp N to simulate N ranks in this process"
-        )
+        raise ApplyOptionsError("launch", "not-torchrun", f"not started by torchrun ({', '.join(missing)} not set)", missing=missing)
     try:
         return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     except ValueError:
-        raise UsageError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+        raise ApplyOptionsError("launch", "bad-env", "RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
 
 
 def pick_device(choice: str) -> str:
-    """The device type for `--device` (auto: cuda, then npu, then cpu)."""
+    """The device type for the `device` option (auto: cuda, then npu, then cpu)."""
     import torch
 
     if choice not in ("auto", *BACKENDS):
-        raise UsageError(f"--device must be auto, cpu, cuda or npu, not {choice!r}")
+        raise ApplyOptionsError("device", "unknown", f"must be auto, cpu, cuda or npu, not {choice!r}", value=choice)
     npu = _npu_available()
     if choice == "auto":
         return "cuda" if torch.cuda.is_available() else "npu" if npu else "cpu"
     if choice == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+        raise ApplyOptionsError("device", "no-cuda", "cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
     if choice == "npu" and not npu:
-        raise UsageError("--device npu needs torch_npu installed and an Ascend NPU visible")
+        raise ApplyOptionsError("device", "no-npu", "npu needs torch_npu installed and an Ascend NPU visible")
     return choice
 
 
@@ -76,14 +73,14 @@ def init_process_group(device: "torch.device", timeout: float) -> str:
 
 
 def mesh_shape(world_size: int, tp: int | None, axis: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """1-D mesh of the world, or 2-D (dp, tp) when --tp is smaller than the world."""
+    """1-D mesh of the world, or 2-D (dp, tp) when `tp` is smaller than the world."""
     tp = world_size if tp is None else tp
     if tp < 1 or tp > world_size or world_size % tp:
-        raise UsageError(f"--tp ({tp}) must divide the world size ({world_size})")
+        raise ApplyOptionsError("tp", "not-a-divisor", f"{tp} does not divide the world size ({world_size})", tp=tp, world=world_size)
     if tp == world_size:
         return (tp,), (axis,)
     if axis == "dp":
-        raise UsageError("the plan's mesh.axis is 'dp', the name of the data-parallel dim of a 2-D mesh: rename it (e.g. 'tp')")
+        raise ApplyOptionsError("plan", "dp-axis", "the plan's mesh.axis is 'dp', the name of the data-parallel dim of a 2-D mesh: rename it (e.g. 'tp')")
     return (world_size // tp, tp), ("dp", axis)
 
 

@@ -22,19 +22,19 @@ from ..render.apply_report import ApplyReport, human_bytes
 from .layouts import param_layouts
 from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
 from .modelref import build_model, load_callable, make_inputs
-from .options import ApplyOptions, UsageError
+from .options import ApplyOptions, ApplyOptionsError
 
 
 def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
     """The degree to simulate, and a note when it was not given on the command line."""
     if options.tp is not None:
         if options.tp < 1:
-            raise UsageError(f"--tp ({options.tp}) must be at least 1")
+            raise ApplyOptionsError("tp", "below-one", f"{options.tp} is not at least 1", tp=options.tp)
         return options.tp, None
     if plan.mesh_sizes:
         tp = max(plan.mesh_sizes)
         return tp, f"--tp not given: simulating TP {tp}, the largest of the plan's mesh.sizes {list(plan.mesh_sizes)}"
-    raise UsageError("--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)")
+    raise ApplyOptionsError("tp", "missing", "a dry run needs a TP degree and the plan lists no mesh.sizes to pick from")
 
 
 def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
@@ -42,7 +42,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     any) of applying the plan and running one forward and backward."""
     event = on_event or (lambda text: None)
     if options.steps:
-        raise UsageError("--steps trains on real ranks (torchrun); --dry-run runs on fake tensors without values")
+        raise ApplyOptionsError("steps", "needs-ranks", "training steps need real ranks (torchrun); a dry run runs on fake tensors without values")
     report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
     try:
         plan = load_plan(options.plan)

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 _TPPLAN = Path(__file__).resolve().parent.parent
-# tpplan's reference models are models like the user's: their errors are the model's.
-_MODELS = (_TPPLAN / "models", _TPPLAN / "hf_models.py")
+# tpplan's reference and example models are models like the user's: their errors
+# (a torch op failing on a line of their forward) are the model's.
+_MODELS = (_TPPLAN / "models", _TPPLAN / "hf_models.py", _TPPLAN / "lint" / "examples.py")
 
 
 def raised_by_tpplan(exc: BaseException) -> bool:

@@ -3,8 +3,8 @@ consensus, sharding, one forward and backward, `--check`, `--steps`.
 
 Small steps that return what they found; `_run` assembles the report from them.
 Everything that can go wrong is data until the edge: the model and plan become
-`Problem`s (located at the rule that caused them), a bad command line a
-`UsageError`; the CLI prints them and picks the exit code.
+`Problem`s (located at the rule that caused them), options that cannot be run
+a typed `UsageError`; the CLI words and prints them and picks the exit code.
 
     torchrun --nproc-per-node 2 -m tpplan apply --plan plans/llama_tp_sp.yaml \\
         --model tpplan.models.llama:tiny --check
@@ -23,12 +23,12 @@ from ..core.plan import Plan
 from ..core.problems import PlanError, Problem, error, first_line
 from ..render.apply_report import ApplyReport, CheckResult, ParamLayout, StepsResult
 from .comm import CommFailure, comm_problem, is_comm_failure
-from .consensus import disagreements, gather_states, rank_state
+from .consensus import disagreements, gather_states, rank_state, usage_errors
 from .devices import init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env
 from .layouts import param_layouts
 from .locate import FailureLocator, Sharded, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
 from .modelref import ModelRefError, build_model, make_inputs, module_structure
-from .options import ApplyOptions, UsageError
+from .options import ApplyOptions, RanksUsageError, UsageError
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ class _Loaded:
     structure: list | None = None
     mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None
     problems: list[Problem] = field(default_factory=list)
-    usage: str | None = None
+    usage: UsageError | ModelRefError | None = None
 
 
 @dataclass
@@ -74,7 +74,8 @@ class _Ran:
 
 def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
     """`tpplan apply` on this rank of a torchrun job; every rank returns the same
-    report verdict (rank 0's numbers). Raises UsageError for command-line errors.
+    report verdict (rank 0's numbers). Raises UsageError (typed: ApplyOptionsError,
+    RanksUsageError) for a run that cannot be done as asked.
     The process group is destroyed on every path."""
     import torch.distributed as dist
 
@@ -140,17 +141,16 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     except PlanError as exc:
         loaded.problems = exc.problems
     except (UsageError, ModelRefError) as exc:
-        loaded.usage = str(exc)
+        loaded.usage = exc
     return loaded
 
 
 def _agree(ctx: _Rank, loaded: _Loaded, timeout: float) -> list[Problem]:
     """The problems that stop every rank before sharding; raises the usage errors of any rank."""
     states = gather_states(rank_state(ctx.rank, loaded.plan, loaded.structure, loaded.problems, loaded.usage), ctx.control, timeout)
-    usage_errors, problems = disagreements(states)
-    if usage_errors:
-        raise UsageError("\n".join(usage_errors))
-    return problems
+    if errors := usage_errors(states):
+        raise RanksUsageError(errors)
+    return disagreements(states)[1]
 
 
 def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Module", mesh_spec, event) -> _Ran:
