@@ -16,7 +16,7 @@ from tpplan import load_plan
 from tpplan.core.placements import parse_placement, placement_text
 from tpplan.core.problems import PlanError, first_line
 from tpplan.models import mlp
-from tpplan.render.apply_report import ApplyReport, CheckResult, ParamLayout
+from tpplan.runtime.report import ApplyReport, CheckResult, ParamLayout
 from tpplan.runtime.comm import is_comm_failure
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.locate import FailureLocator, apply_plan, run_located

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from ..core.loader import load_plan
 from ..core.plan import Plan
 from ..core.problems import PlanError, error, first_line
-from ..render.apply_report import ApplyReport, human_bytes
+from .report import ApplyReport, human_bytes
 from .layouts import param_layouts
 from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
 from .modelref import build_model, load_callable, make_inputs

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..core.placements import placements_text
-from ..render.apply_report import ParamLayout
+from .report import ParamLayout
 
 if TYPE_CHECKING:
     import torch

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from ..render.apply_report import StepsResult
+from .report import StepsResult
 from .devices import synchronize
 from .verify import full_tensor
 

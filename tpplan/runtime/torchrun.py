@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.plan import Plan
 from ..core.problems import PlanError, Problem, error, first_line
-from ..render.apply_report import ApplyReport, CheckResult, ParamLayout, StepsResult
+from .report import ApplyReport, CheckResult, ParamLayout, StepsResult
 from .comm import CommFailure, comm_problem, is_comm_failure
 from .consensus import disagreements, gather_states, rank_state, usage_errors
 from .devices import init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env

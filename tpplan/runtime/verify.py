@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..render.apply_report import CheckResult
+from .report import CheckResult
 from .simulate import (
     allowed_diff,
     default_inputs,
