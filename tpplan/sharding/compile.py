@@ -1,37 +1,13 @@
-"""Turn a style spec from a plan into a fresh torch ParallelStyle object."""
+"""Turn a style spec from a plan into a fresh torch ParallelStyle object: the class
+its style table entry names (core/style_table.py), called with the spec's options."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..core.placements import PlacementSpec
-from ..core.schema import StyleSpec
-from .experts import ExpertParallel, ExpertTensorParallel
-from .kv_heads import HeadsColwiseParallel
-from .params import LocalParams
-from .styles import (
-    ColwiseParallel,
-    NoParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
-
-STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "sequence_parallel": SequenceParallel,
-    "prepare_module_input": PrepareModuleInput,
-    "prepare_module_output": PrepareModuleOutput,
-    "prepare_module_input_output": PrepareModuleInputOutput,
-    "no_parallel": NoParallel,
-    "expert_tp": ExpertTensorParallel,
-    "expert_parallel": ExpertParallel,
-    "local_params": LocalParams,
-}
+from ..core.style_table import StyleSpec
+from .styles import ParallelStyle, resolve
 
 
 def _to_torch(value: Any) -> Any:
@@ -46,14 +22,7 @@ def _to_torch(value: Any) -> Any:
 
 def compile_style(spec: StyleSpec, src_data_rank: int | None = 0) -> ParallelStyle:
     """A new style object for one module: styles hold per-module state, so never share one."""
-    options = {name: _to_torch(getattr(spec, name)) for name in type(spec).model_fields if name != "style"}
-    if spec.style == "colwise":
-        heads = options.pop("heads")
-        if heads is not None:  # whole heads, replicated above their count
-            options.pop("output_layouts")
-            style = HeadsColwiseParallel(heads=None if heads == "auto" else heads, **options)
-            style.src_data_rank = src_data_rank
-            return style
-    style = STYLE_CLASSES[spec.style](**options)
+    options = {name: _to_torch(value) for name, value in spec.torch_options().items()}
+    style = resolve(spec.torch_class())(**options)
     style.src_data_rank = src_data_rank
     return style

@@ -3,7 +3,7 @@ divide what they shard (the experts for expert_parallel, their intermediate dim 
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import degrees_that_work, rule_ref
 
 _EXPERT_STYLES = ("expert_tp", "expert_parallel")
@@ -68,7 +68,7 @@ def check(ctx):
                 break
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP312",
     name="expert-divisibility",
     severity="error",
@@ -103,4 +103,4 @@ RULE = register(LintRule(
           model.layers.*.mlp.experts: expert_parallel
     """,
     check=check,
-))
+)

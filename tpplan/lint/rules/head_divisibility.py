@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..facts import head_split
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import degrees_that_work, rule_ref
 
 
@@ -46,7 +46,7 @@ def _is_kv(name: str) -> bool:
     return "kv" in name or "key_value" in name
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP311",
     name="head-divisibility",
     severity="error",
@@ -96,4 +96,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

@@ -3,7 +3,7 @@ gradient on each rank is that rank's share only (partial)."""
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import generalize, shard_text, styled
 
 
@@ -62,7 +62,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP325",
     name="replicated-partial-grad",
     severity="error",
@@ -112,4 +112,4 @@ RULE = register(LintRule(
           model.layers.*.mlp.down_proj: rowwise
     """,
     check=check,
-))
+)
