@@ -18,7 +18,8 @@ from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
 from tpplan import hf_models  # noqa: E402
 from tpplan.models import llama  # noqa: E402
-from tpplan.runtime.simulate import check_parity, simulated_world, tp_mesh  # noqa: E402
+from tpplan.runtime.simulate import simulated_world, tp_mesh  # noqa: E402
+from tpplan.runtime.verify import check_parity  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans" / "hf"
@@ -117,7 +118,6 @@ def test_expert_tp_reduce_scatters_its_output_when_asked_for_a_token_shard():
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpplan.runtime.simulate import count_collectives  # noqa: F401  (same counting as the plans)
     from tpplan.sharding.experts import ExpertTensorParallel
 
     torch.manual_seed(0)
@@ -256,7 +256,9 @@ def test_partial_gradients_of_apertus_xielu_are_found_and_fixed_by_import_minima
     # transformers' own plan: outputs match, the xIELU parameters' gradients do not.
     wrong = check_parity(hf_models.apertus, load_plan(text=imported.text), 2)
     assert not wrong.passed and all("act_fn.alpha" in p for p in wrong.problems if "grad" in p)
-    minimal = import_hf(apertus_config, minimal=True)
+    from tpplan.lint.fixes import partial_gradient_rules
+
+    minimal = import_hf(apertus_config, minimal=True, fix_partial_gradients=partial_gradient_rules)
     assert "  model.layers.*.mlp.act_fn: local_params\n" in minimal.text
     assert [p for p in lint(minimal.text, "tpplan.hf_models:apertus", tp=[2]) if p.code == "TP325"] == []
     _assert_parity(check_parity(hf_models.apertus, load_plan(text=minimal.text), 2))

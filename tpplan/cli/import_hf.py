@@ -60,7 +60,9 @@ def import_hf(
     except ModuleNotFoundError as exc:
         usage_error(f"import-hf needs transformers ({exc}): pip install 'tpplan[hf]'")
     try:
-        imported = run_import(source, minimal=minimal, ep=ep)
+        from ..lint.fixes import partial_gradient_rules
+
+        imported = run_import(source, minimal=minimal, ep=ep, fix_partial_gradients=partial_gradient_rules)
     except HfImportError as exc:
         usage_error(str(exc))
     if output is None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .render import group_siblings, render_plan
@@ -251,6 +251,7 @@ def import_hf(
     minimal: bool = False,
     ep: bool = False,
     check_model: bool = True,
+    fix_partial_gradients: "Callable[[str, nn.Module], dict[str, Any]] | None" = None,
     schema: str = "../../schemas/plan.schema.json",
 ) -> ImportedPlan:
     """transformers' TP plan for a causal LM, as tpplan YAML, and what it leaves out.
@@ -263,8 +264,11 @@ def import_hf(
     reported. `minimal` adds a `prepare_module_input` on each parent with two
     or more colwise children and no unplanned child holding parameters, so
     backward costs one all-reduce per parent instead of one per colwise child,
-    and `local_params` on each module with its own parameters between sharded
-    activations (TP325's fix: their gradients are summed). `ep` imports
+    and, given `fix_partial_gradients` (the lint's
+    `tpplan.lint.fixes.partial_gradient_rules`, which the CLI passes: this layer
+    does not import the lint), the rules it returns for the plan so far:
+    `local_params` on each module whose parameters compute on sharded activations
+    (TP325). `ep` imports
     `base_model_ep_plan` (experts whole per rank) over the TP plan.
     """
     import transformers
@@ -315,7 +319,7 @@ def import_hf(
             sharing = _parents_sharing_input(rules, model)
             rules = {**sharing, **rules}
             added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
-            summed = _partial_gradient_rules(rules, model)
+            summed = fix_partial_gradients(render_plan("probe", "", [2], rules, []), model) if fix_partial_gradients else {}
             rules = {**rules, **summed}
             added += [
                 (key, f"local_params: its parameters compute on sharded activations, their gradients are summed (TP325)")
@@ -341,20 +345,6 @@ def import_hf(
     )
     text = render_plan(name, description, _tp_sizes(config), group_siblings(rules), header)
     return ImportedPlan(text, skipped, added)
-
-
-def _partial_gradient_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
-    """`local_params` for each module whose replicated parameters the lint's layout flow
-    finds computing on sharded activations (TP325: their gradients would be partial);
-    the Apertus xIELU's alpha_p/alpha_n between up_proj and down_proj, say."""
-    from ..core.loader import load_plan
-    from ..lint.context import LintContext
-    from ..lint.rules.replicated_partial_grad import findings
-    from ..core.globs import generalize
-
-    text = render_plan("probe", "", [2], rules, [])
-    context = LintContext(load_plan(text=text), model, [2])
-    return {generalize(leak.fqn): "local_params" for leak, _ in findings(context)}
 
 
 def _keep_module_rules(

@@ -156,4 +156,4 @@ def _own_placements(module: "nn.Module", rule: Rule) -> dict[str, str] | None:
     try:
         return expert_placements(module, style, rule.spec.params if style == "expert_tp" else None)
     except ValueError:
-        return None  # not an experts module, or an unknown parameter name: TP312 says so
+        return None  # not an experts module, or an unknown parameter name: TP305 says so

@@ -264,7 +264,9 @@ class ExpertTensorParallel(_LocalForward):
         )
 
 
-DISPATCHES = ("all_reduce", "all_to_all")
+# "all_to_all" (tokens sharded, sent to their expert's rank and back, torchtitan-style)
+# is not implemented: its data-dependent split sizes differ per rank.
+DISPATCHES = ("all_reduce",)
 
 
 class ExpertParallel(_LocalForward):
@@ -292,8 +294,6 @@ class ExpertParallel(_LocalForward):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, not {dispatch!r}")
-        if dispatch == "all_to_all":
-            raise NotImplementedError("expert_parallel dispatch 'all_to_all' is not implemented yet; use 'all_reduce'")
         self.dispatch = dispatch
 
     def _placements(self, module: nn.Module, mesh: DeviceMesh) -> dict[str, Placement]:

@@ -35,9 +35,9 @@ RULES = rule_table([
     sequence_parallel_positionwise.RULE,  # TP302
     arity.RULE,  # TP303
     unused_layout.RULE,  # TP304
+    expert_divisibility.RULE,  # TP305
     shard_divisibility.RULE,  # TP310
     head_divisibility.RULE,  # TP311
-    expert_divisibility.RULE,  # TP312
     layout_mismatch.RULE,  # TP320
     shard_leak.RULE,  # TP321
     sequence_parallel_open.RULE,  # TP322

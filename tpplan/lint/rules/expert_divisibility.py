@@ -1,4 +1,4 @@
-"""TP312: expert styles on a module without fused experts, or a degree that does not
+"""TP305: expert styles on a module without fused experts, or a degree that does not
 divide what they shard (the experts for expert_parallel, their intermediate dim for expert_tp)."""
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def check(ctx):
 
 
 RULE = LintRule(
-    code="TP312",
+    code="TP305",
     name="expert-divisibility",
     severity="error",
     summary="expert_tp / expert_parallel on a module without fused experts, or a degree that does not divide them.",
