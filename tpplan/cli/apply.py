@@ -19,6 +19,11 @@ class ApplyFormat(str, Enum):
     json = "json"
 
 
+class SaveFormat(str, Enum):
+    dcp = "dcp"
+    hf = "hf"
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -34,7 +39,8 @@ def apply(
             "--model",
             metavar="MOD:FN",
             help="An importable callable returning the nn.Module, built under a torch.device context "
-            "(the same on every rank; on the meta device with --dry-run).",
+            "(the same on every rank; on the meta device with --dry-run), or hf:SPEC: the transformers causal LM "
+            "of a local model directory, a config.json or a model type (built from the config; nothing is downloaded).",
             show_default=False,
         ),
     ],
@@ -73,6 +79,34 @@ def apply(
     ] = None,
     device: Annotated[Device, typer.Option("--device", help="Device of each rank; auto: cuda, then npu, then cpu. Picks the backend: nccl, hccl, gloo.")] = Device.auto,
     format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (SPEC §4).")] = ApplyFormat.text,
+    checkpoint: Annotated[
+        Optional[str],
+        typer.Option(
+            "--checkpoint",
+            metavar="PATH",
+            help="Load this HuggingFace safetensors file or directory (sharded with model.safetensors.index.json) "
+            "or torch.distributed.checkpoint directory after sharding; the model is built on the meta device and "
+            "each rank reads only its slices. --dry-run: read only headers / metadata and check keys, shapes, dtypes.",
+            show_default=False,
+        ),
+    ] = None,
+    save: Annotated[
+        Optional[str],
+        typer.Option("--save", metavar="PATH", help="After the run, save the sharded model to this directory (torchrun only).", show_default=False),
+    ] = None,
+    save_format: Annotated[
+        SaveFormat,
+        typer.Option("--save-format", help="dcp: every rank writes its shards (loads at any TP degree); hf: consolidated safetensors + config.json."),
+    ] = SaveFormat.dcp,
+    allow_missing: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--allow-missing",
+            metavar="PATTERN",
+            help="Keys that may be missing from --checkpoint (shell-style, e.g. '*.bias'; repeatable); they are initialised as the model would.",
+            show_default=False,
+        ),
+    ] = None,
     timeout: Annotated[
         float,
         typer.Option("--timeout", metavar="SECONDS", min=1, help="Bound on every collective: a rank that dies or hangs fails the others after this long."),
@@ -84,7 +118,8 @@ def apply(
     from ..runtime.torchrun import ApplyOptions, UsageError
 
     options = ApplyOptions(
-        plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout
+        plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout,
+        checkpoint=checkpoint, save=save, save_format=save_format.value, allow_missing=tuple(allow_missing or ()),
     )
     under_torchrun = not dry_run and "RANK" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0

@@ -62,17 +62,24 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     if options.device not in ("auto", "cpu"):
         report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
+    if options.save:
+        raise UsageError("--save writes real weights: run under torchrun (a dry run has none)")
     try:
-        _simulate_shapes(options, plan, factory, report, event)
+        source = None
+        if options.checkpoint:  # headers / metadata only, before building anything
+            from ..checkpoint.run import open_checkpoint
+
+            source = open_checkpoint(options.checkpoint)
+        _simulate_shapes(options, plan, factory, report, event, source)
         if options.check:
             event(f"checking {tp} ranks with real values against a single device")
             _simulate_values(options, plan, factory, report)
     except PlanError as exc:
-        report.problems = exc.problems
+        report.problems += exc.problems
     return report
 
 
-def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event) -> None:
+def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, source=None) -> None:
     from .simulate import VALUES_LIMIT_BYTES, fake_tensors, forward_backward, simulated_world, tp_mesh
 
     tp = report.tp
@@ -86,6 +93,11 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
             model = build_model(options.model, "cpu", factory)
             inputs = make_inputs(options.inputs, model, "cpu")
             rules = shard_recorded(plan, model, mesh, report, event)
+            if source is not None:
+                from ..checkpoint.run import inspect_into
+
+                report.checkpoint, found = inspect_into(model, source, options.allow_missing, tp)
+                report.problems += found
             event("forward and backward on fake tensors")
             locator = FailureLocator(plan, model, rules, tp)
             with locator.tracking():

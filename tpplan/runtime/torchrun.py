@@ -63,6 +63,10 @@ class ApplyOptions:
     device: str = "auto"
     timeout: float = DEFAULT_TIMEOUT_S
     seed: int = 0
+    checkpoint: str | None = None  # load into the sharded model (tpplan.checkpoint)
+    save: str | None = None  # save the sharded model after the run
+    save_format: str = "dcp"
+    allow_missing: tuple[str, ...] = ()
 
 
 # -- located application ---------------------------------------------------------
@@ -647,9 +651,13 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
         shape, names = mesh_shape(ctx.world, options.tp, plan.mesh_axis)
         event("building the model")
         torch.manual_seed(options.seed)  # the same weights on every rank, even with src_data_rank: null
-        model = build_model(options.model, ctx.device)
+        model = build_model(options.model, "meta" if options.checkpoint else ctx.device)
         structure = module_structure(model)
         plan.match(model)
+        if options.checkpoint:  # keys, shapes, dtypes: before any rank shards
+            from ..checkpoint.run import preflight
+
+            preflight(model, options.checkpoint, options.allow_missing)
     except PlanError as exc:
         problems = exc.problems
     except (UsageError, ModelRefError) as exc:
@@ -687,11 +695,13 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     report.tp = shape[-1]
     report.dp = shape[0] if len(shape) == 2 else 1
     report.notes += unpromised_tp_note(plan, report.tp)
-    torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
-    inputs = make_inputs(options.inputs, model, ctx.device)
-    reference = copy.deepcopy(model) if options.check else None
+    reference = copy.deepcopy(model) if options.check and not options.checkpoint else None
 
     rules = shard_recorded(plan, model, mesh, report, event)
+    if options.checkpoint:
+        reference = _load_checkpoint(ctx, options, model, report, event)
+    torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
+    inputs = make_inputs(options.inputs, model, ctx.device)
     locator = FailureLocator(plan, model, rules, report.tp)
 
     event("forward and backward")
@@ -709,7 +719,7 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     if reference is not None:
         event("checking against a single device")
         try:
-            local = compare_with_reference(model, reference, inputs, output, grads)
+            local = compare_with_reference(model, reference, inputs, output, grads, copy_weights=not options.checkpoint)
         except Exception as exc:  # the single-device run of the user's model, or gathering the weights
             if is_comm_failure(exc):
                 raise CommFailure(comm_problem(plan, "gathering the weights for --check", exc)) from None
@@ -720,12 +730,33 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     if options.steps:
         event(f"{options.steps} SGD steps")
         report.steps = run_located(locator, lambda: sgd_steps(model, inputs, options.steps, ctx.device, options.seed))
+    if options.save:
+        from ..checkpoint.run import save_from
+
+        event(f"saving to {options.save}")
+        report.saved = save_from(model, options.save, options.save_format)
 
     # The per-rank bytes come from the layouts (shard sizes as torch chunks them);
     # every real rank checks that it holds what its TP coordinate predicts.
     held = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     predicted = report.rank_bytes[ctx.rank % report.tp]  # mesh ranks are row-major: tp is the fastest dim
     assert held == predicted, f"rank {ctx.rank} holds {held} parameter bytes, its layout says {predicted}"
+
+
+def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", report: ApplyReport, event) -> "nn.Module | None":
+    """Load --checkpoint into the sharded meta model (each rank its slices); with
+    --check, also into a single-device reference."""
+    from ..checkpoint.run import load_into
+
+    event(f"loading {options.checkpoint}")
+    report.checkpoint = load_into(model, options.checkpoint, options.allow_missing, ctx.device)
+    report.params = param_layouts(model, report.tp)  # the checkpoint's dtypes
+    if not options.check:
+        return None
+    event(f"loading {options.checkpoint} on a single device for --check")
+    reference = build_model(options.model, "meta")
+    load_into(reference, options.checkpoint, options.allow_missing, ctx.device)
+    return reference
 
 
 def _local(t: "torch.Tensor") -> "torch.Tensor":
@@ -760,18 +791,19 @@ def _full(t: "torch.Tensor") -> "torch.Tensor":
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def compare_with_reference(model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict) -> CheckResult:
+def compare_with_reference(model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict, copy_weights: bool = True) -> CheckResult:
     """This rank's outputs and gradients (`grads`: {name: grad} of the sharded run)
     against a single-device run of `reference` loaded with the sharded model's
-    weights gathered to full tensors. Tolerances as simulate.check_parity's."""
+    weights gathered to full tensors (or, `copy_weights=False`, with its own:
+    the same checkpoint loaded on one device). Tolerances as simulate.check_parity's."""
     import torch
 
     from .simulate import allowed_diff, max_abs_diff, output_tensors, scalar_loss, tolerance
 
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters() if copy_weights else ():
             reference.get_parameter(name).copy_(_full(param))
-        for name, buffer in model.named_buffers():
+        for name, buffer in model.named_buffers() if copy_weights else ():
             reference.get_buffer(name).copy_(_full(buffer))
     ref_output = reference(*inputs)
     scalar_loss(ref_output).backward()
