@@ -145,7 +145,10 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
 
     inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
     try:
-        result = check_parity(lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed)
+        if options.checkpoint:
+            result = _check_loaded(options, plan, factory, report.tp, inputs)
+        else:
+            result = check_parity(lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed)
     except PlanError:
         raise
     except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
@@ -153,3 +156,33 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
     report.check = CheckResult(result.passed, result.max_abs_diff, result.problems[:10])
     if not result.passed:
         report.problems.append(error("TP505", f"--check failed at TP {report.tp}: {result.problems[0]}", plan.file))
+
+
+def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
+    """--check --checkpoint: every simulated rank reads its own slices of the
+    checkpoint (tpplan.checkpoint.simulate); outputs and gradients against the
+    single-device model loaded from the same checkpoint."""
+    import torch
+
+    from ..checkpoint.load import load_checkpoint
+    from ..checkpoint.simulate import simulated_load
+    from .simulate import ParityResult, _compare, default_inputs, forward_backward, output_tensors, scalar_loss, tolerance
+
+    reference = build_model(options.model, "meta", factory)
+    load_checkpoint(reference, options.checkpoint, allow_missing=options.allow_missing, device="cpu")
+    if inputs is None:
+        inputs = (default_inputs(reference, generator=torch.Generator().manual_seed(options.seed)),)
+    ref_out = reference(*inputs)
+    scalar_loss(ref_out).backward()
+    problems: list[str] = []
+    with simulated_load(factory, plan, tp, options.checkpoint, allow_missing=options.allow_missing) as sim:
+        out, comms = forward_backward(sim.model, inputs)
+        got, want = output_tensors(out), output_tensors(ref_out)
+        rtol, atol = tolerance(want[0].dtype if want else torch.float32)
+        out_diff = max((_compare("output", g, w, rtol, atol, problems) for g, w in zip(got, want)), default=0.0)
+        grads = {}
+        params = dict(sim.model.named_parameters())
+        for name, ref_param in reference.named_parameters():
+            if ref_param.grad is not None and params[name].grad is not None:
+                grads[name] = _compare(f"{name} grad", params[name].grad, ref_param.grad, *tolerance(ref_param.dtype), problems)
+    return ParityResult(not problems, max([out_diff, *grads.values()]), out_diff, grads, comms["forward"], comms["backward"], problems)
