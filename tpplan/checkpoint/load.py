@@ -71,6 +71,7 @@ def load_checkpoint(
     """
     import torch
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     source = locate(path)
@@ -89,7 +90,7 @@ def load_checkpoint(
                 planner=DefaultLoadPlanner(allow_partial_load=False),
                 no_dist=_no_dist(state),
             )
-    except Exception as exc:  # safetensors, pickle or OS errors while reading: named, with the model's state
+    except (Exception, CheckpointException) as exc:  # safetensors, pickle, OS errors (DCP's is a BaseException)
         raise fail(
             "TP605",
             f"reading the tensors of {source.path} failed: {_reason(exc)}; the model is left partly loaded "

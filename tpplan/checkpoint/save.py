@@ -50,6 +50,7 @@ def save_checkpoint(model: "nn.Module", path: str | os.PathLike, *, format: str 
     model's mesh must call it. `dtype` casts floating-point tensors (e.g. an fp32
     model saved as bfloat16). Returns the path. Raises CheckpointError TP608."""
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.tensor import DTensor
 
     if format not in FORMATS:
@@ -73,8 +74,10 @@ def save_checkpoint(model: "nn.Module", path: str | os.PathLike, *, format: str 
             dist.barrier()
     except OSError as exc:
         raise fail("TP608", f"saving to {target!r} failed: {exc.strerror or exc}", target) from None
-    except Exception as exc:  # DCP's CheckpointException wraps every rank's failure (often an OSError)
-        raise fail("TP608", f"saving to {target!r} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:400], target) from None
+    except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) wraps every rank's failure
+        from .load import _reason
+
+        raise fail("TP608", f"saving to {target!r} failed: {_reason(exc)}", target) from None
     return target
 
 
