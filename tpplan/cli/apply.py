@@ -103,7 +103,7 @@ def apply(
         typer.Option(
             "--allow-missing",
             metavar="PATTERN",
-            help="Keys that may be missing from --checkpoint (shell-style, e.g. '*.bias'; repeatable); they are initialised as the model would.",
+            help="Keys that may be missing from --checkpoint (shell-style, e.g. '*.bias'); they are initialised as the model would.",
             show_default=False,
         ),
     ] = None,
