@@ -22,12 +22,11 @@ and the process group), and the peak RSS during the load (VmHWM, reset before th
 peak RSS tpplan / transformers (goal <= 1.0) and each peak / (its shard's bytes
 + the empty-process baseline) (goal <= 1.3).
 
-    python bench/bench_checkpoint_load.py [--layers 22] [--keep DIR]
+    python bench/bench_checkpoint_load.py [--layers 22] [--keep DIR] [--check]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -36,7 +35,9 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+import _common
+
+ROOT = _common.ROOT
 
 CONFIG = dict(
     vocab_size=32000,
@@ -144,7 +145,7 @@ def run_job(mode: str, directory: Path, plan: Path, work: Path) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _common.arguments(__doc__, check="when a goal is missed")
     parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     parser.add_argument("--keep", type=Path, help="write (or reuse) the checkpoint here instead of a temp dir")
     args = parser.parse_args()
@@ -173,7 +174,10 @@ def main() -> None:
     ours, theirs = results["tpplan"], results["transformers"]
     time_ratio = max(r["seconds"] for r in ours) / max(r["seconds"] for r in theirs)
     print(f"load time tpplan / transformers: {time_ratio:.3f} (goal <= 1.0)")
+    met = _common.within(time_ratio, 1.0)
     for rank in range(2):
+        met = met and _common.within(ours[rank]["peak"] / theirs[rank]["peak"], 1.0)
+        met = met and _common.within(ours[rank]["peak"] / (ours[rank]["shard_bytes"] + ours[rank]["baseline"]), 1.3)
         print(f"rank {rank}: peak RSS tpplan / transformers: {ours[rank]['peak'] / theirs[rank]['peak']:.3f} (goal <= 1.0); "
               f"tpplan peak / (shard + baseline): {ours[rank]['peak'] / (ours[rank]['shard_bytes'] + ours[rank]['baseline']):.3f} (goal <= 1.3)")
         print(f"rank {rank}: after first use of every shard: load + first use time tpplan / transformers "
@@ -181,6 +185,8 @@ def main() -> None:
               f"peak RSS tpplan / transformers {ours[rank]['used_peak'] / theirs[rank]['used_peak']:.3f}")
         if ours[rank]["sum"] != theirs[rank]["sum"] or ours[rank]["q_shape"] != theirs[rank]["q_shape"]:
             print(f"rank {rank}: WARNING the two loads hold different q_proj shards")
+            met = False
+    sys.exit(_common.exit_code(args.check, met))
 
 
 if __name__ == "__main__":
