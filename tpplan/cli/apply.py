@@ -43,7 +43,7 @@ def apply(
             "--model",
             metavar="MOD:FN",
             help="An importable callable returning the nn.Module, built under a torch.device context "
-            "(the same on every rank; on fake tensors, FakeTensorMode, with --dry-run), or hf:SPEC: the transformers causal LM "
+            "(the same on every rank; on fake tensors, FakeTensorMode, with --dry-run), or hf:DIR, hf:CONFIG.json, hf:TYPE: the transformers causal LM "
             "of a local model directory, a config.json or a model type (built from the config; nothing is downloaded).",
             show_default=False,
         ),
