@@ -93,6 +93,16 @@ def test_meta_model_loads_to_the_logits_of_from_pretrained(saved, name):
     assert result.read_bytes == sum(p.numel() * p.element_size() for p in reference.parameters())
 
 
+def test_a_materialized_model_is_loaded_in_place_and_keeps_its_dtype(saved):
+    torch.manual_seed(99)
+    model = hf_models.llama().to(torch.float64)
+    weight = model.model.layers[0].mlp.up_proj.weight
+    load_checkpoint(model, saved["llama"])
+    assert model.model.layers[0].mlp.up_proj.weight is weight and weight.dtype == torch.float64  # same Parameter
+    reference = pretrained(saved["llama"])
+    assert torch.equal(weight.float(), reference.model.layers[0].mlp.up_proj.weight)
+
+
 def test_tied_weights_stay_one_parameter(saved):
     assert "lm_head.weight" not in load_file(saved["llama_tied"] / "model.safetensors")  # HF saves it once
     model = meta("llama_tied")
