@@ -5,8 +5,9 @@ without storage) and parallelized under torch's fake process group, so a model
 of any size costs no real memory and no devices:
 the report's per-rank shapes, bytes and collective counts come from the real
 DTensor machinery, only the values are missing. `--check` adds a second run
-with real per-rank values (`LocalTensorMode`, in `simulate.check_parity`)
-compared with a single-device reference.
+with real per-rank values (`LocalTensorMode`)
+compared with a single-device reference (`verify.check_parity`, the engine
+torchrun's `--check` uses too).
 """
 
 from __future__ import annotations
@@ -14,33 +15,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..render.apply_report import ApplyReport, CheckResult, human_bytes
 from ..core.loader import load_plan
-from .modelref import build_model, load_callable, make_inputs
 from ..core.plan import Plan
-from ..core.problems import PlanError, error
-from .torchrun import (
-    ApplyOptions,
-    FailureLocator,
-    UsageError,
-    apply_plan,
-    first_line,
-    run_located,
-    shard_recorded,
-    unpromised_tp_note,
-)
+from ..core.problems import PlanError, error, first_line
+from .report import ApplyReport, human_bytes
+from .layouts import param_layouts
+from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
+from .modelref import build_model, load_callable, make_inputs
+from .options import ApplyOptions, ApplyOptionsError
 
 
 def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
     """The degree to simulate, and a note when it was not given on the command line."""
     if options.tp is not None:
         if options.tp < 1:
-            raise UsageError(f"--tp ({options.tp}) must be at least 1")
+            raise ApplyOptionsError("tp", "below-one", f"{options.tp} is not at least 1", tp=options.tp)
         return options.tp, None
     if plan.mesh_sizes:
         tp = max(plan.mesh_sizes)
         return tp, f"--tp not given: simulating TP {tp}, the largest of the plan's mesh.sizes {list(plan.mesh_sizes)}"
-    raise UsageError("--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)")
+    raise ApplyOptionsError("tp", "missing", "a dry run needs a TP degree and the plan lists no mesh.sizes to pick from")
 
 
 def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
@@ -48,7 +42,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     any) of applying the plan and running one forward and backward."""
     event = on_event or (lambda text: None)
     if options.steps:
-        raise UsageError("--steps trains on real ranks (torchrun); --dry-run runs on fake tensors without values")
+        raise ApplyOptionsError("steps", "needs-ranks", "training steps need real ranks (torchrun); a dry run runs on fake tensors without values")
     report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
     try:
         plan = load_plan(options.plan)
@@ -63,7 +57,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
     if options.save:
-        raise UsageError("--save writes real weights: run under torchrun (a dry run has none)")
+        raise ApplyOptionsError("save", "needs-ranks", "saving writes real weights: it needs real ranks (torchrun)")
     try:
         source = None
         if options.checkpoint:  # headers / metadata only, before building anything
@@ -92,19 +86,23 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
             event("building the model on fake tensors")
             model = build_model(options.model, "cpu", factory)
             inputs = make_inputs(options.inputs, model, "cpu")
-            rules = shard_recorded(plan, model, mesh, report, event)
-            if source is not None:
+            sharded = shard_with_progress(plan, model, mesh, event)
+            report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+            report.params = param_layouts(model, tp)
+            if source is not None:  # the checkpoint's metadata against the sharded model
                 from ..checkpoint.run import inspect_into
 
                 report.checkpoint, found = inspect_into(model, source, options.allow_missing, tp)
                 report.problems += found
             event("forward and backward on fake tensors")
-            locator = FailureLocator(plan, model, rules, tp)
+            locator = FailureLocator(plan, model, sharded.rules, tp)
             with locator.tracking():
                 try:
                     _, report.comms = forward_backward(model, inputs)
                     return
                 except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
+                    if raised_by_tpplan(exc):
+                        raise  # tpplan's own code: a bug, shown as one
                     failure, problem = exc, locator.problem(exc)
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory.
@@ -141,7 +139,7 @@ def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> d
 
 
 def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyReport) -> None:
-    from .simulate import check_parity
+    from .verify import check_parity
 
     inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
     try:
@@ -152,8 +150,10 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
     except PlanError:
         raise
     except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
+        if raised_by_tpplan(exc):
+            raise  # tpplan's own code: a bug, shown as one
         raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
-    report.check = CheckResult(result.passed, result.max_abs_diff, result.problems[:10])
+    report.check = dataclasses.replace(result, problems=result.problems[:10], comms=None)
     if not result.passed:
         report.problems.append(error("TP505", f"--check failed at TP {report.tp}: {result.problems[0]}", plan.file))
 
@@ -166,7 +166,8 @@ def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
 
     from ..checkpoint.load import load_checkpoint
     from ..checkpoint.simulate import simulated_load
-    from .simulate import ParityResult, _compare, default_inputs, forward_backward, output_tensors, scalar_loss, tolerance
+    from .simulate import default_inputs, forward_backward, scalar_loss
+    from .verify import _with_problems, compare, run_pairs
 
     reference = build_model(options.model, "meta", factory)
     load_checkpoint(reference, options.checkpoint, allow_missing=options.allow_missing, device="cpu")
@@ -174,15 +175,10 @@ def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
         inputs = (default_inputs(reference, generator=torch.Generator().manual_seed(options.seed)),)
     ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
-    problems: list[str] = []
     with simulated_load(factory, plan, tp, options.checkpoint, allow_missing=options.allow_missing) as sim:
         out, comms = forward_backward(sim.model, inputs)
-        got, want = output_tensors(out), output_tensors(ref_out)
-        rtol, atol = tolerance(want[0].dtype if want else torch.float32)
-        out_diff = max((_compare("output", g, w, rtol, atol, problems) for g, w in zip(got, want)), default=0.0)
-        grads = {}
-        params = dict(sim.model.named_parameters())
-        for name, ref_param in reference.named_parameters():
-            if ref_param.grad is not None and params[name].grad is not None:
-                grads[name] = _compare(f"{name} grad", params[name].grad, ref_param.grad, *tolerance(ref_param.dtype), problems)
-    return ParityResult(not problems, max([out_diff, *grads.values()]), out_diff, grads, comms["forward"], comms["backward"], problems)
+        grads = {name: p.grad for name, p in sim.model.named_parameters()}
+        problems, pairs = run_pairs(out, ref_out, grads, reference, output_name=lambda i: "output")
+        result = _with_problems(problems, compare(pairs))
+    result.comms = comms
+    return result
