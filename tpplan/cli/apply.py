@@ -89,8 +89,8 @@ def apply(
             "--checkpoint",
             metavar="PATH",
             help="Load this HuggingFace safetensors file or directory (sharded with model.safetensors.index.json) "
-            "or torch.distributed.checkpoint directory after sharding; the model is built on the meta device and "
-            "each rank reads only its slices. --dry-run: read only headers / metadata and check keys, shapes, dtypes.",
+            "or torch.distributed.checkpoint directory after sharding; the model is built without storage and "
+            "each rank allocates and reads only its own slices. --dry-run: read only headers / metadata and check keys, shapes, dtypes.",
             show_default=False,
         ),
     ] = None,
