@@ -63,13 +63,14 @@ class CheckResult:
 class StepsResult:
     losses: list[float]
     step_times_s: list[float]
+    optimizer: str = "SGD"
 
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.step_times_s)
 
     def to_json(self) -> dict:
-        return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s}
+        return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s, "optimizer": self.optimizer}
 
 
 @dataclass
@@ -92,6 +93,11 @@ class ApplyReport:
     step_time_s: float | None = None
     steps: StepsResult | None = None
     problems: list[Problem] = field(default_factory=list)
+    # Memory planning (render/memory.py): per-rank peak, bytes per collective, the degrees tried.
+    memory: Any = None
+    comm_bytes: dict[str, dict[str, int]] | None = None
+    optimizer_comms: dict | None = None
+    memory_sweep: list = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
 
     @property
@@ -133,7 +139,19 @@ class ApplyReport:
             "parameters": {p.name: p.to_json() for p in self.params},
             "step_time_s": self.step_time_s,
             "steps": self.steps.to_json() if self.steps else None,
+            **self._memory_json(),
         }
+
+    def _memory_json(self) -> dict[str, Any]:
+        """SPEC §4's `memory` and `comm_bytes`, with memory planning only."""
+        if self.memory is None:
+            return {}
+        found = {"memory": self.memory.to_json(), "comm_bytes": self.comm_bytes or {"forward": {}, "backward": {}}}
+        if self.optimizer_comms is not None:
+            found["optimizer_comms"] = self.optimizer_comms
+        if self.memory_sweep:
+            found["memory_by_tp"] = [row.to_json() for row in self.memory_sweep]
+        return found
 
 
 # -- text ----------------------------------------------------------------------
@@ -215,22 +233,34 @@ def render_text(report: ApplyReport, console) -> None:
         console.print(table)
 
     if report.comms is not None:
-        table = Table(title="Collectives", title_justify="left")
-        for column, justify in (("op", "left"), ("forward pass", "right"), ("backward pass", "right")):
+        sizes = report.comm_bytes  # with memory planning: bytes per rank beside the counts
+        table = Table(title="Collectives" + (" per rank, one training step" if sizes else ""), title_justify="left")
+        columns = (("forward pass", "forward bytes", "backward pass", "backward bytes") if sizes else ("forward pass", "backward pass"))
+        for column, justify in (("op", "left"), *((c, "right") for c in columns)):
             table.add_column(column, justify=justify)
         ops = sorted(set(report.comms["forward"]) | set(report.comms["backward"]))
         for op in ops:
-            row(table, op, str(report.comms["forward"].get(op, 0)), str(report.comms["backward"].get(op, 0)))
+            cells = [op]
+            for phase in ("forward", "backward"):
+                cells.append(str(report.comms[phase].get(op, 0)))
+                if sizes:
+                    cells.append(human_bytes(sizes[phase].get(op, 0)))
+            row(table, *cells)
         if not ops:
-            row(table, "(none)", "0", "0")
+            row(table, "(none)", *("0" for _ in columns))
         console.print(table)
+
+    if report.memory is not None:
+        from .memory import render_memory
+
+        render_memory(report.memory, report.memory_sweep, console)
 
     if report.step_time_s is not None:
         console.print(f"step time (forward + backward): {report.step_time_s * 1e3:.2f} ms")
     if report.steps is not None:
         losses = report.steps.losses
         console.print(
-            f"{len(losses)} SGD steps: loss {losses[0]:.6g} -> {losses[-1]:.6g}, "
+            f"{len(losses)} {report.steps.optimizer} steps: loss {losses[0]:.6g} -> {losses[-1]:.6g}, "
             f"median step {report.steps.median_step_s * 1e3:.2f} ms"
         )
     if report.check is not None:

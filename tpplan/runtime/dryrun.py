@@ -57,13 +57,19 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         return report
     tp, note = dry_run_tp(options, plan)
     report.plan_name, report.world_size, report.tp = plan.name, tp, tp
-    report.notes += [note] if note else []
-    report.notes += unpromised_tp_note(plan, tp)
+    planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
+    report.notes += [note] if note and not (planning and plan.mesh_sizes) else []
+    report.notes += unpromised_tp_note(plan, tp) if not (planning and options.tp is None) else []
     if options.device not in ("auto", "cpu"):
         report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
     try:
-        _simulate_shapes(options, plan, factory, report, event)
+        if planning:
+            from .memory import dry_run_memory
+
+            dry_run_memory(options, plan, factory, report, event)
+        else:
+            _simulate_shapes(options, plan, factory, report, event)
         if options.check:
             event(f"checking {tp} ranks with real values against a single device")
             _simulate_values(options, plan, factory, report)

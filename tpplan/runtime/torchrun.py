@@ -25,6 +25,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..render.apply_report import ApplyReport, CheckResult, ParamLayout, StepsResult
+from .training import TrainOptions
 from .modelref import ModelRefError, build_model, make_inputs, module_structure, structure_hash
 from ..core.plan import Plan, Rule
 from ..core.problems import PlanError, Problem, error
@@ -63,6 +64,7 @@ class ApplyOptions:
     device: str = "auto"
     timeout: float = DEFAULT_TIMEOUT_S
     seed: int = 0
+    train: TrainOptions = TrainOptions()  # memory planning (dry run), FSDP2 and the optimizer of --steps
 
 
 # -- located application ---------------------------------------------------------
@@ -400,6 +402,17 @@ def init_process_group(device: "torch.device", timeout: float) -> str:
     return backend
 
 
+def fsdp_tp(world_size: int, options: ApplyOptions) -> int | None:
+    """The TP degree under torchrun with --fsdp N: world / N unless --tp says (and agrees)."""
+    fsdp = options.train.fsdp
+    if fsdp is None:
+        return options.tp
+    tp = options.tp if options.tp is not None else world_size // fsdp
+    if fsdp * tp != world_size:
+        raise UsageError(f"--fsdp ({fsdp}) x --tp ({tp}) must be the world size ({world_size})")
+    return tp
+
+
 def mesh_shape(world_size: int, tp: int | None, axis: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """1-D mesh of the world, or 2-D (dp, tp) when --tp is smaller than the world."""
     tp = world_size if tp is None else tp
@@ -644,7 +657,7 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     try:
         plan = load_plan(options.plan)
         report.plan_name = plan.name
-        shape, names = mesh_shape(ctx.world, options.tp, plan.mesh_axis)
+        shape, names = mesh_shape(ctx.world, fsdp_tp(ctx.world, options), plan.mesh_axis)
         event("building the model")
         torch.manual_seed(options.seed)  # the same weights on every rank, even with src_data_rank: null
         model = build_model(options.model, ctx.device)
@@ -692,6 +705,13 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     reference = copy.deepcopy(model) if options.check else None
 
     rules = shard_recorded(plan, model, mesh, report, event)
+    data_parallel = bool(options.train.fsdp) and report.dp > 1
+    if data_parallel:
+        from .fsdp import shard_data_parallel
+
+        event(f"FSDP2 over dp {report.dp}")
+        shard_data_parallel(model, mesh)
+        report.notes.append(f"FSDP2 (fully_shard per block and root) over the dp dim of {report.dp}, after the plan")
     locator = FailureLocator(plan, model, rules, report.tp)
 
     event("forward and backward")
@@ -718,11 +738,26 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
         if not report.check.passed:
             report.problems.append(error("TP505", f"--check failed: {report.check.problems[0]}", plan.file))
     if options.steps:
-        event(f"{options.steps} SGD steps")
-        report.steps = run_located(locator, lambda: sgd_steps(model, inputs, options.steps, ctx.device, options.seed))
+        from .training import OPTIMIZER_NAMES, compare_training, train_steps
+
+        name = options.train.optimizer_name
+        event(f"{options.steps} {OPTIMIZER_NAMES[name]} steps")
+        losses, times = run_located(locator, lambda: train_steps(
+            model, inputs, options.steps, name, plan.loss_parallel, options.seed, lambda: _synchronize(ctx.device)
+        ))
+        report.steps = StepsResult(losses, times, OPTIMIZER_NAMES[name])
+        if reference is not None:
+            event(f"checking {options.steps} steps against a single device")
+            trained = _merge_checks(_gather(ctx, compare_training(model, reference, inputs, losses, name, options.seed), plan, "comparing the training"))
+            if not trained.passed:
+                report.problems.append(error("TP505", f"--check --steps {options.steps} failed: {trained.problems[0]}", plan.file))
+            report.check = CheckResult(report.check.passed and trained.passed, max(report.check.max_abs_diff, trained.max_abs_diff), report.check.problems + trained.problems)
 
     # The per-rank bytes come from the layouts (shard sizes as torch chunks them);
-    # every real rank checks that it holds what its TP coordinate predicts.
+    # every real rank checks that it holds what its TP coordinate predicts
+    # (under FSDP2 it holds a dp shard of that: the memory planner's figure).
+    if data_parallel:
+        return
     held = sum(_local(p).numel() * p.element_size() for p in model.parameters())
     predicted = report.rank_bytes[ctx.rank % report.tp]  # mesh ranks are row-major: tp is the fastest dim
     assert held == predicted, f"rank {ctx.rank} holds {held} parameter bytes, its layout says {predicted}"
@@ -810,26 +845,8 @@ def _merge_checks(results: list[CheckResult]) -> CheckResult:
 
 
 def sgd_steps(model: "nn.Module", inputs: tuple, steps: int, device: "torch.device", seed: int) -> StepsResult:
-    """`steps` SGD steps towards fixed random targets (mean squared error)."""
-    import torch
+    """`steps` SGD steps (lr 1e-2) towards fixed random targets (`training.train_steps`)."""
+    from .training import train_steps
 
-    from .simulate import output_tensors
-
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-    generator = torch.Generator().manual_seed(seed + 2)
-    targets = None
-    losses, times = [], []
-    for _ in range(steps):
-        _synchronize(device)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        outputs = [_full(t) for t in output_tensors(model(*inputs))]
-        if targets is None:  # drawn on CPU, identical on every rank
-            targets = [torch.randn(o.shape, generator=generator, dtype=o.dtype).to(o.device) for o in outputs]
-        loss = sum(torch.nn.functional.mse_loss(o, t) for o, t in zip(outputs, targets))
-        loss.backward()
-        optimizer.step()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss.detach().item()))
+    losses, times = train_steps(model, inputs, steps, "sgd", seed=seed, synchronize=lambda: _synchronize(device), lr=1e-2)
     return StepsResult(losses=losses, step_times_s=times)

@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (imported to register)
     coverage,
     dry_run,
     head_divisibility,
+    loss_parallel_head,
     layout_mismatch,
     mixed_dtensor,
     sequence_parallel_nested,

@@ -1,0 +1,373 @@
+"""Will it fit? Per-rank memory of one training step, measured by torch's own
+trackers.
+
+`measure_training_step` runs a warm-up step and a measured step (forward, loss,
+backward, optimizer step) under `torch.distributed._tools.mem_tracker.MemTracker`
+(or, with FSDP2, its `fsdp2_mem_tracker.FSDPMemTracker`), which follow every
+tensor storage through torch's dispatcher and sort it into parameters,
+gradients, optimizer state, activations and temporaries. The warm-up step
+creates the optimizer state, so the measured step is the steady state. The same
+function measures a real rank (real tensors, `bench/`) and plans one in the dry
+run (`plan_memory`: FakeTensorMode under the fake process group, world
+`dp x tp`, no memory spent), so prediction and measurement are one code path.
+
+Collectives are counted per pass with their bytes (`collective_bytes`): the
+larger of each collective's buffers on this rank, i.e. the full tensor of an
+all-gather or reduce-scatter and the tensor of an all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..render.memory import MemoryReport
+from .training import TrainOptions, make_optimizer, make_targets, torch_dtype, train_step
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+# torch's tracker categories (MemTracker's and FSDPMemTracker's) -> ours (SPEC §4).
+_CATEGORY = {
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+    "All Gather": "temporaries",
+    "Reduce Scatter": "temporaries",
+    "Other": "temporaries",
+}
+
+
+def parse_size(text: str) -> int:
+    """`80GiB`, `80 GB`, `1.5TiB`, `123456` (bytes) -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size: write a number with a unit, e.g. 80GiB, 40GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+
+
+# -- collectives with bytes -----------------------------------------------------------
+
+
+def _tensor_bytes(value: Any) -> int:
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def collective_bytes(args: tuple, result: Any) -> int:
+    """The larger of a collective's buffers: an all-gather's output, a
+    reduce-scatter's input, an all-reduce's tensor (c10d ops take output and
+    input as separate arguments, functional ones return the output)."""
+    return max([_tensor_bytes(a) for a in args] + [_tensor_bytes(result)])
+
+
+def _comm_mode_class():
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from .simulate import _COLLECTIVE_NAMES, collective_name
+
+    spec_names = set(_COLLECTIVE_NAMES.values())
+
+    class CommBytesMode(CommDebugMode):
+        """CommDebugMode that also adds up the bytes of each collective (SPEC names)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.bytes: Counter = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if out is not NotImplemented and hasattr(func, "_overloadpacket"):
+                name = collective_name(func._overloadpacket)
+                if name in spec_names:
+                    self.bytes[name] += collective_bytes(args, out)
+            return out
+
+    return CommBytesMode
+
+
+@contextlib.contextmanager
+def counting(counts: Counter, sizes: Counter) -> Iterator[None]:
+    """Collectives (counts and bytes, SPEC names) of the body."""
+    import warnings
+
+    from .simulate import _TRACKER_WARNINGS, collective_name
+
+    with warnings.catch_warnings():
+        for message in _TRACKER_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        with _comm_mode_class()() as mode:
+            yield
+    for op, n in mode.get_comm_counts().items():
+        if n:
+            counts[collective_name(op)] += n
+    sizes.update(mode.bytes)
+
+
+# -- the tracker ----------------------------------------------------------------------
+
+
+def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool):
+    """torch's tracker, told to remember where the peak happens (the modules
+    active when the peak last rose, and the pass)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    base = FSDPMemTracker if fsdp else MemTracker
+
+    class PeakSite(base):
+        peak_site: tuple[list[str], str] = ([], "forward")
+
+        def _update_peak_stats(self, peak_state) -> None:
+            before = sum(self._peak_mem.values())
+            super()._update_peak_stats(peak_state)
+            if sum(self._peak_mem.values()) > before:
+                phase = "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+                self.peak_site = (list(self._mod_tracker.parents), phase)
+
+    if fsdp:
+        tracker = PeakSite(model, optimizer)
+        tracker.track_inputs(inputs)
+    else:
+        tracker = PeakSite()
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []), *inputs)
+    return tracker
+
+
+def _peak_module(parents: list[str], phase: str, root: str) -> str:
+    """The innermost active module, without the tracker's root-class prefix."""
+    names = [p for p in parents if p != "Global"]
+    if not names:  # no module running: the loss, or the optimizer
+        return {"forward": "loss", "backward": "loss (backward)"}.get(phase, phase)
+    innermost = max(names, key=lambda n: (n.count("."), len(n)))
+    fqn = innermost[len(root) + 1:] if innermost.startswith(root + ".") else ("<root>" if innermost == root else innermost)
+    return fqn if phase == "optimizer step" else f"{fqn} ({phase})"
+
+
+@dataclass
+class StepMemory:
+    """What `measure_training_step` found on this rank."""
+
+    peak_bytes: int
+    categories: dict[str, int]
+    peak_module: str
+    comms: dict[str, dict[str, int]]  # {"forward"|"backward"|"optimizer": {op: count}}
+    comm_bytes: dict[str, dict[str, int]]
+    losses: list[float] = field(default_factory=list)
+
+
+def measure_training_step(
+    model: "nn.Module",
+    inputs: tuple,
+    optimizer_name: str = "adamw",
+    loss_parallel: bool = False,
+    fsdp: bool = False,
+    seed: int = 0,
+) -> StepMemory:
+    """Peak memory of this rank over a steady-state training step (a warm-up step
+    first, then `reset_mod_stats()` and the measured one), by category, with the
+    collectives of the measured step. Works on real and on fake tensors."""
+    import torch
+
+    from .fsdp import fake_friendly_meshes
+    from .training import loss_context, loss_value, training_loss
+
+    optimizer = make_optimizer(optimizer_name, model)
+    targets = make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
+    tracker = _tracker(model, optimizer, inputs, fsdp)
+    counts = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
+    sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
+    losses = []
+    with fake_friendly_meshes(), tracker:
+        losses.append(loss_value(train_step(model, inputs, targets, optimizer, loss_parallel, seed + 3)))
+        tracker.reset_mod_stats()
+        generator = torch.Generator().manual_seed(seed + 3)
+        with loss_context(loss_parallel):
+            with counting(counts["forward"], sizes["forward"]):
+                loss = training_loss(model(*inputs), targets, loss_parallel, generator)
+            with counting(counts["backward"], sizes["backward"]):
+                loss.backward()
+        if optimizer is not None:
+            with counting(counts["optimizer"], sizes["optimizer"]):
+                optimizer.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss_value(loss.detach()))
+    peak = tracker.get_tracker_snapshot("peak")
+    categories = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries"), 0)
+    total = 0
+    for snapshot in peak.values():  # one device per rank
+        for kind, held in snapshot.items():
+            if kind == "Total":
+                total += held
+            else:
+                categories[_CATEGORY[str(getattr(kind, "value", kind))]] += held
+    return StepMemory(
+        peak_bytes=total,
+        categories=categories,
+        peak_module=_peak_module(*tracker.peak_site, type(model).__name__),
+        comms={phase: dict(sorted(c.items())) for phase, c in counts.items()},
+        comm_bytes={phase: dict(sorted(s.items())) for phase, s in sizes.items()},
+        losses=losses,
+    )
+
+
+# -- the dry run's memory planning ---------------------------------------------------
+
+
+@dataclass
+class PlannedStep:
+    memory: MemoryReport
+    step: StepMemory
+    blocks: list[str]
+
+
+def plan_memory(
+    build: Callable[[], "nn.Module"],
+    make_inputs: Callable[["nn.Module"], tuple],
+    shard: Callable[["nn.Module", Any], Any],
+    tp: int,
+    train: TrainOptions,
+    axis: str = "tp",
+    loss_parallel: bool = False,
+    run: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+) -> PlannedStep:
+    """Simulate world `dp x tp` (dp = `train.fsdp`) on fake tensors: `build()` the
+    model, cast it to `train.dtype`, `shard(model, mesh)` (the plan), FSDP2 on dp,
+    and measure one training step on `make_inputs(model)`. `run(fn)` wraps the
+    step (the dry run's failure locator)."""
+    from .fsdp import fake_friendly_meshes, shard_data_parallel, train_mesh
+    from .simulate import fake_tensors, simulated_world
+
+    dp = train.dp
+    with simulated_world(dp * tp):
+        mesh = train_mesh("cpu", dp, tp, axis)
+        with fake_tensors():
+            model = build()
+            dtype = torch_dtype(train.dtype)
+            if dtype is not None:
+                model.to(dtype)
+            inputs = make_inputs(model)
+            with fake_friendly_meshes():
+                shard(model, mesh)
+            wrapped = shard_data_parallel(model, mesh) if dp > 1 else []
+            step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, loss_parallel, fsdp=dp > 1))
+    first_param = next(model.parameters(), None)
+    memory = MemoryReport(
+        tp=tp,
+        dp=dp,
+        per_rank_peak_bytes=step.peak_bytes,
+        categories=step.categories,
+        peak_module=step.peak_module,
+        limit_bytes=train.memory_limit,
+        batch=int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0,
+        seq=int(inputs[0].shape[1]) if inputs and inputs[0].ndim > 1 else 0,
+        dtype=str(first_param.dtype).removeprefix("torch.") if first_param is not None else "",
+        optimizer=train.optimizer_name,
+    )
+    return PlannedStep(memory=memory, step=step, blocks=wrapped)
+
+
+# -- `apply --dry-run` with memory planning -------------------------------------------
+
+
+def dry_run_memory(options, plan, factory, report, event: Callable[[str], None]) -> None:
+    """Fill `report` (an ApplyReport) with the memory plan: at `options.tp`, or at
+    every degree of the plan's mesh.sizes (the report then shows the smallest
+    degree that fits, else the largest, and the table of all)."""
+    from ..core.problems import PlanError
+    from ..render.apply_report import ApplyReport
+    from ..render.memory import DegreeFit
+    from .modelref import build_model, make_inputs
+    from .torchrun import FailureLocator, first_line, shard_recorded, unpromised_tp_note
+
+    train = options.train
+    if options.tp is not None:
+        degrees = [options.tp]
+    elif plan.mesh_sizes:
+        degrees = sorted(plan.mesh_sizes)
+    else:
+        degrees = [report.tp]
+    if options.inputs and (train.batch is not None or train.seq is not None):
+        report.notes.append("--inputs gives the inputs: --batch and --seq size only the default inputs and are not used")
+    batch, seq = train.batch or 2, train.seq or 8
+
+    def one(tp: int) -> ApplyReport:
+        scratch = ApplyReport(mode="dry-run", plan_file=report.plan_file, model=report.model, device="fake", backend="fake")
+        scratch.tp, scratch.dp, scratch.world_size = tp, train.dp, tp * train.dp
+        located: dict[str, FailureLocator] = {}
+
+        def shard(model, mesh):
+            rules = shard_recorded(plan, model, mesh, scratch, event)
+            located["locator"] = FailureLocator(plan, model, rules, tp)
+
+        def run(step):
+            locator = located["locator"]
+            with locator.tracking():
+                try:
+                    return step()
+                except Exception as exc:  # the model or torch on fake tensors: located at the module and rule
+                    problem = locator.problem(exc)
+            raise PlanError([problem])
+
+        event(f"planning memory at TP {tp}" + (f" x FSDP {train.dp}" if train.dp > 1 else ""))
+        planned = plan_memory(
+            lambda: build_model(options.model, "cpu", factory),
+            lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
+            shard,
+            tp,
+            train,
+            plan.mesh_axis,
+            plan.loss_parallel,
+            run,
+        )
+        scratch.memory = planned.memory
+        scratch.comms = {phase: planned.step.comms[phase] for phase in ("forward", "backward")}
+        scratch.comm_bytes = {phase: planned.step.comm_bytes[phase] for phase in ("forward", "backward")}
+        scratch.optimizer_comms = {"counts": planned.step.comms["optimizer"], "bytes": planned.step.comm_bytes["optimizer"]}
+        return scratch
+
+    results: dict[int, ApplyReport] = {}
+    sweep: list[DegreeFit] = []
+    failures: dict[int, PlanError] = {}
+    for tp in degrees:
+        try:
+            results[tp] = one(tp)
+        except PlanError as exc:
+            if len(degrees) == 1:
+                raise
+            failures[tp] = exc
+            sweep.append(DegreeFit(tp, train.dp, None, None, first_line(exc)))
+            continue
+        memory = results[tp].memory
+        sweep.append(DegreeFit(tp, train.dp, memory.per_rank_peak_bytes, memory.fits))
+    if not results:
+        raise next(iter(failures.values()))
+    fitting = [tp for tp in results if results[tp].memory.fits]
+    chosen = min(fitting) if fitting else max(results)
+    best = results[chosen]
+    for name in ("modules", "rule_of", "rule_where", "params", "comms", "memory", "comm_bytes", "optimizer_comms", "tp", "dp", "world_size"):
+        setattr(report, name, getattr(best, name))
+    report.memory_sweep = sweep if len(degrees) > 1 else []
+    if len(degrees) > 1:
+        why = "the smallest that fits" if fitting else ("none fits: the largest" if train.memory_limit is not None else "the largest")
+        report.notes.append(f"--tp not given: planned every degree of the plan's mesh.sizes {degrees}; the report is TP {chosen}, {why}")
+    report.notes += unpromised_tp_note(plan, chosen) if options.tp is None else []
