@@ -25,7 +25,7 @@ class MemoryReport:
     seq: int = 0
     dtype: str = ""
     optimizer: str = ""
-    steady: dict[str, int] = field(default_factory=dict)  # after the step: what stays between steps
+    steady: dict[str, int] = field(default_factory=dict)  # after the step (gradients freed): what stays between steps
 
     @property
     def fits(self) -> bool | None:
@@ -45,6 +45,7 @@ class MemoryReport:
             "seq": self.seq,
             "dtype": self.dtype,
             "optimizer_name": self.optimizer,
+            "after_step": dict(self.steady),
         }
 
 

@@ -67,21 +67,28 @@ def parse_size(text: str) -> int:
 
 
 def _tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor, or of a list of tensors (one buffer per rank of a c10d op)."""
     import torch
-    from torch.utils._pytree import tree_leaves
 
-    return sum(t.numel() * t.element_size() for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
 
 
 def collective_bytes(args: tuple, result: Any) -> int:
     """The larger of a collective's buffers: an all-gather's output, a
-    reduce-scatter's input, an all-reduce's tensor (c10d ops take output and
-    input as separate arguments, functional ones return the output)."""
-    return max([_tensor_bytes(a) for a in args] + [_tensor_bytes(result)])
+    reduce-scatter's input, an all-reduce's tensor. c10d ops take output and
+    input as separate arguments (and return them with a Work); functional ones
+    return the output."""
+    results = result if isinstance(result, tuple) else (result,)
+    return max(_tensor_bytes(v) for v in (*args, *results))
 
 
 def _comm_mode_class():
     from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
 
     from .simulate import _COLLECTIVE_NAMES, collective_name
 
@@ -96,8 +103,10 @@ def _comm_mode_class():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            if out is not NotImplemented and hasattr(func, "_overloadpacket"):
-                name = collective_name(func._overloadpacket)
+            packet = getattr(func, "_overloadpacket", None)
+            # Exactly what CommDebugMode counts (FSDP's copy-in ops are named like collectives but are not).
+            if out is not NotImplemented and (packet in self.comm_registry or packet in c10d_collective_ops):
+                name = collective_name(packet)
                 if name in spec_names:
                     self.bytes[name] += collective_bytes(args, out)
             return out
@@ -163,12 +172,26 @@ def _peak_module(parents: list[str], phase: str, root: str) -> str:
     return fqn if phase == "optimizer step" else f"{fqn} ({phase})"
 
 
+def _categories(snapshot: dict) -> tuple[int, dict[str, int]]:
+    """(total, {our category: bytes}) of a tracker snapshot (one device per rank)."""
+    categories = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries"), 0)
+    total = 0
+    for device_snapshot in snapshot.values():
+        for kind, held in device_snapshot.items():
+            if kind == "Total":
+                total += held
+            else:
+                categories[_CATEGORY[str(getattr(kind, "value", kind))]] += held
+    return total, categories
+
+
 @dataclass
 class StepMemory:
     """What `measure_training_step` found on this rank."""
 
     peak_bytes: int
     categories: dict[str, int]
+    after_step: dict[str, int]  # what stays between steps: parameters and optimizer state
     peak_module: str
     comms: dict[str, dict[str, int]]  # {"forward"|"backward"|"optimizer": {op: count}}
     comm_bytes: dict[str, dict[str, int]]
@@ -211,18 +234,13 @@ def measure_training_step(
                 optimizer.step()
         model.zero_grad(set_to_none=True)
         losses.append(loss_value(loss.detach()))
-    peak = tracker.get_tracker_snapshot("peak")
-    categories = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries"), 0)
-    total = 0
-    for snapshot in peak.values():  # one device per rank
-        for kind, held in snapshot.items():
-            if kind == "Total":
-                total += held
-            else:
-                categories[_CATEGORY[str(getattr(kind, "value", kind))]] += held
+        del loss
+        after = _categories(tracker.get_tracker_snapshot())
+    total, categories = _categories(tracker.get_tracker_snapshot("peak"))
     return StepMemory(
         peak_bytes=total,
         categories=categories,
+        after_step=after[1],
         peak_module=_peak_module(*tracker.peak_site, type(model).__name__),
         comms={phase: dict(sorted(c.items())) for phase, c in counts.items()},
         comm_bytes={phase: dict(sorted(s.items())) for phase, s in sizes.items()},
@@ -231,6 +249,23 @@ def measure_training_step(
 
 
 # -- the dry run's memory planning ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
+    """Build the model in `dtype`: parameters are born in it (`Module.to` cannot
+    swap fake parameters in place)."""
+    import torch
+
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 @dataclass
@@ -261,10 +296,8 @@ def plan_memory(
     with simulated_world(dp * tp):
         mesh = train_mesh("cpu", dp, tp, axis)
         with fake_tensors():
-            model = build()
-            dtype = torch_dtype(train.dtype)
-            if dtype is not None:
-                model.to(dtype)
+            with _default_dtype(torch_dtype(train.dtype)):
+                model = build()
             inputs = make_inputs(model)
             with fake_friendly_meshes():
                 shard(model, mesh)
@@ -276,6 +309,7 @@ def plan_memory(
         dp=dp,
         per_rank_peak_bytes=step.peak_bytes,
         categories=step.categories,
+        steady=step.after_step,
         peak_module=step.peak_module,
         limit_bytes=train.memory_limit,
         batch=int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0,
