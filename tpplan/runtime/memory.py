@@ -1,12 +1,12 @@
 """Will it fit? Per-rank memory of one training step, measured by torch's own
 trackers.
 
-`measure_training_step` runs a warm-up step and a measured step (forward, loss,
-backward, optimizer step) under `torch.distributed._tools.mem_tracker.MemTracker`
-(or, with FSDP2, its `fsdp2_mem_tracker.FSDPMemTracker`), which follow every
-tensor storage through torch's dispatcher and sort it into parameters,
-gradients, optimizer state, activations and temporaries. The warm-up step
-creates the optimizer state, so the measured step is the steady state. The same
+`measure_training_step` makes the optimizer state and then measures one step
+(forward, loss, backward, optimizer step) under
+`torch.distributed._tools.mem_tracker.MemTracker` (or, with FSDP2, its
+`fsdp2_mem_tracker.FSDPMemTracker`), which follow every tensor storage through
+torch's dispatcher and sort it into parameters, gradients, optimizer state,
+activations and temporaries: the steady state of training. The same
 function measures a real rank (real tensors, `bench/`) and plans one in the dry
 run (`plan_memory`: FakeTensorMode under the fake process group, world
 `dp x tp`, no memory spent), so prediction and measurement are one code path.
@@ -86,50 +86,39 @@ def collective_bytes(args: tuple, result: Any) -> int:
     return max(_tensor_bytes(v) for v in (*args, *results))
 
 
-def _comm_mode_class():
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+def _counter_mode(counts: Counter, sizes: Counter):
+    """A dispatch mode that counts the collectives that reach torch's dispatcher
+    (the ops torch's fake collectives know, named as SPEC §4) and adds up their
+    bytes. Not CommDebugMode: its module tracker and per-op log cost more than
+    the model at 126 layers; the counts are the same (tests compare them)."""
+    from torch.distributed._tools.fake_collectives import collective_ops
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     from .simulate import _COLLECTIVE_NAMES, collective_name
 
     spec_names = set(_COLLECTIVE_NAMES.values())
+    names = {op: collective_name(op._overloadpacket) for op in collective_ops}
 
-    class CommBytesMode(CommDebugMode):
-        """CommDebugMode that also adds up the bytes of each collective (SPEC names)."""
-
-        def __init__(self) -> None:
-            super().__init__()
-            self.bytes: Counter = Counter()
-
+    class CollectiveCounter(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            packet = getattr(func, "_overloadpacket", None)
-            # Exactly what CommDebugMode counts (FSDP's copy-in ops are named like collectives but are not).
-            if out is not NotImplemented and (packet in self.comm_registry or packet in c10d_collective_ops):
-                name = collective_name(packet)
-                if name in spec_names:
-                    self.bytes[name] += collective_bytes(args, out)
+            if any(t is DTensor for t in types):
+                return NotImplemented  # let DTensor turn itself into local ops and collectives first
+            out = func(*args, **(kwargs or {}))
+            name = names.get(func)
+            if name in spec_names:
+                counts[name] += 1
+                sizes[name] += collective_bytes(args, out)
             return out
 
-    return CommBytesMode
+    return CollectiveCounter()
 
 
 @contextlib.contextmanager
 def counting(counts: Counter, sizes: Counter) -> Iterator[None]:
     """Collectives (counts and bytes, SPEC names) of the body."""
-    import warnings
-
-    from .simulate import _TRACKER_WARNINGS, collective_name
-
-    with warnings.catch_warnings():
-        for message in _TRACKER_WARNINGS:
-            warnings.filterwarnings("ignore", message=message)
-        with _comm_mode_class()() as mode:
-            yield
-    for op, n in mode.get_comm_counts().items():
-        if n:
-            counts[collective_name(op)] += n
-    sizes.update(mode.bytes)
+    with _counter_mode(counts, sizes):
+        yield
 
 
 # -- the tracker ----------------------------------------------------------------------
@@ -147,11 +136,15 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool):
         peak_site: tuple[list[str], str] = ([], "forward")
 
         def _update_peak_stats(self, peak_state) -> None:
-            before = sum(self._peak_mem.values())
-            super()._update_peak_stats(peak_state)
-            if sum(self._peak_mem.values()) > before:
-                phase = "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
-                self.peak_site = (list(self._mod_tracker.parents), phase)
+            # torch's version also updates every tracked module's own peak, walking all
+            # of them after every op: quadratic in depth (minutes at 126 layers). Only
+            # the global peak is read here, with the modules active when it rose.
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
+                    phase = "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+                    self.peak_site = (list(self._mod_tracker.parents), phase)
 
     if fsdp:
         tracker = PeakSite(model, optimizer)
@@ -185,6 +178,19 @@ def _categories(snapshot: dict) -> tuple[int, dict[str, int]]:
     return total, categories
 
 
+def _initialize_state(model: "nn.Module", optimizer) -> None:
+    """The optimizer state of a steady-state step (AdamW's moments), made by one
+    step on zero gradients rather than a whole warm-up step: the same state for
+    half the cost. (On real tensors the weights move by weight decay only.)"""
+    import torch
+
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+
+
 @dataclass
 class StepMemory:
     """What `measure_training_step` found on this rank."""
@@ -206,9 +212,9 @@ def measure_training_step(
     fsdp: bool = False,
     seed: int = 0,
 ) -> StepMemory:
-    """Peak memory of this rank over a steady-state training step (a warm-up step
-    first, then `reset_mod_stats()` and the measured one), by category, with the
-    collectives of the measured step. Works on real and on fake tensors."""
+    """Peak memory of this rank over a steady-state training step (the optimizer
+    state made first, then `reset_mod_stats()` and the measured step), by
+    category, with the collectives of the step. Works on real and on fake tensors."""
     import torch
 
     from .fsdp import fake_friendly_meshes
@@ -221,7 +227,8 @@ def measure_training_step(
     sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
     losses = []
     with fake_friendly_meshes(), tracker:
-        losses.append(loss_value(train_step(model, inputs, targets, optimizer, loss_parallel, seed + 3)))
+        if optimizer is not None:
+            _initialize_state(model, optimizer)
         tracker.reset_mod_stats()
         generator = torch.Generator().manual_seed(seed + 3)
         with loss_context(loss_parallel):
