@@ -178,3 +178,19 @@ def test_training_comparison_catches_a_run_that_trained_differently():
     reference.load_state_dict(model.state_dict())  # the reference now starts where the trained model ended
     wrong = compare_training(model, reference, inputs, losses, "adamw")
     assert not wrong.passed and wrong.problems[0].startswith("step 1: loss ")
+
+
+def test_under_torchrun_fsdp_takes_the_world_that_tp_leaves():
+    from tpplan.runtime.torchrun import UsageError, fsdp_tp
+
+    def options(**train):
+        tp = train.pop("tp", None)
+        return ApplyOptions(plan="p.yaml", model="m:f", tp=tp, train=TrainOptions(**train))
+
+    assert fsdp_tp(8, options(fsdp=2)) == 4
+    assert fsdp_tp(8, options(fsdp=2, tp=4)) == 4
+    assert fsdp_tp(8, options(tp=2)) == 2  # no --fsdp: --tp as given
+    with pytest.raises(UsageError, match=r"--fsdp \(3\) must divide the world size \(8\)"):
+        fsdp_tp(8, options(fsdp=3))
+    with pytest.raises(UsageError, match=r"--fsdp \(2\) x --tp \(2\) must be the world size \(8\)"):
+        fsdp_tp(8, options(fsdp=2, tp=2))

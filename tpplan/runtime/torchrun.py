@@ -407,6 +407,8 @@ def fsdp_tp(world_size: int, options: ApplyOptions) -> int | None:
     fsdp = options.train.fsdp
     if fsdp is None:
         return options.tp
+    if options.tp is None and world_size % fsdp:
+        raise UsageError(f"--fsdp ({fsdp}) must divide the world size ({world_size})")
     tp = options.tp if options.tp is not None else world_size // fsdp
     if fsdp * tp != world_size:
         raise UsageError(f"--fsdp ({fsdp}) x --tp ({tp}) must be the world size ({world_size})")
