@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..render.memory import MemoryReport
+from .memory_report import CATEGORIES, MemoryReport
 from .training import TrainOptions, make_optimizer, make_targets, torch_dtype, train_step
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def _peak_module(parents: list[str], phase: str, root: str) -> str:
 
 def _categories(snapshot: dict) -> tuple[int, dict[str, int]]:
     """(total, {our category: bytes}) of a tracker snapshot (one device per rank)."""
-    categories = dict.fromkeys(("parameters", "gradients", "optimizer", "activations", "temporaries"), 0)
+    categories = dict.fromkeys(CATEGORIES, 0)
     total = 0
     for device_snapshot in snapshot.values():
         for kind, held in device_snapshot.items():
@@ -336,7 +336,7 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     degree that fits, else the largest, and the table of all)."""
     from ..core.problems import PlanError
     from ..render.apply_report import ApplyReport
-    from ..render.memory import DegreeFit
+    from .memory_report import DegreeFit
     from .modelref import build_model, make_inputs
     from .torchrun import FailureLocator, first_line, shard_recorded, unpromised_tp_note
 
