@@ -19,7 +19,6 @@ over dp 16. Every such dim divides evenly, so a rank holds
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -27,6 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _common
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_WALL_S, GOAL_RSS_BYTES = 60.0, 2 * 1024**3
@@ -69,9 +70,8 @@ def one_run(plan: str) -> tuple[float, int, float, dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _common.arguments(__doc__, check="when the wall time, the RSS or the parameters per rank miss their goal")
     parser.add_argument("--plan", default="plans/llama_tp_sp.yaml")
-    parser.add_argument("--check", action="store_true")
     args = parser.parse_args()
     wall, rss, cpu, report = one_run(args.plan)
     memory = report["memory"]
@@ -86,8 +86,8 @@ def main() -> int:
     print(f"per-rank peak {memory['per_rank_peak_bytes'] / gib:.2f} GiB at {memory['peak_module']}: "
           + ", ".join(f"{k} {memory[k] / gib:.2f} GiB" for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")))
     print("bytes per rank per step: " + json.dumps(report["comm_bytes"]))
-    ok = wall <= GOAL_WALL_S and rss <= GOAL_RSS_BYTES and got == want
-    return 1 if args.check and not ok else 0
+    ok = _common.within(wall, GOAL_WALL_S) and _common.within(rss, GOAL_RSS_BYTES) and got == want
+    return _common.exit_code(args.check, ok)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import _common
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tpplan.models.llama:bench_1024"
 CONFIGS = {"tp": ("llama_tp.yaml", 4, 1), "tp-sp": ("llama_tp_sp.yaml", 4, 1), "fsdp-tp": ("llama_tp.yaml", 2, 2)}
@@ -102,11 +104,10 @@ def measured(config: str, seq: int, device_type: str) -> list[dict]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _common.arguments(__doc__, check="unless every predicted peak is within the goal (a tenth) of the measured one")
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--check", action="store_true", help=f"exit 1 unless every predicted peak is within {GOAL:.0%} of the measured one")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -137,7 +138,7 @@ def main() -> int:
             got = ranks[0]["categories"][name]
             print(f"    {name:12} predicted {want[name] / mib:10.2f} MiB, measured (rank 0) {got / mib:10.2f} MiB")
     print(f"largest deviation {worst:.2%} (goal <= {GOAL:.0%})")
-    return 1 if args.check and worst > GOAL else 0
+    return _common.exit_code(args.check, _common.within(worst, GOAL))
 
 
 if __name__ == "__main__":

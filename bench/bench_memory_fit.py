@@ -11,18 +11,19 @@ verdict per degree, and the wall time of the run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import _common
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _common.arguments(__doc__)
     parser.add_argument("--models", nargs="+", default=["llama3_8b", "llama3_70b"])
     parser.add_argument("--plan", default="plans/llama_tp_sp.yaml")
     parser.add_argument("--seq", type=int, default=8192)

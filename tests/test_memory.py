@@ -181,16 +181,15 @@ def test_training_comparison_catches_a_run_that_trained_differently():
 
 
 def test_under_torchrun_fsdp_takes_the_world_that_tp_leaves():
-    from tpplan.runtime.torchrun import UsageError, fsdp_tp
+    from tpplan.runtime.fsdp import fsdp_tp
+    from tpplan.runtime.options import ApplyOptionsError
 
-    def options(**train):
-        tp = train.pop("tp", None)
-        return ApplyOptions(plan="p.yaml", model="m:f", tp=tp, train=TrainOptions(**train))
-
-    assert fsdp_tp(8, options(fsdp=2)) == 4
-    assert fsdp_tp(8, options(fsdp=2, tp=4)) == 4
-    assert fsdp_tp(8, options(tp=2)) == 2  # no --fsdp: --tp as given
-    with pytest.raises(UsageError, match=r"--fsdp \(3\) must divide the world size \(8\)"):
-        fsdp_tp(8, options(fsdp=3))
-    with pytest.raises(UsageError, match=r"--fsdp \(2\) x --tp \(2\) must be the world size \(8\)"):
-        fsdp_tp(8, options(fsdp=2, tp=2))
+    assert fsdp_tp(8, None, 2) == 4
+    assert fsdp_tp(8, 4, 2) == 4
+    assert fsdp_tp(8, 2, None) == 2  # no FSDP: the TP degree as given
+    with pytest.raises(ApplyOptionsError) as info:
+        fsdp_tp(8, None, 3)
+    assert (info.value.option, info.value.kind, info.value.facts) == ("fsdp", "not-a-divisor", {"fsdp": 3, "world": 8})
+    with pytest.raises(ApplyOptionsError) as info:
+        fsdp_tp(8, 2, 2)
+    assert (info.value.option, info.value.kind) == ("fsdp", "world-mismatch")

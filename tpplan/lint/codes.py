@@ -12,7 +12,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 
-from .registry import RULES
+from .rules import RULES
 
 # code -> (name, what it means and what to do). All are errors; TP001 exits 2.
 _PLAN_CODES = {
@@ -102,14 +102,19 @@ def _plain(code: str, name: str, text: str, severity: str = "error") -> Entry:
     return Entry(code, name, severity, first.group(1) if first else flat, f"## {code} {name} ({severity})\n\n{body}\n")
 
 
-def _runtime_entries() -> list[Entry]:
-    from ..runtime.torchrun import RULE_DOCS  # no torch at import
+# code -> (name, what it means): the problems found while applying and running a plan (tpplan.runtime).
+_RUNTIME_CODES = {
+    "TP500": ("model-factory", "The model (or inputs) factory named by --model / --inputs raised, or returned something else than an nn.Module (or tensors)."),
+    "TP501": ("apply-failed", "Applying a rule's style to a module raised (e.g. colwise on a module that is not a Linear or Embedding)."),
+    "TP502": ("forward-failed", "The forward or backward of the parallelized model fails at this TP degree, typically a shape that the degree does not divide (heads, sequence)."),
+    "TP503": ("ranks-disagree", "The ranks of a torchrun job disagree before sharding: different plans, different models, or errors on some ranks only."),
+    "TP504": ("collective-failed", "A collective failed or timed out (--timeout): another rank died, hung or never started."),
+    "TP505": ("check-mismatch", "--check: the outputs or gradients of the parallelized model differ from the single-device reference."),
+}
 
-    names = {
-        "TP500": "model-factory", "TP501": "apply-failed", "TP502": "forward-failed",
-        "TP503": "ranks-disagree", "TP504": "collective-failed", "TP505": "check-mismatch",
-    }
-    return [_plain(code, names.get(code, code.lower()), text) for code, text in RULE_DOCS.items()]
+
+def _runtime_entries() -> list[Entry]:
+    return [_plain(code, name, text) for code, (name, text) in _RUNTIME_CODES.items()]
 
 
 def catalog() -> list[Entry]:

@@ -17,7 +17,7 @@ def render_memory(memory: MemoryReport, sweep: list[DegreeFit], console) -> None
     from rich.table import Table
     from rich.text import Text
 
-    from .apply_report import human_bytes
+    from ..runtime.report import human_bytes
 
     where = f"TP {memory.tp}" + (f" x FSDP {memory.dp}" if memory.dp > 1 else "")
     title = (

@@ -334,11 +334,12 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     """Fill `report` (an ApplyReport) with the memory plan: at `options.tp`, or at
     every degree of the plan's mesh.sizes (the report then shows the smallest
     degree that fits, else the largest, and the table of all)."""
-    from ..core.problems import PlanError
-    from ..render.apply_report import ApplyReport
+    from ..core.problems import PlanError, first_line
+    from .layouts import param_layouts
+    from .locate import FailureLocator, raised_by_tpplan, shard_with_progress, unpromised_tp_note
     from .memory_report import DegreeFit
     from .modelref import build_model, make_inputs
-    from .torchrun import FailureLocator, first_line, shard_recorded, unpromised_tp_note
+    from .report import ApplyReport
 
     train = options.train
     if options.tp is not None:
@@ -357,8 +358,10 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
         located: dict[str, FailureLocator] = {}
 
         def shard(model, mesh):
-            rules = shard_recorded(plan, model, mesh, scratch, event)
-            located["locator"] = FailureLocator(plan, model, rules, tp)
+            sharded = shard_with_progress(plan, model, mesh, event)
+            scratch.modules, scratch.rule_of, scratch.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+            scratch.params = param_layouts(model, tp)
+            located["locator"] = FailureLocator(plan, model, sharded.rules, tp)
 
         def run(step):
             locator = located["locator"]
@@ -366,6 +369,8 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
                 try:
                     return step()
                 except Exception as exc:  # the model or torch on fake tensors: located at the module and rule
+                    if raised_by_tpplan(exc):
+                        raise  # tpplan's own code: a bug, shown as one
                     problem = locator.problem(exc)
             raise PlanError([problem])
 

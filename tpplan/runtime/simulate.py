@@ -4,10 +4,10 @@ Two levels, both on CPU and without `torchrun`:
 
 - shapes and communication: `simulated_world(n)` starts torch's fake process
   group (collectives are no-ops), so a model on the meta device or under
-  `FakeTensorMode` can be parallelized at any degree and its collectives
-  counted with `count_collectives`;
-- real values: `check_parity` adds torch's `LocalTensorMode`, which keeps one
-  real tensor per simulated rank and performs every collective on them, and
+  `FakeTensorMode` (`fake_tensors`, what the dry run uses) can be parallelized
+  at any degree and its collectives counted with `count_collectives`;
+- real values: `verify.check_parity` adds torch's `LocalTensorMode`, which keeps
+  one real tensor per simulated rank and performs every collective on them, and
   compares outputs and gradients with a single-device reference.
 
     with simulated_world(8):
@@ -21,21 +21,19 @@ Two levels, both on CPU and without `torchrun`:
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+
+from ..core.problems import ModelError
 
 # The op spellings torch uses (functional, c10d, DTensor's own), keyed by their
 # name without underscores, mapped to the names of SPEC section 4.
@@ -151,12 +149,16 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
+class ModelOutputError(ModelError, ValueError):
+    """The model's output has nothing to take a loss of."""
+
+
 def scalar_loss(output: Any) -> torch.Tensor:
     """Mean of squares of every floating output: unlike a plain sum, its gradient
     depends on the output values, so a wrong output also shows in the gradients."""
     tensors = output_tensors(output)
     if not tensors:
-        raise ValueError(f"the model output ({type(output).__name__}) holds no floating-point tensor")
+        raise ModelOutputError(f"the model output ({type(output).__name__}) holds no floating-point tensor")
     return sum(t.float().pow(2).mean() for t in tensors)
 
 
@@ -234,123 +236,3 @@ def allowed_diff(want: torch.Tensor, rtol: float, atol: float) -> float:
 def max_abs_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     """max|got - want| in `want`'s dtype (NaN when either holds one; 0 when empty)."""
     return (got.detach().to(want.dtype) - want).abs().max().item() if want.numel() else 0.0
-
-
-@dataclass
-class ParityResult:
-    """How a tensor-parallel run compares with the single-device reference."""
-
-    passed: bool
-    max_abs_diff: float  # over the outputs and every parameter gradient
-    out_diff: float
-    grad_diffs: dict[str, float]  # parameter fqn -> max abs diff over ranks
-    comms_fwd: dict[str, int]
-    comms_bwd: dict[str, int]
-    problems: list[str] = field(default_factory=list)  # why it did not pass
-
-    @property
-    def comms(self) -> dict[str, dict[str, int]]:
-        return {"forward": self.comms_fwd, "backward": self.comms_bwd}
-
-
-def _rank_values(t: torch.Tensor) -> list[torch.Tensor]:
-    """A tensor of the simulated run as one plain tensor per rank (full size for DTensors)."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    if isinstance(t, LocalTensor):
-        return [t._local_tensors[r] for r in sorted(t._local_tensors)]
-    return [t]
-
-
-def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, problems: list[str]) -> float:
-    """Max abs diff of `got` (every rank's value) from `want`; records a problem when out of tolerance."""
-    worst = 0.0
-    limit = allowed_diff(want, rtol, atol)
-    for rank, value in enumerate(_rank_values(got)):
-        if value.shape != want.shape:
-            problems.append(f"{what}: rank {rank} has shape {tuple(value.shape)}, single device {tuple(want.shape)}")
-            return math.inf
-        diff = max_abs_diff(value, want)
-        if not diff <= limit:  # also catches NaN
-            problems.append(f"{what}: rank {rank} differs by up to {diff:.3g} (allowed {limit:.3g})")
-        worst = max(worst, diff) if not math.isnan(diff) else math.inf
-    return worst
-
-
-def _apply(plan: Any, model: nn.Module, mesh: DeviceMesh) -> None:
-    if hasattr(plan, "apply"):
-        plan.apply(model, mesh)
-    elif isinstance(plan, Mapping):
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(model, mesh, dict(plan))
-    else:
-        plan(model, mesh)
-
-
-def check_parity(
-    build_model: Callable[[], nn.Module],
-    plan: Any,
-    tp: int,
-    inputs: Any = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    rtol: float | None = None,
-    atol: float | None = None,
-) -> ParityResult:
-    """Run `plan` at TP degree `tp` with real per-rank values and compare with one device.
-
-    `plan` is a tpplan plan (anything with `.apply(model, mesh)`), a torch
-    `{fqn: ParallelStyle}` dict, or a callable `(model, mesh)`. The reference
-    is built with `seed` and copied before sharding, so both models start from
-    the same weights. Both run one forward and backward of `scalar_loss` on the
-    same `inputs` (default: `default_inputs`); the outputs and every parameter
-    gradient, gathered to full size on every rank, must be within
-    `atol + rtol * max|reference|` of the reference (defaults by `dtype`).
-    """
-    default_rtol, default_atol = tolerance(dtype)
-    rtol = default_rtol if rtol is None else rtol
-    atol = default_atol if atol is None else atol
-
-    with torch.random.fork_rng(devices=[]):  # seed the build without touching the caller's RNG
-        torch.manual_seed(seed)
-        reference = build_model().to(dtype)
-    model = copy.deepcopy(reference)
-    if inputs is None:
-        inputs = default_inputs(reference, generator=torch.Generator().manual_seed(seed))
-    inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in _as_args(inputs))
-    ref_out = reference(*inputs)
-    scalar_loss(ref_out).backward()
-
-    from torch.distributed._local_tensor import LocalTensorMode
-
-    problems: list[str] = []
-    with simulated_world(tp), LocalTensorMode(tp):
-        _apply(plan, model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
-        out, comms = forward_backward(model, inputs)
-        got, want = output_tensors(out), output_tensors(ref_out)
-        if len(got) != len(want):
-            problems.append(f"output: {len(got)} tensors, single device {len(want)}")
-        out_diff = max((_compare("output", g, w, rtol, atol, problems) for g, w in zip(got, want)), default=0.0)
-        grad_diffs = {}
-        params = dict(model.named_parameters())
-        for name, ref_param in reference.named_parameters():
-            grad = params[name].grad
-            if ref_param.grad is None or grad is None:
-                if (ref_param.grad is None) != (grad is None):
-                    problems.append(f"{name}: gradient is {'missing' if grad is None else 'unexpected'}")
-                continue
-            grad_diffs[name] = _compare(f"{name} grad", grad, ref_param.grad, rtol, atol, problems)
-
-    return ParityResult(
-        passed=not problems,
-        max_abs_diff=max([out_diff, *grad_diffs.values()]),
-        out_diff=out_diff,
-        grad_diffs=grad_diffs,
-        comms_fwd=comms["forward"],
-        comms_bwd=comms["backward"],
-        problems=problems,
-    )

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core.problems import ModelError
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -30,8 +32,9 @@ DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 LEARNING_RATE = 1e-3
 
 
-class TrainingError(ValueError):
-    """The plan or model cannot be trained as asked (e.g. loss_parallel without a sharded head)."""
+class TrainingError(ModelError, ValueError):
+    """The plan or model cannot be trained as asked (e.g. loss_parallel without a sharded head):
+    about the user's plan, located like torch's errors, never shown as a tpplan bug."""
 
 
 @dataclass(frozen=True)
@@ -262,7 +265,7 @@ def compare_training(
 
     import torch
 
-    from ..render.apply_report import CheckResult
+    from .report import CheckResult
     from .simulate import allowed_diff, max_abs_diff, tolerance
 
     reference.zero_grad(set_to_none=True)

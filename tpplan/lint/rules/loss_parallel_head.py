@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 
 
 def _head(ctx) -> str | None:
@@ -56,7 +56,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP370",
     name="loss-parallel-head",
     severity="error",
@@ -97,4 +97,4 @@ RULE = register(LintRule(
           output: {style: colwise, use_local_output: false}
     """,
     check=check,
-))
+)
