@@ -59,7 +59,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     factory = load_callable(options.model, "--model")  # a usage error before any work
     try:
         if planning:
-            from .memory import dry_run_memory
+            from .memory_dryrun import dry_run_memory
 
             dry_run_memory(options, plan, factory, report, event)
         else:
