@@ -58,4 +58,8 @@ class ApplyOptions:
     device: str = "auto"
     timeout: float = DEFAULT_TIMEOUT_S
     seed: int = 0
+    checkpoint: str | None = None  # load into the sharded model (tpplan.checkpoint)
+    save: str | None = None  # save the sharded model after the run
+    save_format: str = "dcp"
+    allow_missing: tuple[str, ...] = ()
     train: TrainOptions = TrainOptions()  # memory planning (dry run), FSDP2 and the optimizer of --steps
