@@ -7,13 +7,20 @@ dp dim, AdamW, and torch's loss_parallel() when the plan asks for it.
     # the same steps on one device, without torchrun: the loss curve to compare with
     python examples/train.py --plan plans/llama_tp_sp.yaml --steps 20
 
+    # stop after 10 steps, then resume: the same curve as 20 steps in one go
+    torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 10 --save ckpt
+    torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 20 --resume ckpt
+
 Every rank builds the model from the same seed, `load_plan(...).apply` shards
 it over the tp dim, `fully_shard` (per block, then the root) shards it again
 over dp. The data is a fixed random token stream: step N's global batch is the
 same on every run, and dp rank r trains on rows r::dp of it, so the mean loss
 over dp ranks equals the one-device loss of the whole batch.
-(Checkpoint save/resume is not in this example yet: tpplan's checkpoint API
-has not landed.)
+
+`--save DIR` writes the sharded weights with `tpplan.save_checkpoint` (DCP) and
+AdamW's sharded state with torch's `get_optimizer_state_dict` + `dcp.save`;
+`--resume DIR` loads both into the freshly sharded model (each rank its own
+shards) and continues at the next step of the data stream.
 """
 
 from __future__ import annotations
@@ -21,11 +28,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import json
 import os
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -63,6 +73,25 @@ def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int, device: torc
     return mesh
 
 
+def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str) -> None:
+    """Weights through tpplan (DCP), the optimizer state through DCP, the step as JSON (every rank calls it)."""
+    tpplan.save_checkpoint(model, os.path.join(path, "model"))
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(path, "optimizer"))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(os.path.join(path, "step.json"), "w") as f:
+            json.dump({"step": step}, f)
+
+
+def resume(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> int:
+    """Load what `save` wrote into the sharded model and its optimizer; the last step done."""
+    tpplan.load_checkpoint(model, os.path.join(path, "model"))
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    with open(os.path.join(path, "step.json")) as f:
+        return json.load(f)["step"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", required=True)
@@ -72,6 +101,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="global batch (split over dp ranks)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--save", metavar="DIR", help="save the weights and optimizer state after the last step")
+    parser.add_argument("--resume", metavar="DIR", help="continue from what --save wrote")
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ  # under torchrun; else one device, no plan
@@ -88,9 +119,12 @@ def main() -> None:
         dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         use_loss_parallel = plan.loss_parallel  # the head keeps the logits sharded on the vocabulary
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    done = resume(model, optimizer, args.resume) if args.resume else 0
 
     data = batches(vocab, args.batch, args.seq)
-    for step in range(1, args.steps + 1):
+    for _ in range(done):  # the batches the resumed run has seen
+        next(data)
+    for step in range(done + 1, args.steps + 1):
         tokens, targets = (t[dp_rank::dp].to(device) for t in next(data))
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
             logits = model(tokens)
@@ -106,6 +140,8 @@ def main() -> None:
         if not distributed or dist.get_rank() == 0:
             print(f"step {step} loss {value.item():.6f}", flush=True)
 
+    if args.save:
+        save(model, optimizer, args.steps, args.save)
     if distributed:
         dist.destroy_process_group()
         os._exit(0)  # torch 2.13 gloo may abort during interpreter shutdown after DTensor collectives
