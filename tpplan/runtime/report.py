@@ -82,13 +82,14 @@ class StepsResult:
     losses: list[float]
     step_times_s: list[float]
     optimizer: str = "SGD"
+    max_abs_diff: float | None = None  # --check: the trained parameters against one device
 
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.step_times_s)
 
     def to_json(self) -> dict:
-        return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s, "optimizer": self.optimizer}
+        return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s, "optimizer": self.optimizer, "max_abs_diff": self.max_abs_diff}
 
 
 @dataclass
