@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = [
     ("plans/llama_tp.yaml", "tpplan.models.llama:tiny"),
     ("plans/llama_tp_sp.yaml", "tpplan.models.llama:tiny"),
+    ("plans/llama_tp_sp_loss_parallel.yaml", "tpplan.models.llama:tiny"),
     ("plans/mlp_tp.yaml", "tpplan.models.mlp:tiny"),
 ]
 

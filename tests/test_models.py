@@ -120,3 +120,10 @@ def test_factories_pick_no_device():
         models = [llama.tiny(), mlp.tiny()]
     assert all(p.is_meta for model in models for p in model.parameters())
 
+
+
+@pytest.mark.parametrize("build, count", [(llama.llama3_70b, 70_553_706_496), (llama.llama3_405b, 405_853_388_800)])
+def test_llama3_70b_and_405b_shapes_have_the_published_parameter_counts(build, count):
+    with torch.device("meta"):
+        model = build()
+    assert sum(p.numel() for p in model.parameters()) == count

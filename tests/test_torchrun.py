@@ -60,7 +60,7 @@ def test_shipped_llama_plan_passes_check_on_two_gloo_ranks(file):
 
 
 def test_mlp_plan_trains_and_reports_as_text():
-    result = torchrun(2, "-m", "tpplan", "apply", "--model", "tpplan.models.mlp:tiny", "--plan", "plans/mlp_tp.yaml", "--check", "--steps", "3")
+    result = torchrun(2, "-m", "tpplan", "apply", "--model", "tpplan.models.mlp:tiny", "--plan", "plans/mlp_tp.yaml", "--check", "--steps", "3", "--optimizer", "sgd")
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "tpplan apply mlp-tp on tpplan.models.mlp:tiny: world 2, gloo on cpu" in out

@@ -23,6 +23,18 @@ class ApplyFormat(str, Enum):
     json = "json"
 
 
+class DType(str, Enum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+class Optimizer(str, Enum):
+    adamw = "adamw"
+    sgd = "sgd"
+    none = "none"
+
+
 class SaveFormat(str, Enum):
     dcp = "dcp"
     hf = "hf"
@@ -69,7 +81,14 @@ def apply(
     ] = False,
     steps: Annotated[
         int,
-        typer.Option("--steps", metavar="N", min=0, help="Also run N SGD steps on random targets; report the loss and the median step time (torchrun only)."),
+        typer.Option(
+            "--steps",
+            metavar="N",
+            min=0,
+            help="Also train N steps (--optimizer, default AdamW; cross-entropy on random next tokens for a token model, "
+            "inside loss_parallel() when the plan sets it); report the losses and the median step time. "
+            "With --check: compare the losses and the final parameters with a single device (torchrun only).",
+        ),
     ] = 0,
     inputs: Annotated[
         Optional[str],
@@ -78,6 +97,43 @@ def apply(
             metavar="MOD:FN",
             help="A callable returning the example input tensor or a tuple of positional tensors; "
             "default: token ids for an Embedding first module, random floats for a Linear.",
+            show_default=False,
+        ),
+    ] = None,
+    batch: Annotated[
+        Optional[int],
+        typer.Option("--batch", metavar="B", min=1, help="Memory planning: batch size of the default inputs (--inputs wins). Default 2.", show_default=False),
+    ] = None,
+    seq: Annotated[
+        Optional[int],
+        typer.Option("--seq", metavar="S", min=1, help="Memory planning: sequence length of the default inputs (--inputs wins). Default 8.", show_default=False),
+    ] = None,
+    dtype: Annotated[
+        Optional[DType],
+        typer.Option("--dtype", help="Memory planning: the parameters' dtype (default: the model's own).", show_default=False),
+    ] = None,
+    optimizer: Annotated[
+        Optional[Optimizer],
+        typer.Option("--optimizer", help="Optimizer of the planned training step and of --steps (none: forward and backward only). Default adamw.", show_default=False),
+    ] = None,
+    fsdp: Annotated[
+        Optional[int],
+        typer.Option(
+            "--fsdp",
+            metavar="N",
+            min=1,
+            help="FSDP2 (fully_shard per block and root) on a data-parallel mesh dim of N after the plan. "
+            "--dry-run: simulate a world of N x TP; torchrun: N x --tp must be the world size.",
+            show_default=False,
+        ),
+    ] = None,
+    memory_limit: Annotated[
+        Optional[str],
+        typer.Option(
+            "--memory-limit",
+            metavar="SIZE",
+            help="Memory planning: device memory per rank, e.g. 80GiB; the report says whether the step fits "
+            "(without --tp: which of the plan's mesh.sizes fit).",
             show_default=False,
         ),
     ] = None,
@@ -118,11 +174,25 @@ def apply(
 ) -> None:
     """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
     from ..runtime.modelref import ModelRefError
+    from ..runtime.memory import parse_size
     from ..runtime.options import ApplyOptions, UsageError
+    from ..runtime.training import TrainOptions
 
+    try:
+        limit = parse_size(memory_limit) if memory_limit is not None else None
+    except ValueError as exc:
+        usage_error(f"--memory-limit: {exc}")
+    train = TrainOptions(
+        batch=batch,
+        seq=seq,
+        dtype=dtype.value if dtype else None,
+        optimizer=optimizer.value if optimizer else None,
+        fsdp=fsdp,
+        memory_limit=limit,
+    )
     options = ApplyOptions(
         plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout,
-        checkpoint=checkpoint, save=save, save_format=save_format.value, allow_missing=tuple(allow_missing or ()),
+        checkpoint=checkpoint, save=save, save_format=save_format.value, allow_missing=tuple(allow_missing or ()), train=train,
     )
     under_torchrun = not dry_run and "RANK" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0
@@ -160,6 +230,8 @@ _WORDING = {
     ("tp", "missing"): "--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)",
     ("steps", "needs-ranks"): "--steps trains on real ranks (torchrun); --dry-run runs on fake tensors without values",
     ("save", "needs-ranks"): "--save writes real weights: run under torchrun (--dry-run has none)",
+    ("fsdp", "not-a-divisor"): "--fsdp ({fsdp}) must divide the world size ({world})",
+    ("fsdp", "world-mismatch"): "--fsdp ({fsdp}) x --tp ({tp}) must be the world size ({world})",
 }
 
 

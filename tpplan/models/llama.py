@@ -162,8 +162,8 @@ def llama3_8b() -> Transformer:
 
 
 def llama3_70b() -> Transformer:
-    """Llama 3 70B shapes (about 7.1e10 parameters; 8 KV heads, so TP 16 replicates each
-    twice); build it on the meta device only."""
+    """Llama 3 70B shapes (about 7.06e10 parameters; 8 KV heads, so TP 16 replicates each
+    twice); build it on the meta device or fake tensors only."""
     return Transformer(
         LlamaConfig(
             dim=8192,
@@ -175,4 +175,28 @@ def llama3_70b() -> Transformer:
             rope_theta=500000.0,
             max_seq_len=8192,
         )
+    )
+
+
+def llama3_405b() -> Transformer:
+    """Llama 3.1 405B shapes (about 4.06e11 parameters); build it on the meta device or fake tensors only."""
+    return Transformer(
+        LlamaConfig(
+            dim=16384,
+            n_layers=126,
+            n_heads=128,
+            n_kv_heads=8,
+            vocab_size=128256,
+            ffn_hidden=53248,
+            rope_theta=500000.0,
+            max_seq_len=8192,
+        )
+    )
+
+
+def bench_1024() -> Transformer:
+    """dim 1024, 4 layers, 16 heads / 8 KV heads, FFN 2816, vocab 32000, sequences up to 1024:
+    a model whose activations matter next to its parameters (bench/bench_memory_accuracy.py)."""
+    return Transformer(
+        LlamaConfig(dim=1024, n_layers=4, n_heads=16, n_kv_heads=8, vocab_size=32000, ffn_hidden=2816, max_seq_len=1024)
     )

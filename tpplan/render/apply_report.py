@@ -75,22 +75,34 @@ def render_text(report: ApplyReport, console) -> None:
         console.print(table)
 
     if report.comms is not None:
-        table = Table(title="Collectives", title_justify="left")
-        for column, justify in (("op", "left"), ("forward pass", "right"), ("backward pass", "right")):
+        sizes = report.comm_bytes  # with memory planning: bytes per rank beside the counts
+        table = Table(title="Collectives" + (" per rank, one training step" if sizes else ""), title_justify="left")
+        columns = (("forward pass", "forward bytes", "backward pass", "backward bytes") if sizes else ("forward pass", "backward pass"))
+        for column, justify in (("op", "left"), *((c, "right") for c in columns)):
             table.add_column(column, justify=justify)
         ops = sorted(set(report.comms["forward"]) | set(report.comms["backward"]))
         for op in ops:
-            row(table, op, str(report.comms["forward"].get(op, 0)), str(report.comms["backward"].get(op, 0)))
+            cells = [op]
+            for phase in ("forward", "backward"):
+                cells.append(str(report.comms[phase].get(op, 0)))
+                if sizes:
+                    cells.append(human_bytes(sizes[phase].get(op, 0)))
+            row(table, *cells)
         if not ops:
-            row(table, "(none)", "0", "0")
+            row(table, "(none)", *("0" for _ in columns))
         console.print(table)
+
+    if report.memory is not None:
+        from .memory import render_memory
+
+        render_memory(report.memory, report.memory_sweep, console)
 
     if report.step_time_s is not None:
         console.print(f"step time (forward + backward): {report.step_time_s * 1e3:.2f} ms")
     if report.steps is not None:
         losses = report.steps.losses
         console.print(
-            f"{len(losses)} SGD steps: loss {losses[0]:.6g} -> {losses[-1]:.6g}, "
+            f"{len(losses)} {report.steps.optimizer} steps: loss {losses[0]:.6g} -> {losses[-1]:.6g}, "
             f"median step {report.steps.median_step_s * 1e3:.2f} ms"
         )
     if report.checkpoint is not None:

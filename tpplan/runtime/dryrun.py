@@ -51,8 +51,9 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         return report
     tp, note = dry_run_tp(options, plan)
     report.plan_name, report.world_size, report.tp = plan.name, tp, tp
-    report.notes += [note] if note else []
-    report.notes += unpromised_tp_note(plan, tp)
+    planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
+    report.notes += [note] if note and not (planning and plan.mesh_sizes) else []
+    report.notes += unpromised_tp_note(plan, tp) if not (planning and options.tp is None) else []
     if options.device not in ("auto", "cpu"):
         report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
@@ -64,7 +65,14 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
             from ..checkpoint.run import open_checkpoint
 
             source = open_checkpoint(options.checkpoint)
-        _simulate_shapes(options, plan, factory, report, event, source)
+        if planning:
+            from .memory_dryrun import dry_run_memory
+
+            dry_run_memory(options, plan, factory, report, event)
+            if source is not None:
+                report.notes.append("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options")
+        else:
+            _simulate_shapes(options, plan, factory, report, event, source)
         if options.check:
             event(f"checking {tp} ranks with real values against a single device")
             _simulate_values(options, plan, factory, report)

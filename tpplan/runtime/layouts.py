@@ -22,7 +22,7 @@ def local_shapes(param: "torch.Tensor", tp: int) -> tuple[tuple[int, ...], ...]:
 
     if not isinstance(param, DTensor):
         return (tuple(param.shape),) * tp
-    mesh_shape = tuple(param.device_mesh.mesh.shape)
+    mesh_shape = tuple(param.device_mesh.shape)  # not .mesh: a submesh computes that tensor with nonzero, which fake tensors cannot
     shapes = []
     for rank in range(param.device_mesh.size()):
         shape = list(param.shape)

@@ -107,17 +107,17 @@ def build_model(ref: str, device: "torch.device | str", factory: Callable[[], An
     return model
 
 
-def make_inputs(ref: str | None, model: "nn.Module | None", device: "torch.device | str") -> tuple:
+def make_inputs(ref: str | None, model: "nn.Module | None", device: "torch.device | str", batch: int = 2, seq: int = 8) -> tuple:
     """Positional example inputs: `ref`'s callable (returning a tensor or a tuple of
     them, created under `torch.device(device)`), or the SPEC default from the model's
-    first module. Always a tuple."""
+    first module, of `batch` x `seq`. Always a tuple."""
     import torch
 
     from .simulate import default_inputs
 
     if ref is None:
         try:
-            return (default_inputs(model),)
+            return (default_inputs(model, batch, seq),)
         except ValueError as exc:
             raise ModelRefError(str(exc)) from None
     factory = load_callable(ref, "--inputs")

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .training import TrainOptions
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -60,3 +62,4 @@ class ApplyOptions:
     save: str | None = None  # save the sharded model after the run
     save_format: str = "dcp"
     allow_missing: tuple[str, ...] = ()
+    train: TrainOptions = TrainOptions()  # memory planning (dry run), FSDP2 and the optimizer of --steps

@@ -81,13 +81,15 @@ class CheckResult:
 class StepsResult:
     losses: list[float]
     step_times_s: list[float]
+    optimizer: str = "SGD"
+    max_abs_diff: float | None = None  # --check: the trained parameters against one device
 
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.step_times_s)
 
     def to_json(self) -> dict:
-        return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s}
+        return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s, "optimizer": self.optimizer, "max_abs_diff": self.max_abs_diff}
 
 
 @dataclass
@@ -110,6 +112,11 @@ class ApplyReport:
     step_time_s: float | None = None
     steps: StepsResult | None = None
     problems: list[Problem] = field(default_factory=list)
+    # Memory planning (runtime/memory.py): per-rank peak, bytes per collective, the degrees tried.
+    memory: Any = None  # memory_report.MemoryReport
+    comm_bytes: dict[str, dict[str, int]] | None = None
+    optimizer_comms: dict | None = None
+    memory_sweep: list = field(default_factory=list)  # memory_report.DegreeFit rows
     notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
     checkpoint: dict | None = None  # --checkpoint: what was (or would be) loaded, see tpplan.checkpoint.inspect
     saved: dict | None = None  # --save: {"path", "format"}
@@ -155,7 +162,19 @@ class ApplyReport:
             "steps": self.steps.to_json() if self.steps else None,
             "checkpoint": self.checkpoint,
             "saved": self.saved,
+            **self._memory_json(),
         }
+
+    def _memory_json(self) -> dict[str, Any]:
+        """SPEC §4's `memory` and `comm_bytes`, with memory planning only."""
+        if self.memory is None:
+            return {}
+        found = {"memory": self.memory.to_json(), "comm_bytes": self.comm_bytes or {"forward": {}, "backward": {}}}
+        if self.optimizer_comms is not None:
+            found["optimizer_comms"] = self.optimizer_comms
+        if self.memory_sweep:
+            found["memory_by_tp"] = [row.to_json() for row in self.memory_sweep]
+        return found
 
 
 def human_bytes(n: float) -> str:

@@ -13,6 +13,7 @@ a typed `UsageError`; the CLI words and prints them and picks the exit code.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from ..core.problems import PlanError, Problem, error, first_line
 from .report import ApplyReport, CheckResult, ParamLayout, StepsResult
 from .comm import CommFailure, comm_problem, is_comm_failure
 from .consensus import disagreements, gather_states, rank_state, usage_errors
+from .fsdp import fsdp_tp
 from .devices import init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env
 from .layouts import param_layouts
 from .locate import FailureLocator, Sharded, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
@@ -120,9 +122,11 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     report.checkpoint, report.saved = ran.checkpoint, ran.saved
     if ran.check is not None and not ran.check.passed:
         report.problems.append(error("TP505", f"--check failed: {ran.check.problems[0]}", loaded.plan.file))
+    if _data_parallel(options, ran):
+        report.notes.append(f"FSDP2 (fully_shard per block and root) over the dp dim of {ran.dp}, after the plan")
     if ran.problems:
         report.problems = ran.problems
-    else:
+    elif not _data_parallel(options, ran):  # under FSDP2 a rank holds a dp shard of its layout: the memory plan's figure
         _assert_held(ctx, loaded.model, report)
     return report
 
@@ -135,7 +139,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     loaded = _Loaded()
     try:
         loaded.plan = load_plan(options.plan)
-        loaded.mesh = mesh_shape(ctx.world, options.tp, loaded.plan.mesh_axis)
+        loaded.mesh = mesh_shape(ctx.world, fsdp_tp(ctx.world, options.tp, options.train.fsdp), loaded.plan.mesh_axis)
         event("building the model")
         torch.manual_seed(options.seed)  # the same weights on every rank, even with src_data_rank: null
         loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device)
@@ -178,6 +182,11 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
         if options.checkpoint:
             reference = _load_checkpoint(ctx, options, model, ran, event)
         ran.params = param_layouts(model, ran.tp)  # after a load: the checkpoint's dtypes
+        if _data_parallel(options, ran):  # FSDP2 after the plan (and a load)
+            from .fsdp import shard_data_parallel
+
+            event(f"FSDP2 over dp {ran.dp}")
+            shard_data_parallel(model, mesh)
         torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
         inputs = make_inputs(options.inputs, model, ctx.device)
         locator = FailureLocator(plan, model, ran.sharded.rules, ran.tp)
@@ -192,10 +201,11 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
             event("checking against a single device")
             ran.check = _check(ctx, plan, model, reference, inputs, output, grads, copy_weights=not options.checkpoint)
         if options.steps:
-            from .steps import sgd_steps
-
-            event(f"{options.steps} SGD steps")
-            ran.steps = run_located(locator, lambda: sgd_steps(model, inputs, options.steps, ctx.device, options.seed))
+            ran.steps, trained = _train(ctx, options, plan, locator, model, reference, inputs, event)
+            if trained is not None:
+                # The verdict covers the steps; max_abs_diff stays the forward and backward's (SPEC §4).
+                ran.check = dataclasses.replace(ran.check, passed=ran.check.passed and trained.passed, problems=ran.check.problems + trained.problems)
+                ran.steps = dataclasses.replace(ran.steps, max_abs_diff=trained.max_abs_diff)
         if options.save:
             from ..checkpoint.run import save_from
 
@@ -206,6 +216,29 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     except CommFailure as exc:
         ran.problems = [exc.problem]
     return ran
+
+
+def _data_parallel(options: ApplyOptions, ran: _Ran) -> bool:
+    return bool(options.train.fsdp) and ran.dp > 1
+
+
+def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocator, model, reference, inputs: tuple, event):
+    """--steps: train (AdamW unless --optimizer says), inside loss_parallel() when the
+    plan asks; with --check, the same steps on one device compared (merged over ranks)."""
+    from .training import OPTIMIZER_NAMES, compare_training, train_steps
+
+    name = options.train.optimizer_name
+    event(f"{options.steps} {OPTIMIZER_NAMES[name]} steps")
+    losses, times = run_located(locator, lambda: train_steps(
+        model, inputs, options.steps, name, plan.loss_parallel, options.seed, lambda: synchronize(ctx.device)
+    ))
+    if reference is None:
+        return StepsResult(losses, times, OPTIMIZER_NAMES[name]), None
+    event(f"checking {options.steps} steps against a single device")
+    from .verify import merge_ranks
+
+    trained = merge_ranks(_gather(ctx, compare_training(model, reference, inputs, losses, name, options.seed), plan, "comparing the training"))
+    return StepsResult(losses, times, OPTIMIZER_NAMES[name]), trained
 
 
 def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran: _Ran, event) -> "nn.Module | None":

@@ -13,6 +13,7 @@ from . import (
     expert_divisibility,
     head_divisibility,
     layout_mismatch,
+    loss_parallel_head,
     mixed_dtensor,
     replicated_partial_grad,
     sequence_parallel_nested,
@@ -49,4 +50,5 @@ RULES = rule_table([
     shared_input_comms.RULE,  # TP340
     tied_placement.RULE,  # TP350
     coverage.RULE,  # TP360
+    loss_parallel_head.RULE,  # TP370
 ])

@@ -1,0 +1,145 @@
+"""Predicted per-rank peak of one training step (the dry run: fake tensors, fake
+process group) against the peak measured on real ranks for the same step.
+
+    python bench/bench_memory_accuracy.py [--seq 1024] [--configs tp tp-sp fsdp-tp] [--device cpu|cuda] [--check]
+
+Model: tpplan.models.llama:bench_1024 (dim 1024, 4 layers, 16 heads / 8 KV
+heads, FFN 2816, vocab 32000), batch 1, fp32, AdamW, 4 ranks:
+  tp       plans/llama_tp.yaml at TP 4
+  tp-sp    plans/llama_tp_sp.yaml at TP 4
+  fsdp-tp  plans/llama_tp.yaml at TP 2 x FSDP2 2
+Measured: each config runs under `torchrun --nproc-per-node 4` (gloo on CPU);
+every rank builds the model on real tensors and runs the same
+`tpplan.runtime.memory.measure_training_step` with torch's MemTracker /
+FSDPMemTracker on real storages. With `--device cuda` (nccl, one GPU per
+rank) each rank also reports `torch.cuda.max_memory_allocated()` over the
+measured step, the allocator's own figure. Prints predicted / measured per
+config; goal within 10% (`--check` exits 1 outside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tpplan.models.llama:bench_1024"
+CONFIGS = {"tp": ("llama_tp.yaml", 4, 1), "tp-sp": ("llama_tp_sp.yaml", 4, 1), "fsdp-tp": ("llama_tp.yaml", 2, 2)}
+GOAL = 0.10
+
+
+def predicted(config: str, seq: int) -> dict:
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.torchrun import ApplyOptions
+    from tpplan.runtime.training import TrainOptions
+
+    plan, tp, dp = CONFIGS[config]
+    train = TrainOptions(batch=1, seq=seq, optimizer="adamw", fsdp=dp if dp > 1 else None)
+    report = dry_run(ApplyOptions(plan=str(ROOT / "plans" / plan), model=MODEL, tp=tp, train=train))
+    assert report.ok, report.problems
+    return report.to_json()["memory"]
+
+
+def worker(config: str, seq: int, device_type: str) -> None:
+    """One real rank (under torchrun): build, shard, measure; rank 0 prints every rank's figures."""
+    import torch
+    import torch.distributed as dist
+
+    from tpplan import load_plan
+    from tpplan.models.llama import bench_1024
+    from tpplan.runtime.fsdp import shard_data_parallel, train_mesh
+    from tpplan.runtime.memory import measure_training_step
+    from tpplan.runtime.simulate import default_inputs
+
+    plan_file, tp, dp = CONFIGS[config]
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(device_type, local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    plan = load_plan(ROOT / "plans" / plan_file)
+    mesh = train_mesh(device.type, dp, tp, plan.mesh_axis)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = bench_1024()
+    plan.apply(model, mesh)
+    if dp > 1:
+        shard_data_parallel(model, mesh)
+    torch.manual_seed(1)
+    inputs = (default_inputs(model, 1, seq),)
+    allocator = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    step = measure_training_step(model, inputs, "adamw", plan.loss_parallel, fsdp=dp > 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        allocator = torch.cuda.max_memory_allocated()
+    mine = {"rank": dist.get_rank(), "peak": step.peak_bytes, "categories": step.categories, "allocator": allocator}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps(everyone), flush=True)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # torch 2.13 gloo may abort at interpreter exit after DTensor collectives
+
+
+def measured(config: str, seq: int, device_type: str) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
+               "--worker", config, "--seq", str(seq), "--device", device_type]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        raise SystemExit(f"torchrun for {config} failed:\n{result.stderr[-3000:]}")
+    return json.loads(lines[0].removeprefix("RESULT "))
+
+
+def main() -> int:
+    parser = _common.arguments(__doc__, check="unless every predicted peak is within the goal (a tenth) of the measured one")
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.seq, args.device)
+        return 0
+
+    mib = 2**20
+    print(f"{MODEL}, batch 1, seq {args.seq}, fp32, AdamW, 4 ranks ({args.device})")
+    header = f"{'config':9} {'predicted MiB':>14} {'measured MiB':>13} {'pred/meas':>10}"
+    header += f" {'allocator MiB':>14} {'pred/alloc':>11}" if args.device == "cuda" else ""
+    print(header)
+    worst = 0.0
+    for config in args.configs:
+        start = time.perf_counter()
+        want = predicted(config, args.seq)
+        predict_s = time.perf_counter() - start
+        ranks = measured(config, args.seq, args.device)
+        peak = max(r["peak"] for r in ranks)  # what must fit: the fullest rank
+        ratio = want["per_rank_peak_bytes"] / peak
+        worst = max(worst, abs(ratio - 1))
+        line = f"{config:9} {want['per_rank_peak_bytes'] / mib:14.1f} {peak / mib:13.1f} {ratio:10.4f}"
+        if args.device == "cuda":
+            allocator = max(r["allocator"] for r in ranks)
+            line += f" {allocator / mib:14.1f} {want['per_rank_peak_bytes'] / allocator:11.4f}"
+            worst = max(worst, abs(want["per_rank_peak_bytes"] / allocator - 1))
+        print(line + f"   (dry run {predict_s:.1f} s; peak at {want['peak_module']})")
+        for name in ("parameters", "gradients", "optimizer", "activations", "temporaries"):
+            got = ranks[0]["categories"][name]
+            print(f"    {name:12} predicted {want[name] / mib:10.2f} MiB, measured (rank 0) {got / mib:10.2f} MiB")
+    print(f"largest deviation {worst:.2%} (goal <= {GOAL:.0%})")
+    return _common.exit_code(args.check, _common.within(worst, GOAL))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

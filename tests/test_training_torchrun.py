@@ -1,0 +1,57 @@
+"""Training on real gloo ranks: `apply --steps N --check` (AdamW steps, losses and
+final parameters against one device) on a (dp 2, tp 2) mesh, with TP alone and
+with FSDP2 x TP x sequence parallelism x loss_parallel, and examples/train.py
+(saved and resumed) against its own one-device run. Slow (torchrun launches)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_torchrun import torchrun
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("plan, extra", [
+    ("llama_tp.yaml", []),  # TP alone, two dp replicas
+    ("llama_tp_sp_loss_parallel.yaml", ["--fsdp", "2"]),  # FSDP2 on dp, TP with SP on tp, loss_parallel
+], ids=["tp", "fsdp-tp-sp-loss-parallel"])
+def test_adamw_steps_match_one_device_on_a_two_by_two_mesh(plan, extra):
+    result = torchrun(4, "-m", "tpplan", "apply", "--model", "tpplan.models.llama:tiny", "--plan", f"plans/{plan}",
+                      "--tp", "2", *extra, "--steps", "3", "--check", "--format", "json", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert (report["world_size"], report["dp"], report["tp"]) == (4, 2, 2)
+    assert report["check"]["passed"] is True, report["problems"]
+    steps = report["steps"]
+    assert steps["n"] == 3 and steps["optimizer"] == "AdamW"
+    assert steps["losses"][-1] < steps["losses"][0]
+
+
+def _losses(text: str) -> list[float]:
+    return [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", text, re.MULTILINE)]
+
+
+def test_the_example_trainer_on_four_ranks_resumes_on_the_one_device_loss_curve(tmp_path):
+    # 2 steps on a (dp 2, tp 2) mesh, saved; a new job resumes them to 4: the losses of
+    # both parts must be the one-device run's 4 steps (weights and AdamW state restored).
+    # lr 0.02: large enough that resuming with fresh AdamW moments moves step 4's loss by
+    # about 0.07, far outside the tolerance (at the default 1e-3 it would be 4e-5).
+    args = ["examples/train.py", "--plan", "plans/llama_tp.yaml", "--tp", "2", "--lr", "0.02"]
+    first = torchrun(4, *args, "--steps", "2", "--save", str(tmp_path / "ckpt"), timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = torchrun(4, *args, "--steps", "4", "--resume", str(tmp_path / "ckpt"), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, *args, "--steps", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    got, want = _losses(first.stdout) + _losses(resumed.stdout), _losses(single.stdout)
+    assert len(got) == len(want) == 4
+    assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)

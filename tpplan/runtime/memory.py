@@ -1,0 +1,327 @@
+"""Will it fit? Per-rank memory of one training step, measured by torch's own
+trackers.
+
+`measure_training_step` makes the optimizer state and then measures one step
+(forward, loss, backward, optimizer step) under
+`torch.distributed._tools.mem_tracker.MemTracker` (or, with FSDP2, its
+`fsdp2_mem_tracker.FSDPMemTracker`), which follow every tensor storage through
+torch's dispatcher and sort it into parameters, gradients, optimizer state,
+activations and temporaries: the steady state of training. The same
+function measures a real rank (real tensors, `bench/`) and plans one in the dry
+run (`plan_memory`: FakeTensorMode under the fake process group, world
+`dp x tp`, no memory spent), so prediction and measurement are one code path.
+
+Collectives are counted per pass with their bytes (`collective_bytes`): the
+larger of each collective's buffers on this rank, i.e. the full tensor of an
+all-gather or reduce-scatter and the tensor of an all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .memory_report import CATEGORIES, MemoryReport
+from .training import TrainOptions, make_optimizer, make_targets, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+# torch's tracker categories (MemTracker's and FSDPMemTracker's) -> ours (SPEC §4).
+_CATEGORY = {
+    "Parameter": "parameters",
+    "Buffer": "parameters",
+    "Sharded Param": "parameters",
+    "Unsharded Param": "parameters",
+    "Gradient": "gradients",
+    "Sharded Grad": "gradients",
+    "Unsharded Grad": "gradients",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Activation": "activations",
+    "Inputs": "activations",
+    "Temp": "temporaries",
+    "All Gather": "temporaries",
+    "Reduce Scatter": "temporaries",
+    "Other": "temporaries",
+}
+
+
+def parse_size(text: str) -> int:
+    """`80GiB`, `80 GB`, `1.5TiB`, `123456` (bytes) -> bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a size: write a number with a unit, e.g. 80GiB, 40GB or 512MiB")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
+
+
+# -- collectives with bytes -----------------------------------------------------------
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor, or of a list of tensors (one buffer per rank of a c10d op)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def collective_bytes(args: tuple, result: Any) -> int:
+    """The larger of a collective's buffers: an all-gather's output, a
+    reduce-scatter's input, an all-reduce's tensor. c10d ops take output and
+    input as separate arguments (and return them with a Work); functional ones
+    return the output."""
+    results = result if isinstance(result, tuple) else (result,)
+    return max(_tensor_bytes(v) for v in (*args, *results))
+
+
+def _counter_mode(counts: Counter, sizes: Counter):
+    """A dispatch mode that counts the collectives that reach torch's dispatcher
+    (the ops torch's fake collectives know, named as SPEC §4) and adds up their
+    bytes. Not CommDebugMode: its module tracker and per-op log cost more than
+    the model at 126 layers; the counts are the same (tests compare them)."""
+    from torch.distributed._tools.fake_collectives import collective_ops
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .simulate import _COLLECTIVE_NAMES, collective_name
+
+    spec_names = set(_COLLECTIVE_NAMES.values())
+    names = {op: collective_name(op._overloadpacket) for op in collective_ops}
+
+    class CollectiveCounter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t is DTensor for t in types):
+                return NotImplemented  # let DTensor turn itself into local ops and collectives first
+            out = func(*args, **(kwargs or {}))
+            name = names.get(func)
+            if name in spec_names:
+                counts[name] += 1
+                sizes[name] += collective_bytes(args, out)
+            return out
+
+    return CollectiveCounter()
+
+
+@contextlib.contextmanager
+def counting(counts: Counter, sizes: Counter) -> Iterator[None]:
+    """Collectives (counts and bytes, SPEC names) of the body."""
+    with _counter_mode(counts, sizes):
+        yield
+
+
+# -- the tracker ----------------------------------------------------------------------
+
+
+def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool):
+    """torch's tracker, told to remember where the peak happens (the modules
+    active when the peak last rose, and the pass)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    base = FSDPMemTracker if fsdp else MemTracker
+
+    class PeakSite(base):
+        peak_site: tuple[list[str], str] = ([], "forward")
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # torch's version also updates every tracked module's own peak, walking all
+            # of them after every op: quadratic in depth (minutes at 126 layers). Only
+            # the global peak is read here, with the modules active when it rose.
+            for device, snapshot in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snapshot["Total"]:
+                    self._peak_mem[device] = snapshot["Total"]
+                    self._peak_mem_snap[device] = dict(snapshot)
+                    phase = "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
+                    self.peak_site = (list(self._mod_tracker.parents), phase)
+
+    if fsdp:
+        tracker = PeakSite(model, optimizer)
+        tracker.track_inputs(inputs)
+    else:
+        tracker = PeakSite()
+        tracker.track_external(model, *([optimizer] if optimizer is not None else []), *inputs)
+    return tracker
+
+
+def _peak_module(parents: list[str], phase: str, root: str) -> str:
+    """The innermost active module, without the tracker's root-class prefix."""
+    names = [p for p in parents if p != "Global"]
+    if not names:  # no module running: the loss, or the optimizer
+        return {"forward": "loss", "backward": "loss (backward)"}.get(phase, phase)
+    innermost = max(names, key=lambda n: (n.count("."), len(n)))
+    fqn = innermost[len(root) + 1:] if innermost.startswith(root + ".") else ("<root>" if innermost == root else innermost)
+    return fqn if phase == "optimizer step" else f"{fqn} ({phase})"
+
+
+def _categories(snapshot: dict) -> tuple[int, dict[str, int]]:
+    """(total, {our category: bytes}) of a tracker snapshot (one device per rank)."""
+    categories = dict.fromkeys(CATEGORIES, 0)
+    total = 0
+    for device_snapshot in snapshot.values():
+        for kind, held in device_snapshot.items():
+            if kind == "Total":
+                total += held
+            else:
+                categories[_CATEGORY[str(getattr(kind, "value", kind))]] += held
+    return total, categories
+
+
+def _initialize_state(model: "nn.Module", optimizer) -> None:
+    """The optimizer state of a steady-state step (AdamW's moments), made by one
+    step on zero gradients rather than a whole warm-up step: the same state for
+    half the cost. (On real tensors the weights move by weight decay only.)"""
+    import torch
+
+    for param in model.parameters():
+        if param.requires_grad:
+            param.grad = torch.zeros_like(param)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+
+
+@dataclass
+class StepMemory:
+    """What `measure_training_step` found on this rank."""
+
+    peak_bytes: int
+    categories: dict[str, int]
+    after_step: dict[str, int]  # what stays between steps: parameters and optimizer state
+    peak_module: str
+    comms: dict[str, dict[str, int]]  # {"forward"|"backward"|"optimizer": {op: count}}
+    comm_bytes: dict[str, dict[str, int]]
+    losses: list[float] = field(default_factory=list)
+
+
+def measure_training_step(
+    model: "nn.Module",
+    inputs: tuple,
+    optimizer_name: str = "adamw",
+    loss_parallel: bool = False,
+    fsdp: bool = False,
+    seed: int = 0,
+) -> StepMemory:
+    """Peak memory of this rank over a steady-state training step (the optimizer
+    state made first, then `reset_mod_stats()` and the measured step), by
+    category, with the collectives of the step. Works on real and on fake tensors."""
+    import torch
+
+    from .fsdp import fake_friendly_meshes
+    from .training import loss_context, loss_value, training_loss
+
+    optimizer = make_optimizer(optimizer_name, model)
+    targets = make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
+    tracker = _tracker(model, optimizer, inputs, fsdp)
+    counts = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
+    sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
+    losses = []
+    with fake_friendly_meshes(), tracker:
+        if optimizer is not None:
+            _initialize_state(model, optimizer)
+        tracker.reset_mod_stats()
+        generator = torch.Generator().manual_seed(seed + 3)
+        with loss_context(loss_parallel):
+            with counting(counts["forward"], sizes["forward"]):
+                loss = training_loss(model(*inputs), targets, loss_parallel, generator)
+            with counting(counts["backward"], sizes["backward"]):
+                loss.backward()
+        if optimizer is not None:
+            with counting(counts["optimizer"], sizes["optimizer"]):
+                optimizer.step()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss_value(loss.detach()))
+        del loss
+        after = _categories(tracker.get_tracker_snapshot())
+    total, categories = _categories(tracker.get_tracker_snapshot("peak"))
+    return StepMemory(
+        peak_bytes=total,
+        categories=categories,
+        after_step=after[1],
+        peak_module=_peak_module(*tracker.peak_site, type(model).__name__),
+        comms={phase: dict(sorted(c.items())) for phase, c in counts.items()},
+        comm_bytes={phase: dict(sorted(s.items())) for phase, s in sizes.items()},
+        losses=losses,
+    )
+
+
+# -- the dry run's memory planning ---------------------------------------------------
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
+    """Build the model in `dtype`: parameters are born in it (`Module.to` cannot
+    swap fake parameters in place)."""
+    import torch
+
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass
+class PlannedStep:
+    memory: MemoryReport
+    step: StepMemory
+    blocks: list[str]
+
+
+def plan_memory(
+    build: Callable[[], "nn.Module"],
+    make_inputs: Callable[["nn.Module"], tuple],
+    shard: Callable[["nn.Module", Any], Any],
+    tp: int,
+    train: TrainOptions,
+    axis: str = "tp",
+    loss_parallel: bool = False,
+    run: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+) -> PlannedStep:
+    """Simulate world `dp x tp` (dp = `train.fsdp`) on fake tensors: `build()` the
+    model, cast it to `train.dtype`, `shard(model, mesh)` (the plan), FSDP2 on dp,
+    and measure one training step on `make_inputs(model)`. `run(fn)` wraps the
+    step (the dry run's failure locator)."""
+    from .fsdp import fake_friendly_meshes, shard_data_parallel, train_mesh
+    from .simulate import fake_tensors, simulated_world
+
+    dp = train.dp
+    with simulated_world(dp * tp):
+        mesh = train_mesh("cpu", dp, tp, axis)
+        with fake_tensors():
+            with _default_dtype(torch_dtype(train.dtype)):
+                model = build()
+            inputs = make_inputs(model)
+            with fake_friendly_meshes():
+                shard(model, mesh)
+            wrapped = shard_data_parallel(model, mesh) if dp > 1 else []
+            step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, loss_parallel, fsdp=dp > 1))
+    first_param = next(model.parameters(), None)
+    memory = MemoryReport(
+        tp=tp,
+        dp=dp,
+        per_rank_peak_bytes=step.peak_bytes,
+        categories=step.categories,
+        steady=step.after_step,
+        peak_module=step.peak_module,
+        limit_bytes=train.memory_limit,
+        batch=int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0,
+        seq=int(inputs[0].shape[1]) if inputs and inputs[0].ndim > 1 else 0,
+        dtype=str(first_param.dtype).removeprefix("torch.") if first_param is not None else "",
+        optimizer=train.optimizer_name,
+    )
+    return PlannedStep(memory=memory, step=step, blocks=wrapped)

@@ -1,0 +1,98 @@
+"""`apply --dry-run` with memory planning: the memory plan at `--tp`, or at every
+degree of the plan's mesh.sizes, assembled into the apply report (the
+measurement itself is memory.py's)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .memory import plan_memory
+
+
+def dry_run_memory(options, plan, factory, report, event: Callable[[str], None]) -> None:
+    """Fill `report` (an ApplyReport) with the memory plan: at `options.tp`, or at
+    every degree of the plan's mesh.sizes (the report then shows the smallest
+    degree that fits, else the largest, and the table of all)."""
+    from ..core.problems import PlanError, first_line
+    from .layouts import param_layouts
+    from .locate import FailureLocator, raised_by_tpplan, shard_with_progress, unpromised_tp_note
+    from .memory_report import DegreeFit
+    from .modelref import build_model, make_inputs
+    from .report import ApplyReport
+
+    train = options.train
+    if options.tp is not None:
+        degrees = [options.tp]
+    elif plan.mesh_sizes:
+        degrees = sorted(plan.mesh_sizes)
+    else:
+        degrees = [report.tp]
+    if options.inputs and (train.batch is not None or train.seq is not None):
+        report.notes.append("--inputs gives the inputs: --batch and --seq size only the default inputs and are not used")
+    batch, seq = train.batch or 2, train.seq or 8
+
+    def one(tp: int) -> ApplyReport:
+        scratch = ApplyReport(mode="dry-run", plan_file=report.plan_file, model=report.model, device="fake", backend="fake")
+        scratch.tp, scratch.dp, scratch.world_size = tp, train.dp, tp * train.dp
+        located: dict[str, FailureLocator] = {}
+
+        def shard(model, mesh):
+            sharded = shard_with_progress(plan, model, mesh, event)
+            scratch.modules, scratch.rule_of, scratch.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+            scratch.params = param_layouts(model, tp)
+            located["locator"] = FailureLocator(plan, model, sharded.rules, tp)
+
+        def run(step):
+            locator = located["locator"]
+            with locator.tracking():
+                try:
+                    return step()
+                except Exception as exc:  # the model or torch on fake tensors: located at the module and rule
+                    if raised_by_tpplan(exc):
+                        raise  # tpplan's own code: a bug, shown as one
+                    problem = locator.problem(exc)
+            raise PlanError([problem])
+
+        event(f"planning memory at TP {tp}" + (f" x FSDP {train.dp}" if train.dp > 1 else ""))
+        planned = plan_memory(
+            lambda: build_model(options.model, "cpu", factory),
+            lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
+            shard,
+            tp,
+            train,
+            plan.mesh_axis,
+            plan.loss_parallel,
+            run,
+        )
+        scratch.memory = planned.memory
+        scratch.comms = {phase: planned.step.comms[phase] for phase in ("forward", "backward")}
+        scratch.comm_bytes = {phase: planned.step.comm_bytes[phase] for phase in ("forward", "backward")}
+        scratch.optimizer_comms = {"counts": planned.step.comms["optimizer"], "bytes": planned.step.comm_bytes["optimizer"]}
+        return scratch
+
+    results: dict[int, ApplyReport] = {}
+    sweep: list[DegreeFit] = []
+    failures: dict[int, PlanError] = {}
+    for tp in degrees:
+        try:
+            results[tp] = one(tp)
+        except PlanError as exc:
+            if len(degrees) == 1:
+                raise
+            failures[tp] = exc
+            sweep.append(DegreeFit(tp, train.dp, None, None, first_line(exc)))
+            continue
+        memory = results[tp].memory
+        sweep.append(DegreeFit(tp, train.dp, memory.per_rank_peak_bytes, memory.fits))
+    if not results:
+        raise next(iter(failures.values()))
+    fitting = [tp for tp in results if results[tp].memory.fits]
+    chosen = min(fitting) if fitting else max(results)
+    best = results[chosen]
+    for name in ("modules", "rule_of", "rule_where", "params", "comms", "memory", "comm_bytes", "optimizer_comms", "tp", "dp", "world_size"):
+        setattr(report, name, getattr(best, name))
+    report.memory_sweep = sweep if len(degrees) > 1 else []
+    if len(degrees) > 1:
+        why = "the smallest that fits" if fitting else ("none fits: the largest" if train.memory_limit is not None else "the largest")
+        report.notes.append(f"--tp not given: planned every degree of the plan's mesh.sizes {degrees}; the report is TP {chosen}, {why}")
+    report.notes += unpromised_tp_note(plan, chosen) if options.tp is None else []
