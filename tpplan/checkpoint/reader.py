@@ -93,8 +93,9 @@ def read_file(file_name: str, items: list, storage_data: dict, planner) -> None:
         _read_runs(fd, direct, file_name)
         for item, target in committed:
             planner.commit_tensor(item, target)
+        scratch = _Scratch()
         for item, info, begin, target in buffered:
-            _read_buffered(fd, item, info, begin, target, file_name)
+            _read_buffered(fd, item, info, begin, target, file_name, scratch)
             planner.commit_tensor(item, target)
     finally:
         os.close(fd)
@@ -140,10 +141,12 @@ def _direct(target, file_dtype) -> bool:
 
 
 def _bytes_of(tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's storage."""
-    import torch
+    """A writable byte view of a contiguous CPU tensor's storage (through ctypes:
+    `Tensor.numpy()` would import numpy, ~8 MiB of RSS, for nothing)."""
+    import ctypes
 
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    size = tensor.numel() * tensor.element_size()
+    return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")
 
 
 def _cut(shape: list[int], offsets: list[int], lengths: list[int]) -> int:
@@ -221,28 +224,42 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, total: int, fil
         done += got
 
 
-def _read_buffered(fd: int, item, info, begin: int, target, file_name: str) -> None:
+class _Scratch:
+    """One buffer for a file's buffered reads, grown when needed (at most
+    BLOCK_BYTES unless a single row is larger): one allocation, not one per
+    tensor, so the allocator keeps no freed blocks around."""
+
+    def __init__(self):
+        self.data = None
+
+    def get(self, shape: tuple, dtype):
+        import torch
+
+        size = max(math.prod(shape) * _itemsize(dtype), 1)
+        if self.data is None or self.data.numel() < size:
+            self.data = torch.empty(size, dtype=torch.uint8)
+        return self.data[:size].view(dtype).view(shape) if shape else self.data[:size].view(dtype)[0]
+
+
+def _read_buffered(fd: int, item, info, begin: int, target, file_name: str, scratch: _Scratch) -> None:
     """Blocks of whole rows (dim 0) of the file's tensor into a buffer of its dtype
     (at most BLOCK_BYTES, one read each), then `copy_` of the slice's part into
     `target` (picking the columns of a slice cut along a later dim, converting the
     dtype, to its device, into its strides)."""
-    import torch
-
     lengths = list(item.lengths)
     offsets = list(item.storage_offsets)
     shape = list(info.shape)
     itemsize = _itemsize(info.dtype)
     if not lengths:  # a 0-d tensor
-        buffer = torch.empty((), dtype=info.dtype)
+        buffer = scratch.get((), info.dtype)
         _read_runs(fd, [(begin, itemsize, _bytes_of(buffer))], file_name)
         target.copy_(buffer)
         return
     row = max(math.prod(shape[1:]) * itemsize, 1)
     step = max(1, BLOCK_BYTES // row)
-    buffer = torch.empty((min(step, lengths[0]), *shape[1:]), dtype=info.dtype)
     rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
     for start in range(0, lengths[0], step):
         n = min(step, lengths[0] - start)
-        block = buffer[:n]
+        block = scratch.get((n, *shape[1:]), info.dtype)
         _read_runs(fd, [(begin + (offsets[0] + start) * row, n * row, _bytes_of(block))], file_name)
         target[start:start + n].copy_(block[(slice(None), *rest)])
