@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from .errors import fail, some
-from .reader import hf_reader_class
 
 INDEX = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
@@ -38,10 +37,65 @@ class Source:
     def reader(self):
         from torch.distributed.checkpoint import FileSystemReader
 
-        return hf_reader_class()(self.directory) if self.format == "hf" else FileSystemReader(self.directory)
+        return _hf_reader_class()(self.directory) if self.format == "hf" else FileSystemReader(self.directory)
 
     def file_for(self, key: str) -> str:
         return self.file_of.get(key, self.where)
+
+
+_READER = None
+CHUNK_BYTES = 16 << 20
+
+
+def _hf_reader_class():
+    """torch's HuggingFaceStorageReader, reading each request in row blocks of at
+    most CHUNK_BYTES with the file opened for that block alone.
+
+    safetensors maps a file into memory, and every page a read touches counts in
+    the process's RSS until the file is closed; torch's reader keeps each file
+    open for all its reads and copies each whole slice before writing it into
+    its target, so a rank's RSS would grow beyond its own shards by the pages it
+    touched (a rowwise shard touches every page of its tensor, up to whole
+    files) plus its largest slice. Blocks bound both by ~2 x CHUNK_BYTES.
+    Metadata, planning (which slices this rank needs), and the target tensors
+    are torch's; only the I/O is blocked."""
+    global _READER
+    if _READER is None:
+        import math
+
+        from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+        from torch.futures import Future
+
+        class BlockedHuggingFaceStorageReader(HuggingFaceStorageReader):
+            def read_data(self, plan, planner):
+                for request in plan.items:
+                    self._read_request(self.storage_data[request.storage_index].relative_path, request, planner)
+                done: Future = Future()
+                done.set_result(None)
+                return done
+
+            def _read_request(self, file_name, request, planner):
+                from safetensors import safe_open
+
+                target = planner.resolve_tensor(request).detach()
+                offsets, lengths = list(request.storage_offsets), list(request.lengths)
+                if not lengths:  # a 0-d tensor
+                    with safe_open(filename=file_name, framework="pt") as f:
+                        target.copy_(f.get_tensor(request.storage_index.fqn))
+                else:
+                    row = math.prod(lengths[1:]) * target.element_size()
+                    step = max(1, CHUNK_BYTES // max(row, 1))
+                    rest = tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
+                    for start in range(0, lengths[0], step):
+                        n = min(step, lengths[0] - start)
+                        with safe_open(filename=file_name, framework="pt") as f:
+                            block = f.get_slice(request.storage_index.fqn)[(slice(offsets[0] + start, offsets[0] + start + n), *rest)]
+                            target[start:start + n].copy_(block)
+                            del block
+                planner.commit_tensor(request, target)
+
+        _READER = BlockedHuggingFaceStorageReader
+    return _READER
 
 
 def locate(path: str | os.PathLike) -> Source:
