@@ -22,7 +22,14 @@ and the process group), and the peak RSS during the load (VmHWM, reset before th
 peak RSS tpplan / transformers (goal <= 1.0) and each peak / (its shard's bytes
 + the empty-process baseline) (goal <= 1.3).
 
-    python bench/bench_checkpoint_load.py [--layers 22] [--keep DIR] [--check]
+Each job runs --repeat times (default 3), alternating, and the medians are
+reported. transformers' returned parameters are partly views of its mapping
+of the safetensors files (bytes it has not read yet are in neither its time
+nor its peak), so the figures are printed twice: as loaded (the goals above),
+and after a first use that reads one byte of every page of every shard on
+both sides (allocating nothing), when each model is fully in memory.
+
+    python bench/bench_checkpoint_load.py [--layers 22] [--keep DIR] [--repeat 3] [--check]
 """
 
 from __future__ import annotations
@@ -85,18 +92,23 @@ WORKER = textwrap.dedent('''
     dist.barrier()
     seconds = time.perf_counter() - start
     peak = status("VmHWM")
-    file_backed = status("RssFile")
+    anon, file_backed = status("RssAnon"), status("RssFile")
     local = lambda t: t.to_local() if isinstance(t, DTensor) else t
     tensors = [local(t) for t in list(model.parameters()) + list(model.buffers())]
     shard = sum(t.numel() * t.element_size() for t in tensors)
-    # First use: read every byte of every shard (tensors backed by a file mapping are read now).
+    # First use: read one byte of every 4 KiB page of every shard, allocating nothing
+    # (a tensor still backed by a file mapping is paged in now; a loaded one costs nothing).
     touch = time.perf_counter()
-    total = sum(float(t.sum(dtype=torch.float64)) for t in tensors)  # no copy of the shard
+    for t in tensors:
+        flat = t.detach().reshape(-1).view(torch.uint8) if t.numel() else None
+        if flat is not None:
+            int(flat[::4096].sum()) + int(flat[-1])
     touch = time.perf_counter() - touch
     used_peak = status("VmHWM")
+    total = sum(float(t.double().sum()) for t in tensors)  # the values, to compare the two loads (after the peaks)
     q = local(model.model.layers[0].self_attn.q_proj.weight)
     json.dump({"rank": rank, "seconds": seconds, "baseline": baseline, "peak": peak, "shard_bytes": shard,
-               "file_backed": file_backed, "touch_s": touch, "used_peak": used_peak, "sum": total,
+               "file_backed": file_backed, "anon": anon, "touch_s": touch, "used_peak": used_peak, "sum": total,
                "checksum": float(q.double().sum()), "q_shape": list(q.shape),
                "dtypes": sorted({str(p.dtype) for p in model.parameters()})}, open(f"{out}.{rank}", "w"))
     dist.destroy_process_group()
@@ -144,10 +156,24 @@ def run_job(mode: str, directory: Path, plan: Path, work: Path) -> list[dict]:
     return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
 
 
+def median_results(runs: list[list[dict]]) -> list[dict]:
+    """Per rank, the median over repeated jobs of every number (the first run's checksums)."""
+    import statistics
+
+    merged = []
+    for rank in range(len(runs[0])):
+        first = runs[0][rank]
+        merged.append({k: statistics.median(run[rank][k] for run in runs) if isinstance(v, (int, float)) and k not in ("sum", "checksum") else v
+                       for k, v in first.items()})
+    return merged
+
+
 def main() -> None:
     parser = _common.arguments(__doc__, check="when a goal is missed")
     parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     parser.add_argument("--keep", type=Path, help="write (or reuse) the checkpoint here instead of a temp dir")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="run each job this many times, alternating, and report medians (the machine may be shared)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="tpplan-bench-") as tmp:
@@ -160,31 +186,47 @@ def main() -> None:
             total = json.loads((directory / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
         plan = ROOT / "plans/hf/llama_tp.yaml"
         load = os.getloadavg()
-        results = {mode: run_job(mode, directory, plan, work) for mode in ("tpplan", "transformers")}
+        runs: dict[str, list] = {"tpplan": [], "transformers": []}
+        for _ in range(max(1, args.repeat)):
+            for mode in runs:
+                runs[mode].append(run_job(mode, directory, plan, work))
+        after = os.getloadavg()
+    results = {mode: median_results(r) for mode, r in runs.items()}
 
-    print(f"checkpoint: {total / 1e9:.2f} GB bf16 safetensors ({args.layers} layers, ~{total / 2 / 1e9:.2f}B parameters), 2 gloo ranks; load average before: {load[0]:.1f}")
+    print(f"checkpoint: {total / 1e9:.2f} GB bf16 safetensors ({args.layers} layers, ~{total / 2 / 1e9:.2f}B parameters), 2 gloo ranks; "
+          f"medians of {max(1, args.repeat)} alternating runs each; load average before/after: {load[0]:.1f}/{after[0]:.1f}")
+    for mode in runs:
+        print(f"  {mode} load s per run (max over ranks): " + ", ".join(f"{max(r['seconds'] for r in run):.2f}" for run in runs[mode]))
     print(f"{'rank':>4} {'impl':>12} {'load s':>7} {'base MiB':>9} {'peak MiB':>9} {'shard MiB':>10} {'peak/(shard+base)':>18} "
-          f"{'file-backed MiB':>16} {'1st use s':>10} {'peak after 1st use MiB':>23}")
+          f"{'anon MiB':>9} {'file-backed MiB':>16} {'1st use s':>10} {'peak after 1st use MiB':>23}")
     for rank in range(2):
         for mode in ("tpplan", "transformers"):
             r = results[mode][rank]
             ratio = r["peak"] / (r["shard_bytes"] + r["baseline"])
             print(f"{rank:>4} {mode:>12} {r['seconds']:>7.2f} {r['baseline'] / 2**20:>9.0f} {r['peak'] / 2**20:>9.0f} {r['shard_bytes'] / 2**20:>10.0f} "
-                  f"{ratio:>18.3f} {r['file_backed'] / 2**20:>16.0f} {r['touch_s']:>10.2f} {r['used_peak'] / 2**20:>23.0f}")
+                  f"{ratio:>18.3f} {r['anon'] / 2**20:>9.0f} {r['file_backed'] / 2**20:>16.0f} {r['touch_s']:>10.2f} {r['used_peak'] / 2**20:>23.0f}")
     ours, theirs = results["tpplan"], results["transformers"]
     time_ratio = max(r["seconds"] for r in ours) / max(r["seconds"] for r in theirs)
-    print(f"load time tpplan / transformers: {time_ratio:.3f} (goal <= 1.0)")
+    print("As loaded (the issue's goals). transformers' returned parameters may still map the safetensors files "
+          "(file-backed MiB): bytes it has not read yet are not in its time or peak.")
+    print(f"  load time tpplan / transformers: {time_ratio:.3f} (goal <= 1.0)")
     met = _common.within(time_ratio, 1.0)
     for rank in range(2):
-        met = met and _common.within(ours[rank]["peak"] / theirs[rank]["peak"], 1.0)
-        met = met and _common.within(ours[rank]["peak"] / (ours[rank]["shard_bytes"] + ours[rank]["baseline"]), 1.3)
-        print(f"rank {rank}: peak RSS tpplan / transformers: {ours[rank]['peak'] / theirs[rank]['peak']:.3f} (goal <= 1.0); "
-              f"tpplan peak / (shard + baseline): {ours[rank]['peak'] / (ours[rank]['shard_bytes'] + ours[rank]['baseline']):.3f} (goal <= 1.3)")
-        print(f"rank {rank}: after first use of every shard: load + first use time tpplan / transformers "
-              f"{(ours[rank]['seconds'] + ours[rank]['touch_s']) / (theirs[rank]['seconds'] + theirs[rank]['touch_s']):.3f}, "
-              f"peak RSS tpplan / transformers {ours[rank]['used_peak'] / theirs[rank]['used_peak']:.3f}")
+        peak_ratio = ours[rank]["peak"] / theirs[rank]["peak"]
+        own_ratio = ours[rank]["peak"] / (ours[rank]["shard_bytes"] + ours[rank]["baseline"])
+        met = met and _common.within(peak_ratio, 1.0) and _common.within(own_ratio, 1.3)
+        print(f"  rank {rank}: peak RSS tpplan / transformers: {peak_ratio:.3f} (goal <= 1.0); "
+              f"tpplan peak / (shard + baseline): {own_ratio:.3f} (goal <= 1.3)")
+    used = lambda r: r["seconds"] + r["touch_s"]
+    print("After first use (one byte of every page of every shard read, on both sides: each model fully in memory):")
+    print(f"  load + first use time tpplan / transformers: {max(map(used, ours)) / max(map(used, theirs)):.3f}")
+    for rank in range(2):
+        print(f"  rank {rank}: peak RSS tpplan / transformers: {ours[rank]['used_peak'] / theirs[rank]['used_peak']:.3f}; "
+              f"peak / (shard + baseline): tpplan {ours[rank]['used_peak'] / (ours[rank]['shard_bytes'] + ours[rank]['baseline']):.3f}, "
+              f"transformers {theirs[rank]['used_peak'] / (theirs[rank]['shard_bytes'] + theirs[rank]['baseline']):.3f}")
+    for rank in range(2):
         if ours[rank]["sum"] != theirs[rank]["sum"] or ours[rank]["q_shape"] != theirs[rank]["q_shape"]:
-            print(f"rank {rank}: WARNING the two loads hold different q_proj shards")
+            print(f"rank {rank}: WARNING the two loads hold different shards")
             met = False
     sys.exit(_common.exit_code(args.check, met))
 
