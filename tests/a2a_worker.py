@@ -5,6 +5,7 @@ so that per-rank split sizes are ragged and some expert gets no token, compared 
 the whole module on every rank's tokens (outputs and every gradient). Rank 0 prints
 one JSON line: max diffs, the split sizes of each rank, the collective counts."""
 
+import copy
 import json
 import os
 import sys
@@ -31,7 +32,7 @@ def main(family: str) -> None:
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0.0, 0.1)
-    reference = __import__("copy").deepcopy(experts)
+    reference = copy.deepcopy(experts)
     n_experts, k, hidden_size = experts.gate_up_proj.shape[0], 2, model.config.hidden_size
     # Every rank makes every rank's tokens (same seed); rank r owns 3 + 2r of them.
     sizes = [3 + 2 * r for r in range(world)]
@@ -52,8 +53,7 @@ def main(family: str) -> None:
         seen.append((routed.input_splits, routed.output_splits))
         return rows, expert, routed
 
-    expert_dispatch_module = sys.modules["tpplan.sharding.experts"]
-    expert_dispatch_module.dispatch = recording
+    sys.modules["tpplan.sharding.experts"].dispatch = recording  # the name ExpertParallel calls
     from torch.distributed.tensor.debug import CommDebugMode
 
     h, w = hidden[mine].clone().requires_grad_(), weights[mine].clone().requires_grad_()
