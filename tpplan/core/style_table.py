@@ -83,6 +83,7 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     WithJsonSchema,
+    model_validator,
 )
 
 from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
@@ -162,6 +163,11 @@ class StyleSpec(_Strict):
         input to have, and whether that is torch's default rather than the plan's
         word. None for the prepare_module_* styles (their options say)."""
         return None
+
+    def output_follows_input(self) -> bool:
+        """For a style that runs the module: whether its (local) output is laid out
+        as its first input (each rank gets back its own tokens), not `natural_output`."""
+        return False
 
     def natural_output(self) -> "PlacementSpec | None":
         """For a style that runs the module: the layout its (first) output gets."""
@@ -260,6 +266,7 @@ def _paired_kwargs(spec: _InputOptions):
 
 _TORCH_TP = "torch.distributed.tensor.parallel"
 _REPLICATE = PlacementSpec("replicate")
+_SHARD0 = PlacementSpec("shard", 0)
 _LAST_DIM = PlacementSpec("shard", -1)
 
 
@@ -457,12 +464,38 @@ class ExpertParallelSpec(_ExpertOptions):
     """Whole experts per rank: shard(0) of the expert dim of every fused expert parameter."""
 
     style: Literal["expert_parallel"]
-    dispatch: Literal["all_reduce"] = Field(
+    dispatch: Literal["all_reduce", "all_to_all"] = Field(
         "all_reduce",
         description="all_reduce: tokens replicated, each rank runs its experts on every token "
-        "(weight 0 where not routed), one all-reduce sums the ranks' outputs.",
+        "(weight 0 where not routed), one all-reduce sums the ranks' outputs. all_to_all: tokens "
+        "sharded over the mesh (sequence parallelism; the experts get the rank's local [T, H] tokens): "
+        "each token travels to the rank holding its expert and back, torchtitan-style "
+        "(forward 3 all-to-alls: counts, tokens, results; backward 2); input_layouts and "
+        "output_layouts are then shard(0), the token dim, and the output is the same local tokens.",
     )
     semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertParallel", **_EXPERT_SEMANTICS)
+
+    @model_validator(mode="after")
+    def _token_shard_layouts(self):
+        if self.dispatch == "all_to_all":
+            for name in ("input_layouts", "output_layouts"):
+                layout = getattr(self, name)
+                if layout is not None and str(layout) != "shard(0)":
+                    raise ValueError(f"with dispatch all_to_all, {name} must be shard(0) (the token dim of the experts' [T, H] input), not {layout}")
+        return self
+
+    def declared_input(self):
+        if self.dispatch == "all_to_all" and self.input_layouts is None:
+            return _SHARD0, True
+        return super().declared_input()
+
+    def output_follows_input(self) -> bool:
+        return self.dispatch == "all_to_all"
+
+    def natural_output(self):
+        if self.dispatch == "all_to_all":
+            return self.output_layouts or _SHARD0
+        return super().natural_output()
 
 
 class LocalParamsSpec(_InputOptions):

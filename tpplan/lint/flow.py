@@ -16,6 +16,7 @@ independent of the TP degree.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -223,6 +224,12 @@ class _Interpreter:
             return
         src = Source(frame.fqn, frame.rule)
         ndim = len(self.shape(node))
+        first = frame.call.args[0] if frame.call.args else None
+        if spec.output_follows_input() and first is not None and spec.use_local_output:
+            # Tokens come back to the rank that sent them: the output is laid out as the input.
+            have = self.value(first)
+            self.set(node, dataclasses.replace(have, src=src) if have.kind != "?" else Lay("?", False, None, src))
+            return
         lay = placement_lay(spec.natural_output(), ndim, not spec.use_local_output, src)
         self.set(node, lay or Lay("?", False, None, src))
 

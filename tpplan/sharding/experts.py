@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .expert_dispatch import combine, dispatch
+
 __all__ = ["ExpertTensorParallel", "ExpertParallel", "expert_tp_defaults", "is_experts_module"]
 
 # The fused expert parameters transformers uses; anything else on the module is replicated.
@@ -264,9 +266,8 @@ class ExpertTensorParallel(_LocalForward):
         )
 
 
-# "all_to_all" (tokens sharded, sent to their expert's rank and back, torchtitan-style)
-# is not implemented: its data-dependent split sizes differ per rank.
-DISPATCHES = ("all_reduce",)
+# all_to_all: tokens sharded, sent to their expert's rank and back (expert_dispatch.py).
+DISPATCHES = ("all_reduce", "all_to_all")
 
 
 class ExpertParallel(_LocalForward):
@@ -277,7 +278,12 @@ class ExpertParallel(_LocalForward):
             replicated over the mesh): each rank runs its E/n experts on every
             token, weighted by the token's routing weight for that expert (zero
             when not routed to it), and one all-reduce sums the ranks' outputs.
-        input_layouts, output_layouts, use_local_output: as `ExpertTensorParallel`.
+            `"all_to_all"` (tokens sharded over the mesh, e.g. a sequence shard): each
+            rank's tokens travel to the ranks holding their experts and back
+            (3 all-to-alls forward, 2 backward); output: the same local tokens.
+        input_layouts, output_layouts, use_local_output: as `ExpertTensorParallel`
+            (all_to_all: the tokens are sharded on dim 0 of the [T, H] hidden states,
+            default Shard(0); `use_local_output=False` returns a Shard(0) DTensor).
 
     The module is called as transformers calls its experts:
     `experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`.
@@ -295,6 +301,11 @@ class ExpertParallel(_LocalForward):
         if dispatch not in DISPATCHES:
             raise ValueError(f"dispatch must be one of {', '.join(DISPATCHES)}, not {dispatch!r}")
         self.dispatch = dispatch
+        if dispatch == "all_to_all":
+            for name, layout in (("input_layouts", input_layouts), ("output_layouts", output_layouts)):
+                if layout is not None and layout != Shard(0):
+                    raise ValueError(f"expert_parallel with dispatch all_to_all: {name} must be shard(0), the token dim, not {layout}")
+            self.input_layouts = self.output_layouts = Shard(0)
 
     def _placements(self, module: nn.Module, mesh: DeviceMesh) -> dict[str, Placement]:
         params = dict(module.named_parameters(recurse=False))
@@ -307,7 +318,8 @@ class ExpertParallel(_LocalForward):
     def _local_param(self, module: nn.Module, name: str, param: DTensor) -> torch.Tensor:
         return param.to_local()
 
-    def _local_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    @staticmethod
+    def _routing_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any, Any, dict]:
         names = ("hidden_states", "top_k_index", "top_k_weights")
         values = list(args) + [None] * (3 - len(args))
         for i, alias in enumerate((None, ("router_indices",), ("routing_weights",))):
@@ -317,6 +329,10 @@ class ExpertParallel(_LocalForward):
         hidden, index, weights = values[:3]
         if hidden is None or index is None or weights is None:
             raise TypeError(f"expert_parallel on {type(module).__name__}: call it as experts(hidden_states, top_k_index, top_k_weights)")
+        return hidden, index, weights, kwargs
+
+    def _local_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        hidden, index, weights, kwargs = self._routing_inputs(module, args, kwargs)
         experts, mesh = module._tpplan_experts, module._tpplan_mesh
         local = experts // mesh.size()
         offset = _rank_values(mesh, [float(r * local) for r in range(mesh.size())], weights).to(index.dtype)
@@ -329,9 +345,32 @@ class ExpertParallel(_LocalForward):
         module.__dict__["num_experts"] = local
         return (hidden, local_index.contiguous(), mine, *args[3:]), kwargs
 
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if self.dispatch != "all_to_all":
+            return super()._pre_forward(module, args, kwargs)
+        hidden, index, weights, kwargs = self._routing_inputs(module, args, kwargs)
+        hidden, index, weights = (v.to_local() if isinstance(v, DTensor) else v for v in (hidden, index, weights))
+        mesh = module._tpplan_mesh
+        rows, expert, routed = dispatch(hidden, index, weights, mesh, module._tpplan_experts)
+        module.__dict__["_tpplan_routed"] = routed
+        module.__dict__["num_experts"] = module._tpplan_experts // mesh.size()
+        for name, param in module.named_parameters(recurse=False):
+            module.__dict__[name] = param.to_local()
+        # The local experts run top-1 with weight 1; the routing weights are applied in combine.
+        ones = torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=weights.device)
+        return (rows, expert.unsqueeze(-1).to(index.dtype), ones, *args[3:]), kwargs
+
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any):
         module.__dict__["num_experts"] = module._tpplan_experts
-        return super()._post_forward(module, args, kwargs, output)
+        if self.dispatch != "all_to_all":
+            return super()._post_forward(module, args, kwargs, output)
+        for name, _ in module.named_parameters(recurse=False):
+            module.__dict__.pop(name, None)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"ExpertParallel on {type(module).__name__} expects a tensor output, got {type(output).__name__}")
+        mesh = module._tpplan_mesh
+        out = combine(output, module.__dict__.pop("_tpplan_routed"), mesh)
+        return out if self.use_local_output else DTensor.from_local(out, mesh, (Shard(0),), run_check=False)
 
     def __repr__(self) -> str:
         return (

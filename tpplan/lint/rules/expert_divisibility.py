@@ -55,7 +55,7 @@ def check(ctx):
                 if size % (blocks * tp) == 0:
                     continue
                 if style == "expert_parallel":
-                    what = f"the {size} experts of '{fqn}'"
+                    what = f"{size} experts of '{fqn}'"
                     fix = f"degrees that work: {degrees_that_work(size)}, or expert_tp (shards each expert instead)"
                 else:
                     block = f" ({blocks} blocks of {size // blocks})" if blocks > 1 else ""
@@ -77,8 +77,9 @@ RULE = LintRule(
         For every rule with `expert_tp` or `expert_parallel`: the module must
         hold fused 3-D expert parameters (transformers' `experts` modules:
         `gate_up_proj` or `up_proj`, and `down_proj`). For every TP degree
-        checked, `expert_parallel` needs the degree to divide the number of
-        experts E (each rank holds E / tp whole experts); `expert_tp` needs it
+        checked, `expert_parallel` (either dispatch: `all_reduce` on replicated
+        tokens, `all_to_all` on sharded tokens) needs the degree to divide the
+        number of experts E (each rank holds E / tp whole experts); `expert_tp` needs it
         to divide every dim it shards: the intermediate size I of each packed
         gate/up block (`packed_shard(D, 2)` splits each of the 2 blocks) and of
         `down_proj`. `params` must name the module's own parameters.

@@ -1,0 +1,111 @@
+"""Token dispatch over the mesh for `ExpertParallel(dispatch="all_to_all")`, torchtitan-style
+(`torchtitan/distributed/expert_parallel.py`: `_token_dispatch` / `_token_combine`).
+
+Each rank holds its own tokens (e.g. a sequence shard) and E/n whole experts. One call:
+
+1. the rank's (token, expert) pairs, T*k of them, are sorted by expert; per-expert counts
+   go to every rank with one `all_to_all_single` (rank r learns how many rows of each of
+   its local experts every source rank sends);
+2. the rows (copies of the token's hidden state) travel with one `all_to_all_single` of
+   uneven splits to the rank holding their expert (autograd-aware: its backward is the
+   reverse all-to-all);
+3. the module's own forward runs its local experts on the rows it received (top-1, weight 1);
+4. the results travel back with one more `all_to_all_single`, are unsorted and combined
+   with the routing weights on the rank that owns the tokens.
+
+Per call: forward 3 all-to-alls (counts, tokens, results), backward 2. Every gradient is
+exact without a further collective: expert weights get the gradient of every token routed
+to them on the rank that holds them, hidden states and routing weights stay local.
+
+A simulated world (torch's fake process group, the dry run and the lint) moves no data,
+so the other ranks' counts are unknown there: routing is taken as balanced (each rank
+sends an equal share of its rows to every rank) for shapes and collective counts.
+LocalTensorMode (one process holding every rank's values) cannot run it at all: the
+split sizes differ per rank; parity is checked on real ranks (torchrun).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..core.problems import ModelError
+
+__all__ = ["Routed", "dispatch", "combine", "UnsimulatableDispatch"]
+
+
+class UnsimulatableDispatch(ModelError, NotImplementedError):
+    """all_to_all dispatch under LocalTensorMode: per-rank split sizes cannot be simulated."""
+
+
+@dataclass
+class Routed:
+    """What `combine` needs from `dispatch`: the sort of the (token, expert) pairs,
+    the split sizes of the token all-to-all and the routing weights [T, k]."""
+
+    order: torch.Tensor
+    input_splits: list[int] | None
+    output_splits: list[int] | None
+    weights: torch.Tensor
+
+
+def _in_local_tensor_mode() -> bool:
+    from torch.distributed._local_tensor import enabled_local_tensor_mode
+
+    return enabled_local_tensor_mode() is not None
+
+
+def _balanced(rows: int, ranks: int) -> list[int]:
+    base, extra = divmod(rows, ranks)
+    return [base + (1 if r < extra else 0) for r in range(ranks)]
+
+
+def dispatch(
+    hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, mesh: DeviceMesh, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, Routed]:
+    """Send this rank's tokens [T, H] (routed to experts `index` [T, k]) to the ranks holding
+    their experts. Returns (rows received [N, H], their local expert [N], state for `combine`)."""
+    if _in_local_tensor_mode():
+        raise UnsimulatableDispatch(
+            "expert_parallel with dispatch all_to_all cannot run with per-rank values in one process "
+            "(LocalTensorMode): its split sizes differ per rank; check its parity under torchrun "
+            "(tpplan apply --check without --dry-run)"
+        )
+    ranks, group = mesh.size(), mesh.get_group()
+    local = num_experts // ranks
+    tokens, top_k = index.shape
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    rows = hidden[order // top_k]  # [T*k, H], grouped by expert, so by destination rank
+    if dist.get_backend(group) == "fake":
+        splits = _balanced(tokens * top_k, ranks)
+        received = funcol.all_to_all_single(torch.zeros(ranks * local, dtype=torch.int64, device=flat.device), None, None, group)
+        funcol.wait_tensor(received)  # the count exchange, as on real ranks
+        expert = torch.arange(sum(splits), device=flat.device) % local
+        routed = Routed(order, splits, splits, weights)
+    else:
+        counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+        counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int64))
+        with torch.no_grad():
+            received = funcol.wait_tensor(funcol.all_to_all_single(counts, None, None, group))  # [source rank, local expert]
+        input_splits = counts.view(ranks, local).sum(1).tolist()
+        output_splits = received.view(ranks, local).sum(1).tolist()
+        experts = torch.arange(local, device=flat.device).repeat(ranks)
+        expert = torch.repeat_interleave(experts, received)
+        routed = Routed(order, input_splits, output_splits, weights)
+    rows = funcol.all_to_all_single_autograd(rows, routed.output_splits, routed.input_splits, group)
+    return rows, expert, routed
+
+
+def combine(output: torch.Tensor, routed: Routed, mesh: DeviceMesh) -> torch.Tensor:
+    """Send the experts' results [N, H] back to the ranks owning the tokens and sum each
+    token's k results weighted by its routing weights: [T, H]."""
+    back = funcol.all_to_all_single_autograd(output, routed.input_splits, routed.output_splits, mesh.get_group())
+    tokens, top_k = routed.weights.shape
+    inverse = torch.argsort(routed.order)
+    pairs = back[inverse].view(tokens, top_k, -1)
+    return (pairs * routed.weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
