@@ -11,15 +11,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BeforeValidator, Field
 
-from .style_table import (  # noqa: F401  (re-exported: the plan format's names)
-    MODULE_KINDS,
-    STYLE_NAMES,
-    STYLE_SPECS,
-    ModuleKind,
-    StyleSemantics,
-    StyleSpec,
-    _Strict,
-)
+from .style_model import MODULE_KINDS, ModuleKind, StyleSemantics, StyleSpec, _Strict  # noqa: F401  (re-exported)
+from .style_table import STYLE_NAMES, STYLE_SPECS  # noqa: F401  (re-exported: the plan format's names)
 
 
 def _expand_shorthand(value: Any) -> Any:

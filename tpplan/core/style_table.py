@@ -1,11 +1,11 @@
-"""The style table: each style a plan can name, as one spec class. No torch here.
+"""The style table: every style a plan can name, one spec class each. No torch here.
 
-Each style is one spec class below: its options (pydantic fields, named and
-defaulted as torch's constructor) and a `semantics` class attribute, a
-`StyleSemantics`, that says what the style does. Everything else reads it:
+Each spec class holds its options (pydantic fields, named and defaulted as
+torch's constructor) and a `semantics` class attribute, a `StyleSemantics`
+(style_model.py), that says what the style does. Everything else reads it:
 `sharding.compile` (the torch class), the lint's layout flow (`lint/flow.py`)
-and facts (`lint/facts.py`), and the rules (parameter placements, which modules a
-style applies to, which inputs it takes). For example, colwise:
+and facts (`lint/facts.py`), and the rules (parameter placements, which modules
+a style applies to, which inputs it takes). For example, colwise:
 
     class ColwiseSpec(_LinearOptions):
         style: Literal["colwise"]
@@ -20,254 +20,35 @@ style applies to, which inputs it takes). For example, colwise:
         def declared_input(self): ...   # (layout of a plain first input, torch's default?)
         def natural_output(self): ...   # the layout the module's output gets
 
-The fields of `StyleSemantics`:
+This module holds torch's six styles and no_parallel; expert_styles.py holds
+expert_tp, expert_parallel and local_params (SPEC §2a). Adding a style is one
+spec class (plus its tests) added to `STYLE_SPECS` below, and, if it shards a
+new kind of module, an entry in `style_model.MODULE_KINDS` (a class, or a
+predicate for modules recognised by their parameters, as fused experts are).
 
-- `torch_class`: "module:Class" of the ParallelStyle (resolved by compile, so
-  core never imports torch); the spec's fields are its keyword arguments.
-- `params`: module kind (a key of `MODULE_KINDS`) -> placement of each
-  parameter, as placement text. A style with `params` applies to those kinds
-  only (torch raises NotImplementedError on any other module: TP300). The text
-  is open: a packed or 3-D (expert) layout is a new placement string here and
-  in the code that reads it, not a new table.
-- `replicates`: every parameter and buffer of the module and of its submodules
-  becomes a replicated DTensor (sequence_parallel, no_parallel).
-- `flat_params`: the style refuses a module whose submodules hold parameters
-  (sequence_parallel re-registers them under dotted names: TP301).
-- `runs_module`: the style hands the module DTensors; what happens inside is
-  torch's business (the lint does not follow layouts in there). False: the
-  style only lays out inputs and/or outputs (prepare_module_*).
-- `inputs`: "first" (only the first positional input is handed on, torch drops
-  the rest), "first_tensor" (the first positional input must be a tensor, the
-  others pass), "layouts" (one layout per input, from the options), or "none"
-  (inputs pass untouched).
-- `outputs`: "first" (the output gets `natural_output()`), "layouts" (one
-  layout per output, from the options), or "none".
-- `replicated_input`: the module computes on its input replicated, so siblings
-  that share one input each pay for it (TP340).
-- `input_option`: the option that declares the first input's layout, for
-  messages that say what to change (None: the options say per input).
-
-Adding a style is one spec class here (plus its tests): add it to
-`STYLE_SPECS` below, and if it shards a new kind of module, an entry in
-`MODULE_KINDS` (a class, or a predicate for modules recognised by their
-parameters). The styles the next issues add fit the entry as it is, e.g.
-
-    expert_parallel: params={"Experts": {"*": "shard(0)"}}   # 3-D [experts, out, in]: whole experts per rank
-    expert_tp:       params={"Experts": {"w1": "shard(1)", "w3": "shard(1)", "w2": "shard(2)", "*": "shard(1)"}}
-    colwise, KV heads replicated: params={"Linear": {"weight": "<packed placement text>", ...}}
-
-with an "Experts" kind whose `torch_class` names a predicate; a placement the
-lint does not know (not replicate/shard(d)/partial) is left to the new style's
-own checks (`lint.facts.sharded_weight_dim` reads only shard(d)).
-
-Option names and defaults are those of torch's style constructors; the
-constructors' cross-field asserts are `cross_field_problems()`, reported at the
-offending key like any other schema error. No `from __future__ import annotations`
-here: pydantic would compile every field's annotation string at start-up.
-
-Option names and defaults are those of torch's style constructors; the
-constructors' cross-field asserts are `cross_field_problems()`, reported at the
-offending key like any other schema error. No `from __future__ import annotations`
-here: pydantic would compile every field's annotation string at start-up.
+No `from __future__ import annotations` here: pydantic would compile every
+field's annotation string at start-up.
 """
 
+from typing import Annotated, Any, Literal, Union
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any, ClassVar, Literal, Mapping, Union
+from pydantic import Field
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PlainSerializer,
-    PlainValidator,
-    WithJsonSchema,
-    model_validator,
+from .placements import PlacementSpec, parse_placement
+from .style_model import (
+    _LAST_DIM,
+    _REPLICATE,
+    _TORCH_TP,
+    Layout,
+    StyleSemantics,
+    StyleSpec,
+    _InputOptions,
+    _LinearOptions,
+    _OutputOptions,
 )
-
-from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
-
-Layout = Annotated[
-    PlacementSpec,
-    PlainValidator(parse_placement),
-    PlainSerializer(str),
-    WithJsonSchema({"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR} (a parameter's also {PACKED_GRAMMAR})."}),
-]
+from .expert_styles import ExpertParallelSpec, ExpertTPSpec, LocalParamsSpec
 
 
-def _single_as_list(value: Any) -> Any:
-    return value if isinstance(value, list) else [value]
-
-
-# One entry per positional argument (or output); null leaves that one alone.
-LayoutList = Annotated[list[Union[Layout, None]], BeforeValidator(_single_as_list)]
-KwargLayouts = dict[str, Layout]
-
-
-@dataclass(frozen=True)
-class ModuleKind:
-    """A kind of module a style shards: its torch class (or a predicate), and what
-    the dims of its `weight` are called (as the module's attributes)."""
-
-    torch_class: str  # "module:Class", or "module:function" (module -> bool); resolved by sharding/styles.py
-    weight_dims: tuple[str, ...]
-
-
-# Matched in this order (isinstance: subclasses count).
-MODULE_KINDS: dict[str, ModuleKind] = {
-    "Linear": ModuleKind("torch.nn:Linear", ("out_features", "in_features")),
-    "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim")),
-}
-
-
-@dataclass(frozen=True)
-class StyleSemantics:
-    """What a style does (see the module docstring)."""
-
-    torch_class: str
-    params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
-    replicates: bool = False
-    flat_params: bool = False
-    runs_module: bool = False
-    inputs: Literal["first", "first_tensor", "layouts", "none"] = "none"
-    outputs: Literal["first", "layouts", "none"] = "none"
-    replicated_input: bool = False
-    input_option: str | None = None  # the option that declares the first input's layout
-
-    def placement(self, kind: str | None, param: str) -> str | None:
-        """The placement text parameter `param` of a `kind` module gets; None when
-        the style does not shard that kind."""
-        table = self.params.get(kind) if kind is not None else None
-        if table is None:
-            return None
-        return table.get(param, table["*"])
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The module kinds the style applies to; () for any module."""
-        return tuple(self.params)
-
-
-class _Strict(BaseModel):
-    # strict: "yes" is not a boolean and "1" is not a dimension.
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, defer_build=True)
-
-
-class StyleSpec(_Strict):
-    style: str
-    semantics: ClassVar[StyleSemantics]
-
-    def declared_input(self) -> "tuple[PlacementSpec | None, bool] | None":
-        """For a style that runs the module: the layout it declares a plain first
-        input to have, and whether that is torch's default rather than the plan's
-        word. None for the prepare_module_* styles (their options say)."""
-        return None
-
-    def output_follows_input(self) -> bool:
-        """For a style that runs the module: whether its (local) output is laid out
-        as its first input (each rank gets back its own tokens), not `natural_output`."""
-        return False
-
-    def natural_output(self) -> "PlacementSpec | None":
-        """For a style that runs the module: the layout its (first) output gets."""
-        return None
-
-    def cross_field_problems(self) -> list[tuple[tuple, str]]:
-        """(path within the rule, message) for each constructor rule this spec breaks."""
-        return []
-
-    def torch_class(self) -> str:
-        """The "module:Class" this rule compiles to: the table's, unless an option picks another."""
-        return self.semantics.torch_class
-
-    def torch_options(self) -> dict[str, Any]:
-        """The constructor's keyword arguments: every option (a spec may drop some)."""
-        return {name: getattr(self, name) for name in type(self).model_fields if name != "style"}
-
-
-# -- shared option groups -------------------------------------------------------
-
-
-class _LinearOptions(StyleSpec):
-    input_layouts: Layout | None = Field(None, description="Layout of the input; torch's default when omitted.")
-    output_layouts: Layout | None = Field(None, description="Layout of the output; torch's default when omitted.")
-    use_local_output: bool = True
-
-
-class _InputOptions(StyleSpec):
-    input_layouts: LayoutList | None = None
-    desired_input_layouts: LayoutList | None = None
-    input_kwarg_layouts: KwargLayouts | None = None
-    desired_input_kwarg_layouts: KwargLayouts | None = None
-
-    def inputs_local(self) -> bool:
-        """Whether the laid-out inputs are handed on as local tensors (torch calls the
-        option use_local_output on PrepareModuleInput, use_local_input on the other)."""
-        return self.use_local_output
-
-    def cross_field_problems(self) -> list[tuple[tuple, str]]:
-        return [
-            *super().cross_field_problems(),
-            *_paired_lists(self, "input_layouts", "desired_input_layouts", desired_required=False),
-            *_paired_kwargs(self),
-        ]
-
-
-class _OutputOptions(StyleSpec):
-    output_layouts: LayoutList
-    desired_output_layouts: LayoutList
-
-    def cross_field_problems(self) -> list[tuple[tuple, str]]:
-        return [
-            *super().cross_field_problems(),
-            *_paired_lists(self, "output_layouts", "desired_output_layouts", desired_required=True),
-        ]
-
-
-def _paired_lists(spec: StyleSpec, given: str, desired: str, *, desired_required: bool):
-    layouts, wanted = getattr(spec, given), getattr(spec, desired)
-    if layouts is None and wanted is not None:
-        return [((desired,), f"'{desired}' has no effect without '{given}': add '{given}' (the layouts the arguments arrive in)")]
-    if layouts is None:
-        return []
-    if wanted is None:
-        return [((given,), f"'{given}' needs '{desired}' (one entry per entry of '{given}')")]
-    if len(layouts) != len(wanted):
-        return [((desired,), f"'{desired}' has {len(wanted)} entries but '{given}' has {len(layouts)}: give one per argument")]
-    if desired_required:
-        return [
-            ((desired, i), f"'{desired}' entry {i} is null but '{given}' entry {i} is {layout}: give the layout to redistribute to")
-            for i, (layout, target) in enumerate(zip(layouts, wanted))
-            if layout is not None and target is None
-        ]
-    return []
-
-
-def _paired_kwargs(spec: _InputOptions):
-    given, wanted = spec.input_kwarg_layouts, spec.desired_input_kwarg_layouts
-    if given is None and wanted is not None:
-        return [(("desired_input_kwarg_layouts",), "'desired_input_kwarg_layouts' has no effect without 'input_kwarg_layouts'")]
-    if given is None:
-        return []
-    wanted = wanted or {}
-    return [
-        (("input_kwarg_layouts", name), f"keyword argument {name!r} has a layout but no desired layout in 'desired_input_kwarg_layouts'")
-        for name in given
-        if name not in wanted
-    ] + [
-        (("desired_input_kwarg_layouts", name), f"keyword argument {name!r} has a desired layout but no layout in 'input_kwarg_layouts'")
-        for name in wanted
-        if name not in given
-    ]
-
-
-# -- the styles: torch's six, and no_parallel --------------------------------------
-
-_TORCH_TP = "torch.distributed.tensor.parallel"
-_REPLICATE = PlacementSpec("replicate")
-_SHARD0 = PlacementSpec("shard", 0)
-_LAST_DIM = PlacementSpec("shard", -1)
 
 
 class ColwiseSpec(_LinearOptions):
@@ -421,95 +202,6 @@ class NoParallelSpec(StyleSpec):
 
     def natural_output(self):
         return self.output_layout
-
-
-# -- styles beyond torch's (SPEC §2a) ---------------------------------------------
-
-
-class _ExpertOptions(StyleSpec):
-    input_layouts: Layout | None = Field(None, description="Layout of the hidden states; default replicate.")
-    output_layouts: Layout | None = Field(
-        None, description="The partial output is reduced to it: replicate (all-reduce, default) or shard(D) (reduce-scatter)."
-    )
-    use_local_output: bool = True
-
-    def declared_input(self):
-        return (self.input_layouts, False) if self.input_layouts is not None else (_REPLICATE, True)
-
-    def natural_output(self):
-        return self.output_layouts or _REPLICATE
-
-
-# The experts' hidden states, token indices and routing weights are all handed on
-# (first_tensor); parameter placements depend on the module's layout and the
-# options: tpplan.sharding.experts.expert_placements, read by lint/facts.py.
-_EXPERT_SEMANTICS = dict(runs_module=True, inputs="first_tensor", outputs="first", input_option="input_layouts")
-
-
-class ExpertTPSpec(_ExpertOptions):
-    """Shard every expert of a fused 3-D expert module (transformers' `experts`) on its
-    intermediate dim; the partial output is reduced to `output_layouts`."""
-
-    style: Literal["expert_tp"]
-    params: dict[str, Layout] | None = Field(
-        None,
-        description="Placement per own parameter, over the defaults: gate_up_proj packed_shard(1, 2) "
-        "([E, 2I, H]; shard(2) for gpt-oss's interleaved [E, H, 2I]), down_proj shard(2) ([E, H, I]; "
-        "shard(1) transposed), gate_up_proj_bias like its gate/up dim, down_proj_bias replicate.",
-    )
-    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertTensorParallel", **_EXPERT_SEMANTICS)
-
-
-class ExpertParallelSpec(_ExpertOptions):
-    """Whole experts per rank: shard(0) of the expert dim of every fused expert parameter."""
-
-    style: Literal["expert_parallel"]
-    dispatch: Literal["all_reduce", "all_to_all"] = Field(
-        "all_reduce",
-        description="all_reduce: tokens replicated, each rank runs its experts on every token "
-        "(weight 0 where not routed), one all-reduce sums the ranks' outputs. all_to_all: tokens "
-        "sharded over the mesh (sequence parallelism; the experts get the rank's local [T, H] tokens): "
-        "each token travels to the rank holding its expert and back, torchtitan-style "
-        "(forward 3 all-to-alls: counts, tokens, results; backward 2); input_layouts and "
-        "output_layouts are then shard(0), the token dim, and the output is the same local tokens.",
-    )
-    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertParallel", **_EXPERT_SEMANTICS)
-
-    @model_validator(mode="after")
-    def _token_shard_layouts(self):
-        if self.dispatch == "all_to_all":
-            for name in ("input_layouts", "output_layouts"):
-                layout = getattr(self, name)
-                if layout is not None and str(layout) != "shard(0)":
-                    raise ValueError(f"with dispatch all_to_all, {name} must be shard(0) (the token dim of the experts' [T, H] input), not {layout}")
-        return self
-
-    def declared_input(self):
-        if self.dispatch == "all_to_all" and self.input_layouts is None:
-            return _SHARD0, True
-        return super().declared_input()
-
-    def output_follows_input(self) -> bool:
-        return self.dispatch == "all_to_all"
-
-    def natural_output(self):
-        if self.dispatch == "all_to_all":
-            return self.output_layouts or _SHARD0
-        return super().natural_output()
-
-
-class LocalParamsSpec(_InputOptions):
-    """A module inside a sharded region that computes on local tensors: its own parameters
-    laid out by `params` (default replicate, the gradient summed over the mesh, as
-    transformers' replicated_with_grad_allreduce); input layouts as prepare_module_input."""
-
-    style: Literal["local_params"]
-    params: dict[str, Layout] | None = Field(
-        None, description="Placement per own parameter (default replicate, gradient summed over the mesh)."
-    )
-    use_local_output: bool = False
-    # Its module's ops are followed by the lint (runs_module False), on local tensors.
-    semantics = StyleSemantics(torch_class="tpplan.sharding.params:LocalParams", inputs="layouts")
 
 
 STYLE_SPECS: dict[str, type[StyleSpec]] = {

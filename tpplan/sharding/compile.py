@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.placements import PlacementSpec
-from ..core.style_table import StyleSpec
+from ..core.style_model import StyleSpec
 from .styles import ParallelStyle, resolve
 
 

@@ -44,8 +44,8 @@ def resolve(name: str):
 
 
 def module_kind(module: nn.Module) -> str | None:
-    """The kind (a key of core.style_table.MODULE_KINDS) of `module`, else None."""
-    from ..core.style_table import MODULE_KINDS
+    """The kind (a key of core.style_model.MODULE_KINDS) of `module`, else None."""
+    from ..core.style_model import MODULE_KINDS
 
     for kind, entry in MODULE_KINDS.items():
         target = resolve(entry.torch_class)

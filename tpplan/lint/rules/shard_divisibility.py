@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...core.style_table import MODULE_KINDS
+from ...core.style_model import MODULE_KINDS
 from ..facts import head_split, module_kind, sharded_weight_dim
 from ..registry import Finding, LintRule
 from ..text import chunks_text, degrees_that_work, rule_ref

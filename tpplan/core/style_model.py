@@ -1,0 +1,231 @@
+"""What a style entry is: `StyleSemantics` (what a style does), `StyleSpec` (the
+pydantic base of every style's options), the option groups styles share, the
+layout types of options, and the module kinds styles apply to. No torch here.
+The entries themselves are in style_table.py (torch's styles and no_parallel)
+and expert_styles.py (tpplan's styles beyond torch's).
+
+The fields of `StyleSemantics`:
+
+- `torch_class`: "module:Class" of the ParallelStyle (resolved by compile, so
+  core never imports torch); the spec's fields are its keyword arguments.
+- `params`: module kind (a key of `MODULE_KINDS`) -> placement of each
+  parameter, as placement text. A style with `params` applies to those kinds
+  only (torch raises NotImplementedError on any other module: TP300).
+- `replicates`: every parameter and buffer of the module and of its submodules
+  becomes a replicated DTensor (sequence_parallel, no_parallel).
+- `flat_params`: the style refuses a module whose submodules hold parameters
+  (sequence_parallel re-registers them under dotted names: TP301).
+- `runs_module`: the style hands the module DTensors; what happens inside is
+  torch's business (the lint does not follow layouts in there). False: the
+  style only lays out inputs and/or outputs (prepare_module_*).
+- `inputs`: "first" (only the first positional input is handed on, torch drops
+  the rest), "first_tensor" (the first positional input must be a tensor, the
+  others pass), "layouts" (one layout per input, from the options), or "none"
+  (inputs pass untouched).
+- `outputs`: "first" (the output gets `natural_output()`), "layouts" (one
+  layout per output, from the options), or "none".
+- `replicated_input`: the module computes on its input replicated, so siblings
+  that share one input each pay for it (TP340).
+- `input_option`: the option that declares the first input's layout, for
+  messages that say what to change (None: the options say per input).
+
+Option names and defaults are those of torch's style constructors; the
+constructors' cross-field asserts are `cross_field_problems()`, reported at the
+offending key like any other schema error. No `from __future__ import annotations`
+here: pydantic would compile every field's annotation string at start-up.
+"""
+
+
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Literal, Mapping, Union
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    WithJsonSchema,
+)
+
+from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
+
+Layout = Annotated[
+    PlacementSpec,
+    PlainValidator(parse_placement),
+    PlainSerializer(str),
+    WithJsonSchema({"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR} (a parameter's also {PACKED_GRAMMAR})."}),
+]
+
+
+def _single_as_list(value: Any) -> Any:
+    return value if isinstance(value, list) else [value]
+
+
+# One entry per positional argument (or output); null leaves that one alone.
+LayoutList = Annotated[list[Union[Layout, None]], BeforeValidator(_single_as_list)]
+KwargLayouts = dict[str, Layout]
+
+
+@dataclass(frozen=True)
+class ModuleKind:
+    """A kind of module a style shards: its torch class (or a predicate), and what
+    the dims of its `weight` are called (as the module's attributes)."""
+
+    torch_class: str  # "module:Class", or "module:function" (module -> bool); resolved by sharding/styles.py
+    weight_dims: tuple[str, ...]
+
+
+# Matched in this order (isinstance: subclasses count).
+MODULE_KINDS: dict[str, ModuleKind] = {
+    "Linear": ModuleKind("torch.nn:Linear", ("out_features", "in_features")),
+    "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim")),
+}
+
+
+@dataclass(frozen=True)
+class StyleSemantics:
+    """What a style does (see the module docstring)."""
+
+    torch_class: str
+    params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    replicates: bool = False
+    flat_params: bool = False
+    runs_module: bool = False
+    inputs: Literal["first", "first_tensor", "layouts", "none"] = "none"
+    outputs: Literal["first", "layouts", "none"] = "none"
+    replicated_input: bool = False
+    input_option: str | None = None  # the option that declares the first input's layout
+
+    def placement(self, kind: str | None, param: str) -> str | None:
+        """The placement text parameter `param` of a `kind` module gets; None when
+        the style does not shard that kind."""
+        table = self.params.get(kind) if kind is not None else None
+        if table is None:
+            return None
+        return table.get(param, table["*"])
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The module kinds the style applies to; () for any module."""
+        return tuple(self.params)
+
+
+class _Strict(BaseModel):
+    # strict: "yes" is not a boolean and "1" is not a dimension.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, defer_build=True)
+
+
+class StyleSpec(_Strict):
+    style: str
+    semantics: ClassVar[StyleSemantics]
+
+    def declared_input(self) -> "tuple[PlacementSpec | None, bool] | None":
+        """For a style that runs the module: the layout it declares a plain first
+        input to have, and whether that is torch's default rather than the plan's
+        word. None for the prepare_module_* styles (their options say)."""
+        return None
+
+    def output_follows_input(self) -> bool:
+        """For a style that runs the module: whether its (local) output is laid out
+        as its first input (each rank gets back its own tokens), not `natural_output`."""
+        return False
+
+    def natural_output(self) -> "PlacementSpec | None":
+        """For a style that runs the module: the layout its (first) output gets."""
+        return None
+
+    def cross_field_problems(self) -> list[tuple[tuple, str]]:
+        """(path within the rule, message) for each constructor rule this spec breaks."""
+        return []
+
+    def torch_class(self) -> str:
+        """The "module:Class" this rule compiles to: the table's, unless an option picks another."""
+        return self.semantics.torch_class
+
+    def torch_options(self) -> dict[str, Any]:
+        """The constructor's keyword arguments: every option (a spec may drop some)."""
+        return {name: getattr(self, name) for name in type(self).model_fields if name != "style"}
+
+
+# -- shared option groups -------------------------------------------------------
+
+
+class _LinearOptions(StyleSpec):
+    input_layouts: Layout | None = Field(None, description="Layout of the input; torch's default when omitted.")
+    output_layouts: Layout | None = Field(None, description="Layout of the output; torch's default when omitted.")
+    use_local_output: bool = True
+
+
+class _InputOptions(StyleSpec):
+    input_layouts: LayoutList | None = None
+    desired_input_layouts: LayoutList | None = None
+    input_kwarg_layouts: KwargLayouts | None = None
+    desired_input_kwarg_layouts: KwargLayouts | None = None
+
+    def inputs_local(self) -> bool:
+        """Whether the laid-out inputs are handed on as local tensors (torch calls the
+        option use_local_output on PrepareModuleInput, use_local_input on the other)."""
+        return self.use_local_output
+
+    def cross_field_problems(self) -> list[tuple[tuple, str]]:
+        return [
+            *super().cross_field_problems(),
+            *_paired_lists(self, "input_layouts", "desired_input_layouts", desired_required=False),
+            *_paired_kwargs(self),
+        ]
+
+
+class _OutputOptions(StyleSpec):
+    output_layouts: LayoutList
+    desired_output_layouts: LayoutList
+
+    def cross_field_problems(self) -> list[tuple[tuple, str]]:
+        return [
+            *super().cross_field_problems(),
+            *_paired_lists(self, "output_layouts", "desired_output_layouts", desired_required=True),
+        ]
+
+
+def _paired_lists(spec: StyleSpec, given: str, desired: str, *, desired_required: bool):
+    layouts, wanted = getattr(spec, given), getattr(spec, desired)
+    if layouts is None and wanted is not None:
+        return [((desired,), f"'{desired}' has no effect without '{given}': add '{given}' (the layouts the arguments arrive in)")]
+    if layouts is None:
+        return []
+    if wanted is None:
+        return [((given,), f"'{given}' needs '{desired}' (one entry per entry of '{given}')")]
+    if len(layouts) != len(wanted):
+        return [((desired,), f"'{desired}' has {len(wanted)} entries but '{given}' has {len(layouts)}: give one per argument")]
+    if desired_required:
+        return [
+            ((desired, i), f"'{desired}' entry {i} is null but '{given}' entry {i} is {layout}: give the layout to redistribute to")
+            for i, (layout, target) in enumerate(zip(layouts, wanted))
+            if layout is not None and target is None
+        ]
+    return []
+
+
+def _paired_kwargs(spec: _InputOptions):
+    given, wanted = spec.input_kwarg_layouts, spec.desired_input_kwarg_layouts
+    if given is None and wanted is not None:
+        return [(("desired_input_kwarg_layouts",), "'desired_input_kwarg_layouts' has no effect without 'input_kwarg_layouts'")]
+    if given is None:
+        return []
+    wanted = wanted or {}
+    return [
+        (("input_kwarg_layouts", name), f"keyword argument {name!r} has a layout but no desired layout in 'desired_input_kwarg_layouts'")
+        for name in given
+        if name not in wanted
+    ] + [
+        (("desired_input_kwarg_layouts", name), f"keyword argument {name!r} has a desired layout but no layout in 'input_kwarg_layouts'")
+        for name in wanted
+        if name not in given
+    ]
+
+
+_TORCH_TP = "torch.distributed.tensor.parallel"
+_REPLICATE = PlacementSpec("replicate")
+_SHARD0 = PlacementSpec("shard", 0)
+_LAST_DIM = PlacementSpec("shard", -1)
