@@ -47,7 +47,7 @@ def import_hf(
         typer.echo(f"Error: import-hf needs transformers ({exc}): pip install 'tpplan[hf]'", err=True)
         raise typer.Exit(2) from None
     try:
-        imported = run_import(source, minimal=minimal)
+        imported = run_import(source, minimal=minimal, output=output)
     except (ValueError, OSError) as exc:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(2) from None

@@ -21,11 +21,12 @@ from pydantic import (
 
 from .placements import GRAMMAR, PATTERN, PlacementSpec, parse_placement
 
+PLACEMENT_SCHEMA = {"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR}."}
 Layout = Annotated[
     PlacementSpec,
     PlainValidator(parse_placement),
     PlainSerializer(str),
-    WithJsonSchema({"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR}."}),
+    WithJsonSchema(PLACEMENT_SCHEMA),
 ]
 
 
@@ -34,7 +35,19 @@ def _single_as_list(value: Any) -> Any:
 
 
 # One entry per positional argument (or output); null leaves that one alone.
-LayoutList = Annotated[list[Union[Layout, None]], BeforeValidator(_single_as_list)]
+# A single placement (or a single null) stands for a list of one, in the schema too.
+LayoutList = Annotated[
+    list[Union[Layout, None]],
+    BeforeValidator(_single_as_list),
+    WithJsonSchema({
+        "anyOf": [
+            PLACEMENT_SCHEMA,
+            {"type": "null"},
+            {"type": "array", "items": {"anyOf": [PLACEMENT_SCHEMA, {"type": "null"}]}},
+        ],
+        "description": "One layout per positional argument (null leaves that one alone); a single layout is a list of one.",
+    }),
+]
 KwargLayouts = dict[str, Layout]
 
 
@@ -244,16 +257,7 @@ class PlanSpec(_Strict):
 
 
 def plan_json_schema() -> dict:
-    """JSON Schema of the plan format, with the style-name shorthand the models accept."""
-    MeshSpec.model_rebuild()  # its default is encoded with its own serializer, built lazily
-    schema = PlanSpec.model_json_schema()
-    rules = schema["properties"]["rules"]
-    rules["additionalProperties"] = {
-        "anyOf": [
-            {"type": "string", "enum": list(STYLE_NAMES), "description": "A style with its default options."},
-            rules["additionalProperties"],
-        ]
-    }
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "tpplan plan (version 1)"
-    return schema
+    """JSON Schema of the plan format (built in json_schema.py)."""
+    from .json_schema import plan_json_schema as build
+
+    return build()

@@ -215,7 +215,7 @@ def import_hf(
     *,
     minimal: bool = False,
     check_model: bool = True,
-    schema: str = "../../schemas/plan.schema.json",
+    output: str | os.PathLike | None = None,
 ) -> ImportedPlan:
     """transformers' TP plan for a causal LM, as tpplan YAML, and what it leaves out.
 
@@ -227,7 +227,11 @@ def import_hf(
     reported. `minimal` adds a `prepare_module_input` on each parent with two
     or more colwise children and no unplanned child holding parameters, so
     backward costs one all-reduce per parent instead of one per colwise child.
+    `output`: where the plan will be written (None: standard output, i.e. the
+    current directory), so that its `$schema` pointer resolves from there.
     """
+    from ..core.schema_file import schema_comment
+
     import transformers
 
     config = load_config(model_type_or_config_path)
@@ -269,7 +273,7 @@ def import_hf(
             added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
 
     header = [
-        f"# yaml-language-server: $schema={schema}",
+        schema_comment(output),
         f"# Imported by tpplan.hf.importer.import_hf from transformers {transformers.__version__}:",
         f"# {type(config).__name__}.base_model_tp_plan + {model_cls.__name__}._tp_plan.",
     ]
