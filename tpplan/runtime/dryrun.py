@@ -139,5 +139,17 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
     except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
         raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
     report.check = CheckResult(result.passed, result.max_abs_diff, result.problems[:10])
+    report.notes += result.notes
     if not result.passed:
-        report.problems.append(error("TP505", f"--check failed at TP {report.tp}: {result.problems[0]}", plan.file))
+        report.problems.append(check_failure(result, plan, f"--check failed at TP {report.tp}: {result.problems[0]}"))
+
+
+def check_failure(result, plan: Plan, message: str):
+    """TP505 for a failed check: `message`, then the first differing tensor, located at
+    the rule that shards its module (or its closest planned ancestor)."""
+    first, rule = result.first_difference, result.rule
+    if first is not None:
+        message += f"; {first.describe()}"
+    if rule is None:
+        return error("TP505", message, plan.file)
+    return error("TP505", f"{message}, located at {result.rule_relation} '{rule.pattern}'", rule.file, rule.line, rule.column)

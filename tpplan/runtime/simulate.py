@@ -247,6 +247,10 @@ class ParityResult:
     comms_fwd: dict[str, int]
     comms_bwd: dict[str, int]
     problems: list[str] = field(default_factory=list)  # why it did not pass
+    notes: list[str] = field(default_factory=list)  # what the check did to make the runs comparable (dropout off)
+    first_difference: Any = None  # first_difference.Difference of a failed check
+    rule: Any = None  # the plan rule that shards the first differing module (or its closest ancestor)
+    rule_relation: str | None = None  # how that rule relates to the module ("its rule", ...)
 
     @property
     def comms(self) -> dict[str, dict[str, int]]:
@@ -318,11 +322,16 @@ def check_parity(
     with torch.random.fork_rng(devices=[]):  # seed the build without touching the caller's RNG
         torch.manual_seed(seed)
         reference = build_model().to(dtype)
+    from .dropout import for_check
+    from .first_difference import recording
+
+    dropout_note = for_check(reference)  # eval mode on both sides (the copy below inherits it)
     model = copy.deepcopy(reference)
     if inputs is None:
         inputs = default_inputs(reference, generator=torch.Generator().manual_seed(seed))
     inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in _as_args(inputs))
-    ref_out = reference(*inputs)
+    with recording(reference) as want_records:
+        ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
 
     from torch.distributed._local_tensor import LocalTensorMode
@@ -330,7 +339,8 @@ def check_parity(
     problems: list[str] = []
     with simulated_world(tp), LocalTensorMode(tp):
         _apply(plan, model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
-        out, comms = forward_backward(model, inputs)
+        with recording(model) as got_records:
+            out, comms = forward_backward(model, inputs)
         got, want = output_tensors(out), output_tensors(ref_out)
         if len(got) != len(want):
             problems.append(f"output: {len(got)} tensors, single device {len(want)}")
@@ -344,6 +354,9 @@ def check_parity(
                     problems.append(f"{name}: gradient is {'missing' if grad is None else 'unexpected'}")
                 continue
             grad_diffs[name] = _compare(f"{name} grad", grad, ref_param.grad, rtol, atol, problems)
+        first = rule = relation = None
+        if problems:
+            first, rule, relation = _locate_difference(plan, model, reference, got_records, want_records, rtol, atol)
 
     return ParityResult(
         passed=not problems,
@@ -353,4 +366,33 @@ def check_parity(
         comms_fwd=comms["forward"],
         comms_bwd=comms["backward"],
         problems=problems,
+        notes=[dropout_note] if dropout_note else [],
+        first_difference=first,
+        rule=rule,
+        rule_relation=relation,
     )
+
+
+def _locate_difference(plan, model, reference, got_records, want_records, rtol, atol):
+    """(the first differing tensor, the rule to blame, how that rule relates to it), in a failed check."""
+    from .first_difference import Difference, first_output_difference, owning_rule
+
+    first = first_output_difference(got_records, want_records, _rank_values, lambda want: allowed_diff(want, rtol, atol))
+    if first is None:  # the forward agrees where comparable: the first parameter whose gradient differs
+        params = dict(model.named_parameters())
+        for name, ref_param in reference.named_parameters():
+            grad = params[name].grad
+            if ref_param.grad is None or grad is None:
+                continue
+            limit = allowed_diff(ref_param.grad, rtol, atol)
+            values = _rank_values(grad)
+            bad = [(r, max_abs_diff(v, ref_param.grad)) for r, v in enumerate(values) if v.shape == ref_param.grad.shape]
+            bad = [(r, d) for r, d in bad if not d <= limit]
+            if bad:
+                first = Difference(f"the gradient of '{name}'", name.rpartition(".")[0], bad[0][0], bad[0][1], limit)
+                break
+    if first is None or not hasattr(plan, "match"):
+        return first, None, None
+    call_order = list(dict.fromkeys(name for name, _ in want_records))
+    rule, relation = owning_rule(plan.match(model), first.module, call_order)
+    return first, rule, relation

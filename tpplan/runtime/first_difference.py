@@ -1,0 +1,106 @@
+"""Where a failing `--check` starts to differ: the first module (in forward order)
+whose output differs from the single-device run, and the rule to blame for it
+(the rule that shards that module or its closest ancestor; for a module no rule
+reaches, the last planned module that ran before it, which produced its input).
+
+Every module's output is recorded on both sides while they run; recording holds
+references only, and the sharded side's DTensors are gathered after the run, so
+the collectives a check counts are not changed. A sharded output held as a local
+shard (a colwise Linear's `use_local_output`) has another shape than the
+reference's and is not comparable; it is skipped, and the next comparable
+tensor downstream names the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Difference:
+    what: str  # "the output of 'model.layers.0.mlp'" or "the gradient of 'model.norm.weight'"
+    module: str  # the module whose output (or parameter) differs
+    rank: int
+    diff: float
+    allowed: float
+
+    def describe(self) -> str:
+        return f"{self.what} is the first tensor that differs (rank {self.rank}: by up to {self.diff:.3g}, allowed {self.allowed:.3g})"
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[list[tuple[str, Any]]]:
+    """(module path, first tensor of its output) for each module call, in call order."""
+    records: list[tuple[str, Any]] = []
+    handles = []
+    for name, module in model.named_modules():
+        def hook(_module, _args, output, name=name):
+            tensor = _first_tensor(output)
+            if tensor is not None:
+                records.append((name, tensor.detach()))
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in map(_first_tensor, output) if t is not None), None)
+    if isinstance(output, dict) or hasattr(output, "values"):
+        try:
+            values = list(output.values())
+        except TypeError:
+            return None
+        return next((t for t in map(_first_tensor, values) if t is not None), None)
+    return None
+
+
+def first_output_difference(got: list[tuple[str, Any]], want: list[tuple[str, Any]], rank_values, allowed) -> Difference | None:
+    """The first module call whose output differs beyond tolerance, matching calls by
+    (module, n-th call of it); `rank_values(t)` gives each rank's full value."""
+    seen: dict[str, int] = {}
+    sharded = {}
+    for name, tensor in got:
+        sharded[(name, seen.get(name, 0))] = tensor
+        seen[name] = seen.get(name, 0) + 1
+    seen.clear()
+    for name, reference in want:
+        key = (name, seen.get(name, 0))
+        seen[name] = key[1] + 1
+        tensor = sharded.get(key)
+        if tensor is None or not reference.is_floating_point():
+            continue
+        limit = allowed(reference)
+        for rank, value in enumerate(rank_values(tensor)):
+            if value.shape != reference.shape:
+                break  # a local shard: not comparable
+            diff = (value.to(reference.dtype) - reference).abs().max().item() if reference.numel() else 0.0
+            if not diff <= limit:
+                return Difference(f"the output of '{name}'" if name else "the model's output", name, rank, math.inf if math.isnan(diff) else diff, limit)
+    return None
+
+
+def owning_rule(claimed: dict[str, Any], module: str, call_order: list[str]) -> tuple[Any, str] | tuple[None, None]:
+    """(rule, how it relates to `module`) for the rule that shards `module` or its closest
+    ancestor; else the last planned module called before `module`."""
+    parts = module.split(".") if module else []
+    for depth in range(len(parts), -1, -1):
+        path = ".".join(parts[:depth])
+        if path in claimed:
+            return claimed[path], "its rule" if depth == len(parts) else f"the rule of its closest planned ancestor '{path}'"
+    if module in call_order:
+        for name in reversed(call_order[: call_order.index(module)]):
+            if name in claimed:
+                return claimed[name], f"the rule of '{name}', the last planned module that ran before it"
+    return None, None
