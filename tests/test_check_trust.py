@@ -52,7 +52,7 @@ def test_a_failed_check_names_the_first_differing_tensor_at_its_rule(tmp_path):
     assert problem.message.startswith("--check failed at TP 2: output: rank 0 differs by up to ")
     # blocks.0.in_proj's output is a local shard (not comparable); blocks.0.out_proj's is the first that differs
     assert "; the output of 'blocks.0.out_proj' is the first tensor that differs (rank 0: by up to " in problem.message
-    assert problem.message.endswith(", located at its rule 'blocks.*.out_proj'")
+    assert problem.message.endswith("; located at rule 'blocks.*.out_proj' (its rule)")
 
 
 def test_the_rule_to_blame_is_the_modules_own_or_its_closest_planned_ancestors():
@@ -63,3 +63,79 @@ def test_the_rule_to_blame_is_the_modules_own_or_its_closest_planned_ancestors()
     # no planned ancestor: the last planned module that ran before it produced its input
     assert owning_rule(claimed, "layers.0.mlp.act", order) == ("R_attn", "the rule of 'layers.0.attn', the last planned module that ran before it")
     assert owning_rule(claimed, "layers.0.norm", order) == (None, None)
+
+
+# -- replica consistency (TP506) and --steps in the dry run ---------------------------------------------
+
+
+class ScaledBlock(__import__("torch").nn.Module):
+    """in_proj -> relu -> * scale -> out_proj: a learnable scalar between colwise and rowwise."""
+
+    def __init__(self):
+        import torch
+
+        super().__init__()
+        self.in_proj = torch.nn.Linear(16, 32)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.out_proj = torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        import torch
+
+        return x + self.out_proj(torch.relu(self.in_proj(x)) * self.scale)
+
+
+def scaled_mlp():
+    import torch
+
+    return torch.nn.Sequential(ScaledBlock(), ScaledBlock())
+
+
+SCALED_PLAN = "version: 1\nrules:\n  '*.in_proj': colwise\n  '*.out_proj': rowwise\n"
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_a_replicated_parameter_on_sharded_activations_is_located_with_its_parameter(tmp_path, steps):
+    plan = tmp_path / "scaled.yaml"
+    plan.write_text(SCALED_PLAN)
+    report = dry_run(ApplyOptions(plan=str(plan), model="test_check_trust:scaled_mlp", tp=2, check=True, steps=steps))
+    assert [(p.code, p.line, p.column) for p in report.problems] == [("TP506", 3, 3), ("TP506", 3, 3)]
+    for problem, block in zip(report.problems, ("0", "1")):
+        # each rank sums the scale's gradient over its own half of the hidden features; nothing reduces it
+        assert problem.message.startswith(
+            f"at TP 2, replicated parameter '{block}.scale': its gradient differs between ranks after backward (rank 1 from rank 0 by up to "
+        )
+        assert problem.message.endswith(
+            f"; located at rule '*.in_proj' (the rule of '{block}.in_proj', the first planned module inside '{block}')"
+        )
+    assert not report.check.passed
+
+
+@pytest.mark.parametrize("plan, model", [("mlp_tp.yaml", "tpplan.models.mlp:tiny"), ("llama_tp_sp.yaml", "tpplan.models.llama:tiny")])
+def test_steps_with_check_in_the_dry_run_match_one_device_after_each_adamw_step(plan, model):
+    report = dry_run(ApplyOptions(plan=str(PLANS / plan), model=model, tp=2, check=True, steps=3))
+    assert report.ok, report.problems
+    assert report.check.passed and report.check.max_abs_diff < 1e-4
+
+
+def test_replicas_are_compared_after_each_step():
+    import torch
+
+    from tpplan import load_plan
+    from tpplan.runtime.simulate import check_parity
+
+    result = check_parity(scaled_mlp, load_plan(text=SCALED_PLAN), 2, torch.randn(2, 4, 16), steps=2)
+    found = {(r.parameter, r.kind, r.when) for r in result.replicas}
+    # then the scale itself differs: each rank moved it by its own gradient (AdamW's first step
+    # moves by lr * sign(gradient), the same on both ranks here; the second no longer)
+    assert {("0.scale", "gradient", "after backward"), ("0.scale", "gradient", "after step 1"), ("0.scale", "value", "after step 2"),
+            ("1.scale", "value", "after step 2")} <= found
+    assert ("0.scale", "value", "after step 1") not in found
+    assert all(r.parameter.endswith(".scale") for r in result.replicas)
+
+
+def test_tp506_is_in_the_codes_catalog():
+    from tpplan.lint.codes import find
+
+    entry = find("TP506")
+    assert entry.name == "replicas-diverge" and "learnable scale between a colwise and a rowwise Linear" in entry.doc

@@ -108,8 +108,20 @@ def _runtime_entries() -> list[Entry]:
     names = {
         "TP500": "model-factory", "TP501": "apply-failed", "TP502": "forward-failed",
         "TP503": "ranks-disagree", "TP504": "collective-failed", "TP505": "check-mismatch",
+        "TP506": "replicas-diverge",
     }
-    return [_plain(code, names.get(code, code.lower()), text) for code, text in RULE_DOCS.items()]
+    docs = {**RULE_DOCS, **_REPLICA_DOCS}
+    return [_plain(code, names.get(code, code.lower()), text) for code, text in docs.items()]
+
+
+# The dry run's replica check (runtime/replicas.py, which imports torch at import).
+_REPLICA_DOCS = {
+    "TP506": "A parameter replicated over the TP mesh (or its gradient) holds different values on different ranks "
+    "after backward or an optimizer step: it computes on sharded activations whose gradient is never reduced "
+    "(e.g. a learnable scale between a colwise and a rowwise Linear, or a norm inside a sequence-parallel region "
+    "without sequence_parallel on it). Training would silently diverge: shard the module, give it a rule that "
+    "makes its input replicated (prepare_module_input), or move it out of the sharded region.",
+}
 
 
 def catalog() -> list[Entry]:

@@ -47,8 +47,9 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     """Simulate `options.tp` ranks in this process; the report (with problems, if
     any) of applying the plan and running one forward and backward."""
     event = on_event or (lambda text: None)
-    if options.steps:
-        raise UsageError("--steps trains on real ranks (torchrun); --dry-run runs on fake tensors without values")
+    if options.steps and not options.check:
+        raise UsageError("--steps trains on real ranks (torchrun), or in a dry run with --check (real per-rank values, "
+                         "compared with one device); without --check a dry run has fake tensors without values")
     report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
     try:
         plan = load_plan(options.plan)
@@ -133,15 +134,40 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
 
     inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
     try:
-        result = check_parity(lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed)
+        result = check_parity(
+            lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed, steps=options.steps
+        )
     except PlanError:
         raise
     except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
         raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
     report.check = CheckResult(result.passed, result.max_abs_diff, result.problems[:10])
     report.notes += result.notes
-    if not result.passed:
+    forward_differs = result.first_difference is not None and result.first_difference.what.startswith(("the output", "the model"))
+    if result.replicas and not forward_differs:
+        # the forward matches one device: what differs starts at the diverging replicas
+        report.problems += replica_problems(result, plan, report.tp)
+    elif not result.passed:  # a wrong forward makes replicas downstream differ too: its first difference is the news
         report.problems.append(check_failure(result, plan, f"--check failed at TP {report.tp}: {result.problems[0]}"))
+
+
+def replica_problems(result, plan: Plan, tp: int) -> list:
+    """TP506 for each replicated parameter whose value or gradient differs between ranks
+    (its first difference), at the rule of its module, closest planned ancestor or first planned child."""
+    from .first_difference import owning_rule
+
+    problems, seen = [], set()
+    for found in result.replicas:
+        if found.parameter in seen:
+            continue
+        seen.add(found.parameter)
+        rule, relation = owning_rule(result.claimed, found.parameter.rpartition(".")[0], result.call_order)
+        message = f"at TP {tp}, {found.describe()}"
+        if rule is None:
+            problems.append(error("TP506", message, plan.file))
+        else:
+            problems.append(error("TP506", f"{message}; located at rule '{rule.pattern}' ({relation})", rule.file, rule.line, rule.column))
+    return problems
 
 
 def check_failure(result, plan: Plan, message: str):
@@ -152,4 +178,4 @@ def check_failure(result, plan: Plan, message: str):
         message += f"; {first.describe()}"
     if rule is None:
         return error("TP505", message, plan.file)
-    return error("TP505", f"{message}, located at {result.rule_relation} '{rule.pattern}'", rule.file, rule.line, rule.column)
+    return error("TP505", f"{message}; located at rule '{rule.pattern}' ({result.rule_relation})", rule.file, rule.line, rule.column)

@@ -93,12 +93,16 @@ def first_output_difference(got: list[tuple[str, Any]], want: list[tuple[str, An
 
 def owning_rule(claimed: dict[str, Any], module: str, call_order: list[str]) -> tuple[Any, str] | tuple[None, None]:
     """(rule, how it relates to `module`) for the rule that shards `module` or its closest
-    ancestor; else the last planned module called before `module`."""
+    ancestor; else the first planned module inside it; else the last planned module
+    called before it."""
     parts = module.split(".") if module else []
     for depth in range(len(parts), -1, -1):
         path = ".".join(parts[:depth])
         if path in claimed:
             return claimed[path], "its rule" if depth == len(parts) else f"the rule of its closest planned ancestor '{path}'"
+    inside = [name for name in call_order if name in claimed and name.startswith(module + ".")] if module else []
+    if inside:  # a container's own parameter computes on what its planned children give it
+        return claimed[inside[0]], f"the rule of '{inside[0]}', the first planned module inside '{module}'"
     if module in call_order:
         for name in reversed(call_order[: call_order.index(module)]):
             if name in claimed:

@@ -251,6 +251,9 @@ class ParityResult:
     first_difference: Any = None  # first_difference.Difference of a failed check
     rule: Any = None  # the plan rule that shards the first differing module (or its closest ancestor)
     rule_relation: str | None = None  # how that rule relates to the module ("its rule", ...)
+    replicas: list = field(default_factory=list)  # replicas.ReplicaDifference: replicated values that differ by rank
+    claimed: dict = field(default_factory=dict)  # module path -> the plan's Rule (a tpplan plan only)
+    call_order: list = field(default_factory=list)  # module paths in the order their forwards finished
 
     @property
     def comms(self) -> dict[str, dict[str, int]]:
@@ -304,6 +307,7 @@ def check_parity(
     seed: int = 0,
     rtol: float | None = None,
     atol: float | None = None,
+    steps: int = 0,
 ) -> ParityResult:
     """Run `plan` at TP degree `tp` with real per-rank values and compare with one device.
 
@@ -314,6 +318,10 @@ def check_parity(
     same `inputs` (default: `default_inputs`); the outputs and every parameter
     gradient, gathered to full size on every rank, must be within
     `atol + rtol * max|reference|` of the reference (defaults by `dtype`).
+    Both run in eval mode (dropout off: `dropout.for_check`). Every replicated
+    parameter and its gradient must be identical on all ranks (`replicas`).
+    `steps`: then that many AdamW steps, each followed by a forward and backward
+    compared the same way.
     """
     default_rtol, default_atol = tolerance(dtype)
     rtol = default_rtol if rtol is None else rtol
@@ -333,8 +341,11 @@ def check_parity(
     with recording(reference) as want_records:
         ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
+    reference_steps = _adamw_steps(_with_grads(reference), inputs, steps) if steps else []
 
     from torch.distributed._local_tensor import LocalTensorMode
+
+    from .replicas import differences
 
     problems: list[str] = []
     with simulated_world(tp), LocalTensorMode(tp):
@@ -357,6 +368,26 @@ def check_parity(
         first = rule = relation = None
         if problems:
             first, rule, relation = _locate_difference(plan, model, reference, got_records, want_records, rtol, atol)
+        replicas = differences(model, "after backward")
+        claimed = plan.match(model) if hasattr(plan, "match") else {}
+        if reference_steps:
+            _one_copy_per_rank(model, tp)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=_STEP_LR)
+            for step, (want_outputs, want_grads) in enumerate(reference_steps, start=1):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                out = model(*inputs)
+                scalar_loss(out).backward()
+                got = output_tensors(out)
+                for g, w in zip(got, want_outputs):
+                    out_diff = max(out_diff, _compare(f"after step {step}: output", g, w, rtol, atol, problems))
+                for name, param in model.named_parameters():
+                    if param.grad is not None and want_grads.get(name) is not None:
+                        diff = _compare(f"after step {step}: {name} grad", param.grad, want_grads[name], rtol, atol, problems)
+                        grad_diffs[name] = max(grad_diffs.get(name, 0.0), diff)
+                replicas += differences(model, f"after step {step}")
+        if replicas and not problems:
+            problems.append(replicas[0].describe())
 
     return ParityResult(
         passed=not problems,
@@ -370,7 +401,58 @@ def check_parity(
         first_difference=first,
         rule=rule,
         rule_relation=relation,
+        replicas=replicas,
+        claimed=claimed,
+        call_order=list(dict.fromkeys(name for name, _ in want_records)),
     )
+
+
+def _one_copy_per_rank(model: nn.Module, tp: int) -> None:
+    """Give each replicated parameter one storage per simulated rank. A replicated
+    DTensor's local value (and a plain parameter) is one tensor that LocalTensorMode
+    shares between the ranks, so an optimizer's in-place update would be applied once
+    per rank to it; real ranks each hold their own copy."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    replaced: dict[int, nn.Parameter] = {}  # a tied parameter is replaced once, everywhere
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if isinstance(param, DTensor):
+                    if not isinstance(param._local_tensor, LocalTensor):
+                        param._local_tensor = LocalTensor({rank: param._local_tensor.clone() for rank in range(tp)})
+                elif not isinstance(param, LocalTensor):
+                    if id(param) not in replaced:
+                        twin = nn.Parameter(LocalTensor({rank: param.detach().clone() for rank in range(tp)}), param.requires_grad)
+                        twin.grad = param.grad
+                        replaced[id(param)] = twin
+                    setattr(module, name, replaced[id(param)])
+
+
+def _with_grads(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` with its parameters' gradients (deepcopy drops them)."""
+    twin = copy.deepcopy(module)
+    for (_, param), (_, copied) in zip(module.named_parameters(), twin.named_parameters()):
+        copied.grad = None if param.grad is None else param.grad.detach().clone()
+    return twin
+
+
+_STEP_LR = 1e-3  # AdamW's first steps move each weight by about lr, whatever its gradient's size
+
+
+def _adamw_steps(reference: nn.Module, inputs: tuple, steps: int) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
+    """The single-device side of `steps` AdamW steps: (outputs, {name: grad}) of the
+    forward and backward after each step."""
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=_STEP_LR)
+    results = []
+    for _ in range(steps):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out = reference(*inputs)
+        scalar_loss(out).backward()
+        grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
+        results.append(([t.detach().clone() for t in output_tensors(out)], grads))
+    return results
 
 
 def _locate_difference(plan, model, reference, got_records, want_records, rtol, atol):
