@@ -1,0 +1,129 @@
+"""A sweep over transformers' causal-LM families: for each model type, a tiny model
+(tpplan.hf.tiny), `import-hf` (and `--minimal`), `validate --model` and a dry-run
+`--check` at TP 2. Each family passes, or tpplan reports a located, true problem;
+OUTCOMES records which (with transformers 5.24), so a false failure tpplan grows,
+or a problem it stops seeing, fails here.
+
+A handful of families run in CI (FAST); the rest are `slow` (`pytest -m slow`),
+and `python tests/test_hf_sweep.py [TYPE...]` prints the table.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+
+from tpplan import load_plan  # noqa: E402
+
+PASS = ("pass", None)
+NO_PLAN = ("no TP plan", None)
+
+# model type -> (stage, code) of what the sweep finds; a family not listed must pass
+OUTCOMES: dict[str, tuple[str, str | None]] = {
+    # Apertus normalizes q/k after the transpose ([batch, heads, seq, head_dim]): transformers'
+    # replicated_with_grad_allreduce on q_norm/k_norm becomes no_parallel with shard(-2), the head
+    # dim of Qwen3's [batch, seq, heads, head_dim]; the input really is shard(1). And transformers'
+    # plan leaves xIELU's learnable alpha_p/alpha_n (mlp.act_fn) whole between the colwise up_proj
+    # and the rowwise down_proj, so each rank's gradient of them covers its own features only (TP506).
+    "apertus": ("validate", "TP320"),
+    "apertus1p5_text": ("validate", "TP320"),
+}
+FAST = ["llama", "seed_oss", "qwen3", "gpt2"]  # and apertus, in its own test below
+
+
+def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
+    """(stage, code) of the first problem (PASS when none), and its text."""
+    import torch
+
+    from tpplan.hf.importer import import_hf
+    from tpplan.hf.tiny import build, tiny_config
+    from tpplan.lint.checks import check_model
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.torchrun import ApplyOptions
+
+    try:
+        config = tiny_config(model_type)
+        with torch.device("meta"):
+            build(model_type)
+    except Exception as exc:  # transformers' own constructor on a shrunk config: not tpplan's to judge
+        return ("does not build", None), f"{type(exc).__name__}: {exc}"
+    config.save_pretrained(workdir)
+    bodies = {}
+    for minimal in (False, True):
+        path = workdir / f"{'minimal' if minimal else 'hf'}.yaml"
+        try:
+            imported = import_hf(workdir, minimal=minimal, output=path)
+        except ValueError as exc:
+            if "defines no TP plan" in str(exc):
+                return NO_PLAN, str(exc)
+            return ("import", None), str(exc)
+        body = imported.text.split("\nrules:\n", 1)[1]
+        if minimal and body == bodies.get(False):
+            continue  # nothing to share: the same rules as without --minimal
+        bodies[minimal] = body
+        path.write_text(imported.text)
+        plan = load_plan(path)
+        with torch.device("meta"):
+            model = build(model_type)
+        errors = [p for p in check_model(plan, model, [2]) if p.severity == "error"]
+        if errors:
+            return ("validate", errors[0].code), "\n".join(map(str, errors))
+        report = dry_run(ApplyOptions(plan=str(path), model=f"tpplan.hf.tiny:{model_type.replace('-', '_')}", tp=2, check=True))
+        if report.problems:
+            return ("dry-run", report.problems[0].code), "\n".join(map(str, report.problems))
+        assert report.check is not None and report.check.passed
+    return PASS, ""
+
+
+def _params():
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        marks = () if model_type in FAST else (pytest.mark.slow,)
+        yield pytest.param(model_type, marks=marks, id=model_type)
+
+
+@pytest.mark.usefixtures("no_process_group_leaks")
+@pytest.mark.parametrize("model_type", _params())
+def test_family_passes_or_gets_its_true_problem(model_type, tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        found, text = sweep(model_type, tmp_path)
+    expected = OUTCOMES.get(model_type, PASS)
+    if found[0] in ("does not build", "no TP plan") and model_type not in OUTCOMES:
+        pytest.skip(f"{model_type}: {found[0]} ({text[:200]})")
+    assert found == expected, text
+
+
+def test_the_apertus_problems_are_located_at_their_rules(tmp_path):
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.torchrun import ApplyOptions
+
+    found, text = sweep("apertus", tmp_path)
+    assert found == ("validate", "TP320")
+    assert text.splitlines()[0].startswith(
+        f"{tmp_path / 'hf.yaml'}:12:3: TP320 no_parallel 'model.layers.0.self_attn.q_norm' (rule 'model.layers.*.self_attn.{{q_norm,k_norm}}'"
+    )
+    # the dry run's forward matches one device (the norm is elementwise over head_dim), but the
+    # replicas of xIELU's parameters diverge
+    report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.hf.tiny:apertus", tp=2, check=True))
+    assert {(p.code, p.line, p.column) for p in report.problems} == {("TP506", 14, 3)}
+    assert report.problems[0].message.startswith("at TP 2, replicated parameter 'model.layers.0.mlp.act_fn.alpha_")
+    assert report.problems[0].message.endswith(
+        "; located at rule 'model.layers.*.mlp.up_proj' (the rule of 'model.layers.0.mlp.up_proj', the last planned module that ran before it)"
+    )
+
+
+if __name__ == "__main__":  # python tests/test_hf_sweep.py [TYPE...]: one table row per family
+    import tempfile
+
+    for model_type in sys.argv[1:] or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            (stage, code), text = sweep(model_type, Path(tmp))
+        print(f"| {model_type} | {stage} | {code or ''} | {text.splitlines()[0][:160] if text else ''} |", flush=True)
