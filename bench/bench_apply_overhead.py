@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, arguments, exit_code, median, within
+
 GOAL = 1.02
 PLAN = ROOT / "plans" / "llama_tp_sp.yaml"
 
@@ -113,24 +112,24 @@ def worker(steps: int) -> None:
             for name in order:
                 times[name].append(step(name)[0])
         if rank == 0:
-            medians = {name: statistics.median(t) for name, t in times.items()}
+            medians = {name: median(t) for name, t in times.items()}
             ratio = medians["tpplan"] / medians["by hand"]
             print(f"{world} gloo ranks, Llama dim {cfg.dim} x {cfg.n_layers} layers, batch 4 x 128 tokens, {steps} steps each, alternating")
             print(f"plan {PLAN.relative_to(ROOT)}; identical first-step loss {first['tpplan']:.6f}")
-            for name, median in medians.items():
-                print(f"  {name:8s} median step {median * 1e3:8.2f} ms   (min {min(times[name]) * 1e3:.2f}, max {max(times[name]) * 1e3:.2f})")
+            for name, step_s in medians.items():
+                print(f"  {name:8s} median step {step_s * 1e3:8.2f} ms   (min {min(times[name]) * 1e3:.2f}, max {max(times[name]) * 1e3:.2f})")
             print(f"ratio tpplan / by hand: {ratio:.3f}   (goal <= {GOAL})")
-            if os.environ.get("BENCH_CHECK") and ratio > GOAL:
-                raise SystemExit(1)
+            code = exit_code(bool(os.environ.get("BENCH_CHECK")), within(ratio, GOAL))
+            if code:
+                raise SystemExit(code)
     finally:
         dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, check=f"when the ratio is above {GOAL}")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--check", action="store_true", help=f"exit 1 when the ratio is above {GOAL}")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

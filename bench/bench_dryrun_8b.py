@@ -14,17 +14,15 @@ own (wait4), so the bench's own memory does not count. Goals: <= 60 s wall and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from _common import ROOT, arguments, exit_code, median, within
+
 GOAL_WALL_S = 60.0
 GOAL_RSS_BYTES = 2 * 1024**3
 MODEL = "tpplan.models.llama:llama3_8b"
@@ -49,12 +47,11 @@ def one_run(plan: str, tp: int) -> tuple[float, int, dict]:
     return wall, usage.ru_maxrss * 1024, json.loads(stdout)  # ru_maxrss: KiB on Linux
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = arguments(__doc__, check="when a goal is missed")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--plan", action="append", help="default: plans/llama_tp.yaml and plans/llama_tp_sp.yaml")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is missed")
     args = parser.parse_args()
     plans = args.plan or ["plans/llama_tp.yaml", "plans/llama_tp_sp.yaml"]
 
@@ -69,15 +66,14 @@ def main() -> None:
         comms = report["comms"]
         params = report["params"]
         print(f"\n{plan}")
-        print(f"  wall      median {statistics.median(walls):6.2f} s   max {max(walls):6.2f} s   (goal <= {GOAL_WALL_S:.0f} s)")
-        print(f"  peak RSS  median {statistics.median(peaks) / 2**20:6.0f} MiB max {max(peaks) / 2**20:6.0f} MiB (goal <= {GOAL_RSS_BYTES / 2**30:.0f} GiB)")
+        print(f"  wall      median {median(walls):6.2f} s   max {max(walls):6.2f} s   (goal <= {GOAL_WALL_S:.0f} s)")
+        print(f"  peak RSS  median {median(peaks) / 2**20:6.0f} MiB max {max(peaks) / 2**20:6.0f} MiB (goal <= {GOAL_RSS_BYTES / 2**30:.0f} GiB)")
         print(f"  params    total {params['total_bytes']} B ({params['total_bytes'] / 2**30:.2f} GiB), per rank {params['per_rank_bytes']} B ({params['per_rank_bytes'] / 2**30:.2f} GiB)")
         print(f"  comms     forward {comms['forward']}  backward {comms['backward']}")
-        missed |= max(walls) > GOAL_WALL_S or max(peaks) > GOAL_RSS_BYTES
+        missed |= not (within(max(walls), GOAL_WALL_S) and within(max(peaks), GOAL_RSS_BYTES))
     print("\ngoals " + ("MISSED" if missed else "met"))
-    if args.check and missed:
-        sys.exit(1)
+    return exit_code(args.check, not missed)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

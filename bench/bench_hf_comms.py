@@ -15,23 +15,24 @@ Prints a table and the backward ratio transformers / ours. Run:
 
 from __future__ import annotations
 
-import argparse
+import sys
 import tempfile
-from pathlib import Path
 
-import torch
+from _common import ROOT, arguments
 
-from tpplan import hf_models, load_plan
-from tpplan.hf.importer import apply_transformers_plan, import_hf
-from tpplan.runtime.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
+from tpplan import hf_models  # no torch at import: the factories import it when called
 
-PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
+PLANS = ROOT / "plans" / "hf"
 FAMILIES = ("llama", "qwen2", "mistral", "qwen2_moe")
 SHORT = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS", "all_to_all": "A2A", "broadcast": "BC"}
 
 
 def step_collectives(family: str, tp: int, apply) -> tuple[dict, dict]:
     """(forward, backward) collectives of one step of `family` parallelized by `apply(model, mesh)`."""
+    import torch
+
+    from tpplan.runtime.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
+
     torch.manual_seed(0)
     with simulated_world(tp):
         model = hf_models.FACTORIES[family]("sdpa")
@@ -49,11 +50,14 @@ def _total(counts: dict) -> int:
     return sum(counts.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> int:
+    parser = arguments(__doc__)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--family", nargs="+", default=list(FAMILIES), choices=sorted(hf_models.FACTORIES))
     args = parser.parse_args()
+
+    from tpplan import load_plan
+    from tpplan.hf.importer import apply_transformers_plan, import_hf
 
     columns = ["transformers", "hf->tpplan", "ours", "ours SP"]
     print(f"collectives per step (forward / backward), {hf_models.TINY['num_hidden_layers']} layers")
@@ -99,7 +103,8 @@ def main() -> None:
         "style shards fused 3-D expert weights). transformers' runtime cannot run tied models\n"
         "built this way (named_parameters() hides lm_head.weight, so it stays a plain tensor)."
     )
+    return 0  # no goal: a comparison table
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,12 +15,9 @@ grows more than 1.5x faster than linearly).
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 
-from tpplan import load_plan
+from _common import arguments, exit_code, median, timed, within
 
 GOAL_S = 5.0
 TP_SIZES = [2, 4, 8]
@@ -53,12 +50,12 @@ def build(n_layers: int):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, check=f"above {GOAL_S:.0f} s or on super-linear growth")
     parser.add_argument("--layers", type=int, nargs="+", default=[250, 500, 1000])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--check", action="store_true", help=f"exit 1 above {GOAL_S:.0f} s or on super-linear growth")
     args = parser.parse_args()
 
+    from tpplan import load_plan
     from tpplan.lint.checks import check_model
 
     plan = load_plan(text=plan_text(), file="bench.yaml")
@@ -68,26 +65,24 @@ def main() -> int:
     for n_layers in args.layers:
         builds, lints, problems = [], [], None
         for _ in range(args.runs):
-            start = time.perf_counter()
-            model = build(n_layers)
-            builds.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            problems = check_model(plan, model, TP_SIZES)
-            lints.append(time.perf_counter() - start)
+            model, build_s = timed(lambda: build(n_layers))
+            problems, lint_s = timed(lambda: check_model(plan, model, TP_SIZES))
+            builds.append(build_s)
+            lints.append(lint_s)
         errors = [p for p in problems if p.severity == "error"]
         assert not errors, f"the bench plan should validate cleanly: {errors[0]}"
-        lint, modules = statistics.median(lints), sum(1 for _ in model.named_modules())
+        lint, modules = median(lints), sum(1 for _ in model.named_modules())
         results[n_layers] = lint
         print(
             f"{n_layers:5d} layers ({modules:6d} modules): validate {lint:6.2f} s = {lint / n_layers * 1e3:5.2f} ms/layer"
-            f"   (model build {statistics.median(builds):5.2f} s, {len(problems)} warnings)"
+            f"   (model build {median(builds):5.2f} s, {len(problems)} warnings)"
         )
     small, large = min(results), max(results)
     growth = (results[large] / results[small]) / (large / small)
     print(f"growth {small} -> {large} layers: x{results[large] / results[small]:.2f} for x{large / small:.0f} layers "
           f"({growth:.2f} of linear)")
     print(f"goal: < {GOAL_S:.0f} s at {large} layers -> {results[large] / GOAL_S:.2f} of the goal")
-    return 1 if args.check and (results[large] > GOAL_S or growth > 1.5) else 0
+    return exit_code(args.check, within(results[large], GOAL_S) and within(growth, 1.5))
 
 
 if __name__ == "__main__":

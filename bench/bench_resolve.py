@@ -11,12 +11,9 @@ a second (--check exits 1 above GOAL_MS).
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
-import time
 
-from tpplan import load_plan
+from _common import arguments, exit_code, median_seconds, within
 
 GOAL_MS = 1000.0
 N_LAYERS = 1000
@@ -52,20 +49,16 @@ def module_names(n_layers: int = N_LAYERS) -> list[str]:
 
 
 def median_ms(fn, runs: int) -> float:
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
-    return statistics.median(times)
+    return median_seconds(fn, runs) * 1000
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__, check=f"if match takes more than {GOAL_MS:.0f} ms")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--torch", action="store_true", help="also time match() on a real meta-device model")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if match takes more than {GOAL_MS:.0f} ms")
     args = parser.parse_args()
+
+    from tpplan import load_plan
 
     text, names = plan_text(), module_names()
     plan = load_plan(text=text, file="bench.yaml")
@@ -89,7 +82,7 @@ def main() -> int:
         print(f"match(meta model):    {model_ms:8.2f} ms = {model_ms * 1000 / len(names):.2f} us/module (incl. named_modules)")
         worst = max(worst, model_ms)
     print(f"goal: match < {GOAL_MS:.0f} ms -> {worst / GOAL_MS:.3f} of the goal")
-    return 1 if args.check and worst > GOAL_MS else 0
+    return exit_code(args.check, within(worst, GOAL_MS))
 
 
 if __name__ == "__main__":

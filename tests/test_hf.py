@@ -269,3 +269,38 @@ def test_import_hf_command_lists_what_it_leaves_out_and_rejects_unknown_types():
     unknown = CliRunner().invoke(app, ["import-hf", "no_such_model_type"])
     assert unknown.exit_code == 2
     assert "neither a config path nor a transformers model type" in unknown.output
+
+
+def test_the_importer_docstring_example_runs_as_written():
+    import doctest
+
+    from tpplan.hf import importer
+
+    result = doctest.testmod(importer, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_a_bug_inside_import_hf_is_an_internal_error_not_blamed_on_the_input(monkeypatch):
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+
+    def broken(config, model_cls):
+        raise ValueError("an importer bug")  # a ValueError that is not HfImportError
+
+    monkeypatch.setattr("tpplan.hf.importer.hf_tp_plan", broken)
+    result = CliRunner().invoke(app, ["import-hf", "llama"], env={"TPPLAN_DEBUG": None})
+    assert result.exit_code == 3
+    assert "internal error (a bug in tpplan, not in your plan): ValueError: an importer bug" in result.output
+    assert not result.output.startswith("Error:")
+
+
+def test_an_unreadable_config_is_the_users_error(tmp_path):
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+
+    (tmp_path / "config.json").write_text("{not json")
+    result = CliRunner().invoke(app, ["import-hf", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: ")

@@ -17,7 +17,8 @@ from tpplan import load_plan
 from tpplan.cli.app import app
 from tpplan.lint import RULES
 from tpplan.lint.codes import catalog
-from tpplan.lint.docs import REGENERATE, RULES_MD, rules_markdown
+from tpplan import docs
+from tpplan.docs import REGENERATE, rules_markdown
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -70,7 +71,7 @@ def test_every_code_the_package_reports_is_documented():
 
 
 def test_docs_rules_md_is_generated_from_the_registry():
-    assert RULES_MD.read_text(encoding="utf-8") == rules_markdown(), f"docs/rules.md is stale: run `{REGENERATE}`"
+    assert (docs.ROOT / docs.RULES_MD).read_text(encoding="utf-8") == rules_markdown(), f"docs/rules.md is stale: run `{REGENERATE}`"
 
 
 def test_rules_lists_every_code_with_its_severity():

@@ -12,7 +12,7 @@ from torch import nn
 from tpplan import load_plan
 from tpplan.lint.collapse import kept_blocks
 from tpplan.lint.context import LintContext
-from tpplan.lint.flow import _index_dim, _view_dim
+from tpplan.lint.ops import _index_dim, _view_dim
 from tpplan.lint.trace import Call, Op, Return, TraceError, _Tracer, trace_model
 from tpplan.models.mlp import MLP
 from tpplan.runtime.simulate import count_collectives, default_inputs, simulated_world, tp_mesh

@@ -1,158 +1,97 @@
-"""The `tpplan` command line (SPEC §4): a thin typer layer over the library.
+"""The `tpplan` command line: the typer app, its global options and `main()`.
 
-Commands turn arguments into library calls and hand the problems to
-`report`; they hold no checks of their own. Plan-only `validate` must not
-import torch and starts in a benchmarked time (bench/bench_validate_startup.py),
-so anything heavy is imported inside the command that needs it. The CLI modules
-avoid `from __future__ import annotations`: typer would compile every option's
-annotation string at start-up (~4 ms of the benchmark).
+A thin layer over the library: commands (cli/commands.py, one module each)
+turn arguments into library calls and print by the contract of cli/output.py.
+Plan-only `validate` must not import torch and starts in a benchmarked time
+(bench/bench_validate_startup.py), so anything heavy is imported inside the
+command that needs it. The CLI modules avoid `from __future__ import
+annotations`: typer would compile every option's annotation string at start-up
+(~4 ms of the benchmark).
+
+`_Commands.invoke` is the one handler of what commands let through: typer's
+exits and usage errors pass; a `PlanError` is printed as problems and a
+`ModelRefError` as a usage error (the user's, wherever raised); any other
+exception is a bug in tpplan and is reported as one (exit 3), with the
+traceback under `--debug` or TPPLAN_DEBUG=1.
 """
 
-import sys
-from collections.abc import Callable
-from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
+import errno
+from typing import Annotated, Any
 
 import typer
+from typer.core import TyperGroup
 
-if TYPE_CHECKING:
-    from ..core.plan import Plan
-    from ..core.problems import Problem
-    from ..render.problems import CheckedPlan, Outcome
+from .commands import COMMANDS
+from .output import internal_error, print_outcome, usage_error
+
+try:  # typer >= 0.28 carries its own copy of click
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import ClickException
+
+# What commands raise on purpose: exits, typer's own usage errors, Ctrl-C.
+_NOT_A_BUG = (typer.Exit, typer.Abort, ClickException, KeyboardInterrupt)
+
+
+class _Commands(TyperGroup):
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except _NOT_A_BUG:
+            raise
+        except OSError as exc:
+            if exc.errno == errno.EPIPE:  # output piped into `head`: typer's main handles it
+                raise
+            raise typer.Exit(internal_error(exc, debug=bool(ctx.params.get("debug")))) from exc
+        except Exception as exc:
+            code = _user_error(exc)
+            if code is None:
+                code = internal_error(exc, debug=bool(ctx.params.get("debug")))
+            raise typer.Exit(code) from exc
+
+
+def _user_error(exc: Exception) -> "int | None":
+    """The exit code of a user-facing error that a command let through, printed as
+    commands print it (problems; a usage error for a bad MOD:FN); None for a bug."""
+    from ..core.problems import PlanError
+    from ..runtime.modelref import ModelRefError  # no torch at import
+
+    if isinstance(exc, PlanError):
+        from ..render.problems import Outcome
+
+        return print_outcome(Outcome([], exc.problems))
+    if isinstance(exc, ModelRefError):
+        usage_error(str(exc))
+    return None
+
 
 app = typer.Typer(
     name="tpplan",
+    cls=_Commands,
     help="Declarative tensor-parallel plans for PyTorch DTensor: validate, compile, apply, dry-run.\n\n"
     "Exit codes (every command): 0 ok, 1 the plan or model has errors (or warnings under --strict), "
-    "2 usage error or unreadable input.",
+    "2 usage error or unreadable input, 3 an internal error (a bug in tpplan, not in your plan).",
     add_completion=False,
     no_args_is_help=True,
-    # A bug in tpplan should show its traceback plainly; user input never raises.
+    # Internal errors are reported by _Commands, their traceback only under --debug.
     pretty_exceptions_enable=False,
 )
 
 
-class Format(str, Enum):
-    text = "text"
-    json = "json"
-    github = "github"
-
-
-def usage_error(message: str) -> NoReturn:
-    """Exit 2 with a one-line message, as typer does for its own usage errors."""
-    typer.echo(f"Error: {message}", err=True)
-    raise typer.Exit(2)
-
-
-@app.command()
-def validate(
-    plans: Annotated[list[str], typer.Argument(metavar="PLAN", help="Plan files (YAML) to validate.", show_default=False)],
-    model: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar="MOD:FN",
-            help="Also check the plans against this model: an importable callable returning an nn.Module, "
-            "built on the meta device (imports torch).",
-        ),
-    ] = None,
-    tp: Annotated[
-        Optional[list[int]],
-        typer.Option(
-            metavar="N",
-            min=1,
-            help="TP degree to check the model at; default: the plan's mesh.sizes, else 2, 4 and 8.",
-            show_default=False,
-        ),
-    ] = None,
-    format: Annotated[Format, typer.Option(help="Output format: text (for people), json (SPEC §4), github (annotations).")] = Format.text,
-    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
+@app.callback()
+def _global_options(
+    debug: Annotated[
+        bool,
+        typer.Option("--debug", envvar="TPPLAN_DEBUG", help="On an internal error (exit 3), print its traceback."),
+    ] = False,
 ) -> None:
-    """Validate plans: schema and plan-only checks; with --model, strict resolution and model checks."""
-    from ..core.loader import load_plan, read_plan_text
-    from ..core.problems import PlanError
-    from ..render.problems import CheckedPlan, Outcome
-
-    factory = None
-    if model is not None:
-        from ..runtime.modelref import ModelRefError, load_callable
-
-        try:
-            factory = load_callable(model, "--model")
-        except ModelRefError as exc:
-            usage_error(str(exc))
-
-    checked: list[CheckedPlan] = []
-    loaded: list[tuple[CheckedPlan, Plan]] = []
-    problems: list[Problem] = []
-    for path in plans:
-        entry = CheckedPlan(path)
-        checked.append(entry)
-        try:
-            entry.text = read_plan_text(path)
-            plan = load_plan(text=entry.text, file=path)
-        except PlanError as exc:
-            problems += exc.problems
-            continue
-        entry.rules = len(plan.rules)
-        loaded.append((entry, plan))
-
-    if factory is not None:
-        problems += _check_against_model(model, factory, loaded, tp)
-
-    _print(Outcome(checked, problems, strict), format)
+    # Read back by _Commands.invoke from ctx.params; the app's help is Typer(help=...) above.
+    pass
 
 
-def _check_against_model(
-    ref: str, factory: Callable[[], Any], loaded: "list[tuple[CheckedPlan, Plan]]", tp: list[int] | None
-) -> "list[Problem]":
-    """Build the model once, on the meta device, and check every loaded plan against it."""
-    from ..lint.checks import check_model, tp_sizes_for
-    from ..runtime.modelref import build_model
-    from ..core.problems import PlanError
-
-    try:
-        built = build_model(ref, "meta", factory)
-    except PlanError as exc:
-        return exc.problems
-    problems: list[Problem] = []
-    for entry, plan in loaded:
-        entry.model, entry.tp_sizes = ref, tp_sizes_for(plan, tp)
-        problems += check_model(plan, built, entry.tp_sizes)
-    return problems
-
-
-def _print(outcome: "Outcome", format: Format) -> NoReturn:
-    from ..render import problems as report
-
-    if format is Format.text:
-        report.render_text(outcome)
-    else:
-        render = report.render_json if format is Format.json else report.render_github
-        sys.stdout.write(render(outcome))
-    raise typer.Exit(outcome.exit_code)
-
-
-@app.command()
-def schema() -> None:
-    """Print the JSON Schema of the plan format (what schemas/plan.schema.json holds)."""
-    from ..docs import schema_text
-
-    sys.stdout.write(schema_text())
+for _name, _command in COMMANDS:
+    app.command(_name)(_command)
 
 
 def main() -> None:
     app(prog_name="tpplan")
-
-
-# -- command registration --------------------------------------------------------------
-# Commands defined in other modules register here, one line each, e.g.
-#     from .cli_apply import apply; app.command()(apply)
-# They are imported whenever `tpplan` starts, so such a module must not import
-# torch (or anything heavy) at import time. cli.md covers every registered
-# command: regenerate it with `python -m tpplan.docs`.
-from .apply import apply  # noqa: E402
-app.command()(apply)
-from .import_hf import import_hf  # noqa: E402
-app.command("import-hf")(import_hf)
-from .rules import rules  # noqa: E402
-app.command()(rules)

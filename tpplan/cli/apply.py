@@ -1,7 +1,9 @@
-"""`tpplan apply`: the command-line edge of runtime.py (torchrun) and dryrun.py.
+"""`tpplan apply`: the command-line edge of runtime/torchrun.py and runtime/dryrun.py.
 
-Imported whenever `tpplan` starts (cli.py registers the command), so nothing
-here imports torch at import time.
+Imported whenever `tpplan` starts (cli/commands.py lists the command), so nothing
+here imports torch at import time. Prints by the contract of cli/output.py:
+`print_report` prints and returns the exit code; usage errors go through
+`usage_error`; under torchrun every exit goes through `_leave`.
 """
 
 import contextlib
@@ -12,6 +14,8 @@ from enum import Enum
 from typing import Annotated, NoReturn, Optional
 
 import typer
+
+from .output import exit_with, usage_error
 
 
 class ApplyFormat(str, Enum):
@@ -34,7 +38,7 @@ def apply(
             "--model",
             metavar="MOD:FN",
             help="An importable callable returning the nn.Module, built under a torch.device context "
-            "(the same on every rank; on the meta device with --dry-run).",
+            "(the same on every rank; on fake tensors, FakeTensorMode, with --dry-run).",
             show_default=False,
         ),
     ],
@@ -51,7 +55,7 @@ def apply(
     ] = None,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="No torchrun, no devices: simulate --tp ranks in this process (fake process group, meta tensors)."),
+        typer.Option("--dry-run", help="No torchrun, no devices: simulate --tp ranks in this process (fake process group, fake tensors: FakeTensorMode)."),
     ] = False,
     check: Annotated[
         bool,
@@ -72,14 +76,13 @@ def apply(
         ),
     ] = None,
     device: Annotated[Device, typer.Option("--device", help="Device of each rank; auto: cuda, then npu, then cpu. Picks the backend: nccl, hccl, gloo.")] = Device.auto,
-    format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (SPEC §4).")] = ApplyFormat.text,
+    format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (one object; cli.md lists its keys).")] = ApplyFormat.text,
     timeout: Annotated[
         float,
         typer.Option("--timeout", metavar="SECONDS", min=1, help="Bound on every collective: a rank that dies or hangs fails the others after this long."),
     ] = 300.0,
 ) -> None:
     """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
-    from .app import usage_error
     from ..runtime.modelref import ModelRefError
     from ..runtime.torchrun import ApplyOptions, UsageError
 
@@ -88,25 +91,25 @@ def apply(
     )
     under_torchrun = not dry_run and "RANK" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0
-    with _progress(rank == 0 and format is ApplyFormat.text) as on_event:
-        try:
-            if dry_run:
-                from ..runtime.dryrun import dry_run as run
+    try:
+        with _progress(rank == 0 and format is ApplyFormat.text) as on_event:
+            try:
+                if dry_run:
+                    from ..runtime.dryrun import dry_run as run
 
-                report = run(options, on_event)
-            else:
-                from ..runtime.torchrun import run_torchrun
+                    report = run(options, on_event)
+                else:
+                    from ..runtime.torchrun import run_torchrun
 
-                report = run_torchrun(options, on_event)
-            code = _print(report, format, rank)
-        except (UsageError, ModelRefError) as exc:
-            if not under_torchrun:
-                usage_error(str(exc))
-            typer.echo(f"Error: rank {rank}: {exc}" if rank else f"Error: {exc}", err=True)
-            code = 2
+                    report = run_torchrun(options, on_event)
+                code = print_report(report, format, rank)
+            except (UsageError, ModelRefError) as exc:
+                usage_error(str(exc), rank=rank)
+    except typer.Exit as stop:  # a usage error: under torchrun it still leaves through _leave
+        code = stop.exit_code
     if under_torchrun:
         _leave(code)
-    raise typer.Exit(code)
+    exit_with(code)
 
 
 def _leave(code: int) -> NoReturn:
@@ -137,7 +140,8 @@ def _progress(show: bool) -> Iterator[Callable[[str], None]]:
         yield lambda text: status.update(text)
 
 
-def _print(report, format: ApplyFormat, rank: int) -> int:
+def print_report(report, format: ApplyFormat, rank: int) -> int:
+    """Print an apply report (rank 0) or why this rank stops (the others); return the exit code."""
     from ..core.loader import read_plan_text
     from ..core.problems import PlanError
     from ..render.problems import CheckedPlan, Outcome

@@ -1,7 +1,8 @@
-"""`tpplan import-hf`: the command-line edge of hf.import_hf.
+"""`tpplan import-hf`: the command-line edge of hf.importer.import_hf.
 
-Imported whenever `tpplan` starts (cli.py registers the command), so nothing
-here imports torch or transformers at import time.
+Imported whenever `tpplan` starts (cli/commands.py lists the command), so nothing
+here imports torch or transformers at import time. Only the importer's typed
+error for bad input (`HfImportError`) is the user's; anything else is a bug.
 """
 
 import sys
@@ -9,6 +10,8 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from .output import usage_error
 
 
 def import_hf(
@@ -41,20 +44,23 @@ def import_hf(
     dropped silently. The model is built on the meta device from the config so
     every rule is checked to match a module.
     """
+    from ..hf.importer import HfImportError, import_hf as run_import
+
     try:
-        from ..hf.importer import import_hf as run_import
+        import transformers  # noqa: F401  (the importer needs it: say how to get it)
     except ModuleNotFoundError as exc:
-        typer.echo(f"Error: import-hf needs transformers ({exc}): pip install 'tpplan[hf]'", err=True)
-        raise typer.Exit(2) from None
+        usage_error(f"import-hf needs transformers ({exc}): pip install 'tpplan[hf]'")
     try:
         imported = run_import(source, minimal=minimal, output=output)
-    except (ValueError, OSError) as exc:
-        typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(2) from None
+    except HfImportError as exc:
+        usage_error(str(exc))
     if output is None:
         sys.stdout.write(imported.text)
     else:
-        output.write_text(imported.text)
+        try:
+            output.write_text(imported.text)
+        except OSError as exc:
+            usage_error(f"cannot write {output}: {exc.strerror or exc}")
     for skipped in imported.skipped:
         typer.echo(f"left out: {skipped.key}: {skipped.hf_style} -- {skipped.reason}", err=True)
     for key, why in imported.added:

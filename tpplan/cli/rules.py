@@ -4,6 +4,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from .output import usage_error
+
 
 def rules(
     code: Annotated[
@@ -28,6 +30,5 @@ def rules(
         names = [e.code for e in catalog()] + [e.name for e in catalog()]
         close = get_close_matches(code.upper() if code[:2].lower() == "tp" else code.lower(), names, n=3, cutoff=0.6)
         hint = f"; did you mean {', '.join(close)}?" if close else "; `tpplan rules` lists them all"
-        typer.echo(f"Error: unknown code or rule name {code!r}{hint}", err=True)
-        raise typer.Exit(2)
+        usage_error(f"unknown code or rule name {code!r}{hint}")
     typer.echo(entry.doc.rstrip("\n"))

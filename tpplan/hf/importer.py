@@ -4,15 +4,23 @@ transformers ships a TP plan per model family: `base_model_tp_plan` on the confi
 class (keys relative to the base model, `layers.*.self_attn.q_proj`) and
 `_tp_plan` on the task model class (`lm_head`). Its style strings name
 transformers' own runtime classes; `import_hf` maps each one with a sound
-equivalent among tpplan's styles (torch's seven and `no_parallel`) and reports
+equivalent among tpplan's styles (torch's six and `no_parallel`) and reports
 every other one with its key and the reason, never dropping a rule silently.
 
-    >>> plan, skipped = import_hf("llama")
-    >>> print(plan)                                       # tpplan YAML
-    >>> skipped                                           # [] for llama
+    >>> imported = import_hf("llama")
+    >>> print(imported.text)  # tpplan YAML  # doctest: +ELLIPSIS
+    # yaml-language-server: $schema=...
+    rules:
+      model.layers.*.self_attn.{q_proj,k_proj,v_proj}: colwise
+    ...
+    >>> imported.skipped, imported.added  # nothing left out, nothing added for llama
+    ([], [])
 
+Input that names no usable config or plan raises `HfImportError` (a
+`ValueError`, with the reason); anything else that escapes is a bug.
 Needs `transformers` (`pip install tpplan[hf]`); torch only when a model is
 checked (`check_model=True`, the default) or a plan is applied.
+YAML rendering is in `hf/render.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .render import group_siblings, render_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -91,6 +101,11 @@ UNSOUND_STYLES: dict[str, str] = {
 }
 
 
+class HfImportError(ValueError):
+    """The source names no config tpplan can import a plan from: not a model type,
+    an unreadable config, no causal-LM class or TP plan, a model that cannot be built."""
+
+
 class Skipped(NamedTuple):
     """A transformers plan entry that has no tpplan rule in the import."""
 
@@ -111,14 +126,16 @@ def load_config(model_type_or_config_path: str | os.PathLike):
     from transformers import AutoConfig
 
     source = os.fspath(model_type_or_config_path)
-    if os.path.isdir(source):
-        return AutoConfig.from_pretrained(source, local_files_only=True)
-    if os.path.isfile(source):
-        return AutoConfig.from_pretrained(os.path.dirname(source) or ".", local_files_only=True)
+    if os.path.isdir(source) or os.path.isfile(source):
+        directory = source if os.path.isdir(source) else os.path.dirname(source) or "."
+        try:
+            return AutoConfig.from_pretrained(directory, local_files_only=True)
+        except (OSError, ValueError) as exc:  # transformers' words for a missing or malformed config
+            raise HfImportError(str(exc)) from exc
     try:
         return AutoConfig.for_model(source)
     except ValueError:
-        raise ValueError(
+        raise HfImportError(
             f"{source!r} is neither a config path nor a transformers model type (as 'llama', 'qwen2')"
         ) from None
 
@@ -131,7 +148,7 @@ def causal_lm_class(config):
     try:
         return mapping[type(config)]
     except KeyError:
-        raise ValueError(f"transformers has no causal-LM model for model type {config.model_type!r}") from None
+        raise HfImportError(f"transformers has no causal-LM model for model type {config.model_type!r}") from None
 
 
 def hf_tp_plan(config, model_cls) -> dict[str, str]:
@@ -238,7 +255,7 @@ def import_hf(
     model_cls = causal_lm_class(config)
     hf_plan = hf_tp_plan(config, model_cls)
     if not hf_plan:
-        raise ValueError(
+        raise HfImportError(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
             f"(model type {config.model_type!r}): nothing to import; write the plan by hand"
         )
@@ -259,7 +276,7 @@ def import_hf(
         try:
             model = _meta_model(config, model_cls)
         except Exception as exc:  # transformers' own constructor failing on this config
-            raise ValueError(
+            raise HfImportError(
                 f"cannot build {model_cls.__name__} from this config to check the plan against it "
                 f"({type(exc).__name__}: {exc}); pass a complete config, or check_model=False"
             ) from exc
@@ -289,7 +306,7 @@ def import_hf(
         + (", plus one shared replicated input per column-parallel parent" if minimal else "")
         + "."
     )
-    text = render_plan(name, description, _tp_sizes(config), _group_siblings(rules), header)
+    text = render_plan(name, description, _tp_sizes(config), group_siblings(rules), header)
     return ImportedPlan(text, skipped, added)
 
 
@@ -342,50 +359,6 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
             if sharded_as_vocab and fqn not in planned and isinstance(model.get_submodule(fqn), nn.Embedding):
                 added[generalize(fqn)] = SOUND_STYLES["embedding_rowwise"]
     return added
-
-
-def _group_siblings(rules: Mapping[str, Any]) -> dict[str, Any]:
-    """`a.q_proj`, `a.k_proj`, `a.v_proj` with one value -> `a.{q_proj,k_proj,v_proj}`."""
-    groups: dict[tuple[str, str], list[str]] = defaultdict(list)
-    order: list[tuple[str, str]] = []
-    for key, value in rules.items():
-        parent, _, leaf = key.rpartition(".")
-        group = (parent, repr(value))
-        if group not in groups:
-            order.append(group)
-        groups[group].append(leaf)
-    out = {}
-    for parent, value_repr in order:
-        leaves = groups[(parent, value_repr)]
-        value = rules[f"{parent}.{leaves[0]}" if parent else leaves[0]]
-        tail = leaves[0] if len(leaves) == 1 else "{" + ",".join(leaves) + "}"
-        out[f"{parent}.{tail}" if parent else tail] = value
-    return out
-
-
-def render_plan(name: str, description: str, sizes: list[int], rules: Mapping[str, Any], header: list[str]) -> str:
-    """Plan YAML (SPEC §2) with one line per rule: shorthand or a flow mapping."""
-    import yaml
-
-    def scalar(value: Any) -> str:
-        if value is None:
-            return "null"
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
-        return text[: -len("...")].strip() if text.endswith("...") else text
-
-    def flow(value: Any) -> str:
-        if isinstance(value, Mapping):
-            return "{" + ", ".join(f"{k}: {flow(v)}" for k, v in value.items()) + "}"
-        if isinstance(value, (list, tuple)):
-            return "[" + ", ".join(flow(v) for v in value) + "]"
-        return scalar(value)
-
-    lines = [*header, "version: 1", f"name: {scalar(name)}", f"description: {scalar(description)}"]
-    lines += ["mesh:", "  axis: tp", f"  sizes: {flow(sizes)}", "rules:"]
-    lines += [f"  {scalar(key)}: {flow(value)}" for key, value in rules.items()] or ["  {}"]
-    return "\n".join(lines) + "\n"
 
 
 # -- transformers' own runtime, for comparison ---------------------------------------

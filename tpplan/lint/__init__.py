@@ -1,5 +1,6 @@
-"""Model-aware lint: the checks `tpplan validate --model` runs, as a registry of
-rules with stable TP3xx codes (see `tpplan rules` and docs/rules.md).
+"""Model-aware lint: the checks `tpplan validate --model` runs, as an explicit
+list of rules with stable TP3xx codes (rules/__init__.py; see `tpplan rules`
+and docs/rules.md).
 
     problems = lint_model(plan, model, tp_sizes=[2, 4, 8])
 
@@ -8,11 +9,10 @@ Importing this package does not import torch; running the rules does.
 
 from __future__ import annotations
 
-import gc
 from typing import TYPE_CHECKING, Sequence
 
-from . import rules as _rules  # noqa: F401  (registers every rule)
-from .registry import RULES, Finding, LintRule, run_rules
+from .registry import Finding, LintRule, run_rules
+from .rules import RULES
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,22 +26,13 @@ def ordered_rules() -> list[LintRule]:
 
 
 def lint_model(plan: "Plan", model: "nn.Module", tp_sizes: Sequence[int], select: Sequence[str] | None = None) -> list["Problem"]:
-    """Strict resolution (TP200, TP201) and every lint rule (or those in `select`),
-    for `model` (best built on the meta device) at each TP degree."""
+    """Strict resolution (TP200, TP201) and every lint rule (or those whose codes are
+    in `select`), for `model` (best built on the meta device) at each TP degree."""
     from .context import LintContext
 
-    # The trace and the flow analysis allocate a few objects per tensor op and free
-    # none until the end: the cyclic collector would rescan them all, over and over,
-    # which makes deep models superlinear. Nothing here makes cycles worth collecting.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        ctx = LintContext(plan, model, tp_sizes)
-        chosen = [rule for rule in ordered_rules() if select is None or rule.code in select]
-        return ctx.resolution_problems + run_rules(ctx, chosen)
-    finally:
-        if was_enabled:
-            gc.enable()
+    ctx = LintContext(plan, model, tp_sizes)
+    chosen = [rule for rule in ordered_rules() if select is None or rule.code in select]
+    return ctx.resolution_problems + run_rules(ctx, chosen, earlier=ctx.resolution_problems)
 
 
 __all__ = ["RULES", "Finding", "LintRule", "lint_model", "ordered_rules"]

@@ -3,6 +3,9 @@
 `check_model(plan, model, tp_sizes)` returns every problem as data and never
 raises on a bad plan or model: strict resolution (TP200, TP201), then the
 model-aware lint rules (TP3xx, see `tpplan rules` and tpplan/lint/).
+`select` / `ignore` choose the rules (ruff's convention: codes, code prefixes
+or rule names, comma-separated lists accepted); an entry that names no rule
+raises `UnknownRuleError` before anything runs (`selected_codes` checks them alone).
 
 Importing this module does not import torch.
 """
@@ -12,6 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ..core.problems import Problem
+from .registry import UnknownRuleError
+
+__all__ = ["DEFAULT_TP_SIZES", "UnknownRuleError", "check_model", "selected_codes", "tp_sizes_for"]
 
 if TYPE_CHECKING:
     from torch import nn
@@ -27,9 +33,28 @@ def tp_sizes_for(plan: "Plan", requested: Sequence[int] | None) -> list[int]:
     return list(requested or plan.mesh_sizes or DEFAULT_TP_SIZES)
 
 
-def check_model(plan: "Plan", model: "nn.Module", tp_sizes: Sequence[int]) -> list[Problem]:
+def selected_codes(select: Sequence[str] | None = None, ignore: Sequence[str] | None = None) -> set[str] | None:
+    """The codes of the lint rules `select` and `ignore` leave (None: every rule);
+    UnknownRuleError for an entry that names no lint rule."""
+    if select is None and ignore is None:
+        return None
+    from .registry import select_rules
+    from .rules import RULES
+
+    return select_rules(RULES, select, ignore)
+
+
+def check_model(
+    plan: "Plan",
+    model: "nn.Module",
+    tp_sizes: Sequence[int] | None,
+    select: Sequence[str] | None = None,
+    ignore: Sequence[str] | None = None,
+) -> list[Problem]:
     """Problems of `plan` applied to `model` (best built on the meta device) at each TP degree
-    (none given: the plan's mesh.sizes, else DEFAULT_TP_SIZES)."""
+    (none given: the plan's mesh.sizes, else DEFAULT_TP_SIZES), by the lint rules `select`
+    names (default: all) less those `ignore` names."""
     from . import lint_model
 
-    return lint_model(plan, model, tp_sizes_for(plan, tp_sizes))
+    chosen = selected_codes(select, ignore)
+    return lint_model(plan, model, tp_sizes_for(plan, tp_sizes), select=chosen)

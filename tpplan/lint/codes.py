@@ -12,7 +12,7 @@ import re
 import textwrap
 from dataclasses import dataclass
 
-from .registry import RULES
+from .rules import RULES
 
 # code -> (name, what it means and what to do). All are errors; TP001 exits 2.
 _PLAN_CODES = {

@@ -54,7 +54,8 @@ def _rules_by_child(ctx: "LintContext", containers) -> dict[str, dict[str, list]
 
 
 def kept_blocks(ctx: "LintContext") -> list[tuple["nn.Module", dict]]:
-    """(container, the children it keeps) for each container worth cutting."""
+    """(container, the children it keeps) for each container worth cutting
+    (`ctx.kept_blocks` computes it once)."""
     from torch import nn
 
     if ctx.trace is None:
@@ -83,9 +84,7 @@ def kept_blocks(ctx: "LintContext") -> list[tuple["nn.Module", dict]]:
 
 def collapsed_copy(ctx: "LintContext") -> "nn.Module":
     """A deep copy of the model (to shard), with repeated blocks cut to two."""
-    if "_cuts" not in ctx.__dict__:
-        ctx.__dict__["_cuts"] = kept_blocks(ctx)
-    cuts = [(module, module._modules, kept) for module, kept in ctx.__dict__["_cuts"]]
+    cuts = [(module, module._modules, kept) for module, kept in ctx.kept_blocks]
     try:
         for module, _, kept in cuts:
             module._modules = kept

@@ -1,16 +1,24 @@
 """What every lint rule sees: the plan, the model, the TP degrees, and facts
-computed once and shared (resolution, the traced forward, the layout flow).
+computed once per context and shared (cached properties: resolution, the
+traced forward, the layout flow, head counts, parameter placements, the blocks
+the dry run keeps).
 
-The trace depends only on the model, so it is kept per model object: checking
-several plans (or, in the tests, many mutated plans) against one model traces
-it once.
+The trace depends only on the model, so checking several plans (or, in the
+tests, many mutated plans) against one model should trace it once: a
+`TraceCache` keeps each model's trace while the model lives, with a
+fingerprint of the model (its modules, their classes, parameters, buffers and
+plain attributes) that must still match for the trace to be reused; a model
+changed between two calls is traced again.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
+from collections.abc import Callable, Iterator
 from functools import cached_property
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from ..core.plan import Plan, Rule
 from ..core.problems import Problem
@@ -18,21 +26,81 @@ from ..core.problems import Problem
 if TYPE_CHECKING:
     from torch import nn
 
+    from .facts import Heads, Placed
     from .flow import FlowReport
     from .trace import Trace
 
-# model -> (trace or None, the mode it ran in, or the error that stopped every mode)
-_TRACES: "weakref.WeakKeyDictionary[nn.Module, tuple[Trace | None, str]]" = weakref.WeakKeyDictionary()
+# (trace or None, the mode it ran in, or the error that stopped every mode)
+Traced = tuple["Trace | None", str]
+_PLAIN_ATTRS = (int, float, bool, str, type(None))
+
+
+def fingerprint(model: "nn.Module") -> tuple:
+    """What a trace of `model` depends on, short of its forward's code: every module
+    (identity, class, a patched forward), its plain attributes, and its parameters'
+    and buffers' identity, shape, dtype and device."""
+    parts: list[Any] = []
+    for fqn, module in model.named_modules():
+        state = module.__dict__
+        parts.append((
+            fqn, id(module), type(module), state.get("forward"),
+            tuple((k, v) for k, v in state.items() if k[0] != "_" and type(v) in _PLAIN_ATTRS),
+            tuple((k, id(p), p.shape, p.dtype, p.device, p.requires_grad) for k, p in module._parameters.items() if p is not None),
+            tuple((k, id(b), b.shape, b.dtype, b.device) for k, b in module._buffers.items() if b is not None),
+        ))
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "__dict__"):
+        parts.append(tuple(sorted((k, v) for k, v in vars(config).items() if type(v) in _PLAIN_ATTRS)))
+    return tuple(parts)
+
+
+class TraceCache:
+    """model -> its trace, while the model lives and is unchanged (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._entries: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Traced]]" = weakref.WeakKeyDictionary()
+
+    def get(self, model: "nn.Module", compute: "Callable[[nn.Module], Traced]") -> Traced:
+        entry = self._entries.get(model)
+        key = fingerprint(model)  # ~50 ms for 12,000 modules (a 1,000-layer Llama), a few % of a trace
+        if entry is not None and entry[0] == key:
+            return entry[1]
+        traced = compute(model)
+        self._entries[model] = (key, traced)
+        return traced
+
+
+# What `lint_model` uses unless given a cache of its own.
+TRACES = TraceCache()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector for one block, restoring its state after.
+
+    The trace and the flow analysis allocate a few objects per tensor op and free
+    none until they end: the collector would rescan them all, over and over, which
+    makes deep models superlinear (bench/bench_lint_gc.py: x1.3-1.5 slower at 1,000
+    layers with it on).
+    Nothing they allocate makes cycles worth collecting. Only these two blocks are
+    paused, not the dry run (torch's fake tensors do make cycles)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class LintContext:
-    def __init__(self, plan: Plan, model: "nn.Module", tp_sizes: Sequence[int]):
+    def __init__(self, plan: Plan, model: "nn.Module", tp_sizes: Sequence[int], traces: TraceCache | None = None):
         self.plan = plan
         self.model = model
         self.tp_sizes = list(tp_sizes)
+        self.traces = TRACES if traces is None else traces
         self.modules: dict[str, nn.Module] = dict(model.named_modules())
         self.matched, self.resolution_problems = resolve(plan, self.modules)
-        self.problems_so_far: list[Problem] = []
 
     # -- locations -----------------------------------------------------------------
 
@@ -51,11 +119,9 @@ class LintContext:
     # -- the traced forward ------------------------------------------------------------
 
     @cached_property
-    def _traced(self) -> "tuple[Trace | None, str]":
-        cached = _TRACES.get(self.model)
-        if cached is None:
-            cached = _TRACES[self.model] = _trace(self.model)
-        return cached
+    def _traced(self) -> Traced:
+        with collector_paused():
+            return self.traces.get(self.model, _trace)
 
     @property
     def trace(self) -> "Trace | None":
@@ -76,7 +142,29 @@ class LintContext:
             return None
         from .flow import analyze
 
-        return analyze(self.trace, self.matched, self.modules)
+        with collector_paused():
+            return analyze(self.trace, self.matched, self.modules)
+
+    # -- facts several rules read ----------------------------------------------------------
+
+    @cached_property
+    def heads(self) -> "dict[str, Heads | None]":
+        """{module: the head counts that apply inside it}, filled as `facts.heads_of` asks."""
+        return {}
+
+    @cached_property
+    def placements(self) -> "dict[str, Placed]":
+        """{parameter name: its placement under the plan} (facts.parameter_placements)."""
+        from .facts import parameter_placements
+
+        return parameter_placements(self)
+
+    @cached_property
+    def kept_blocks(self) -> list:
+        """(container, the children the dry run keeps) for each run of identical blocks."""
+        from .collapse import kept_blocks
+
+        return kept_blocks(self)
 
 
 def resolve(plan: Plan, modules: dict[str, "nn.Module"]) -> tuple[dict[str, Rule], list[Problem]]:

@@ -1,5 +1,7 @@
 """Facts about the model that several rules read: attention head counts, and the
-placement each parameter gets under the plan."""
+placement each parameter gets under the plan (from the style table,
+core/style_table.py). The context computes each once (`LintContext.heads`,
+`LintContext.placements`)."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def _heads_on(module: "nn.Module") -> tuple[tuple, int | None] | None:
 def heads_of(ctx: "LintContext", fqn: str) -> Heads | None:
     """The head counts that apply to module `fqn`: those of its closest ancestor
     (itself excluded: a Linear has none) that has any."""
-    cache = ctx.__dict__.setdefault("_heads", {})
+    cache = ctx.heads
     parent = fqn.rpartition(".")[0] if "." in fqn else ("" if fqn else None)
     if parent is None:
         return None
@@ -67,12 +69,11 @@ def heads_of(ctx: "LintContext", fqn: str) -> Heads | None:
 def head_split(ctx: "LintContext", fqn: str, rule: Rule) -> tuple[Heads, list[tuple[str, int]], int] | None:
     """For a Linear sharded by `rule` whose sharded features are whole heads
     (count x head_dim): the heads, the counts it splits, and the sharded size."""
-    from torch import nn
-
     module = ctx.modules.get(fqn)
-    if not isinstance(module, nn.Linear) or rule.spec.style not in ("colwise", "rowwise"):
+    dim = sharded_weight_dim(module, rule) if module is not None else None
+    if dim is None or module_kind(module) != "Linear":
         return None
-    size = module.out_features if rule.spec.style == "colwise" else module.in_features
+    size = module.weight.shape[dim]
     heads = heads_of(ctx, fqn)
     if heads is None or heads.head_dim is None:
         return None
@@ -92,15 +93,6 @@ def nested_parameters(module: "nn.Module") -> list[str]:
 
 # -- parameter placements ---------------------------------------------------------------
 
-# (module kind, style) -> {parameter name: placement}; other parameter names get the weight's.
-_SHARDED = {
-    ("Linear", "colwise"): {"weight": "shard(0)", "bias": "shard(0)"},
-    ("Linear", "rowwise"): {"weight": "shard(1)", "bias": "replicate"},
-    ("Embedding", "colwise"): {"weight": "shard(1)"},
-    ("Embedding", "rowwise"): {"weight": "shard(0)"},
-}
-
-
 @dataclass(frozen=True)
 class Placed:
     placement: str  # 'shard(0)', 'replicate', or 'plain' (left a plain tensor)
@@ -109,36 +101,41 @@ class Placed:
 
 
 def module_kind(module: "nn.Module") -> str | None:
-    """'Linear' or 'Embedding' (the modules colwise and rowwise shard), else None."""
-    from torch import nn
+    """The kind of `module` in the style table ('Linear', 'Embedding'), else None."""
+    from ..sharding.styles import module_kind as kind
 
-    return "Linear" if isinstance(module, nn.Linear) else "Embedding" if isinstance(module, nn.Embedding) else None
+    return kind(module)
 
 
-def placements(ctx: "LintContext") -> dict[str, Placed]:
+def sharded_weight_dim(module: "nn.Module", rule: Rule) -> int | None:
+    """The dim of `module`'s weight that `rule`'s style shards; None when it shards none."""
+    placement = rule.spec.semantics.placement(module_kind(module), "weight")
+    if placement is None or not placement.startswith("shard("):
+        return None
+    return int(placement[len("shard("):-1])
+
+
+def parameter_placements(ctx: "LintContext") -> dict[str, Placed]:
     """{parameter name (as named_parameters gives it): its placement under the plan},
-    for every name of a parameter, shared ones included."""
-    cached = ctx.__dict__.get("_placements")
-    if cached is not None:
-        return cached
+    for every name of a parameter, shared ones included (`ctx.placements`)."""
     replicated_by: dict[str, Rule | None] = {}
     out: dict[str, Placed] = {}
     for fqn, module in ctx.modules.items():
         rule = ctx.matched.get(fqn)
         parent = fqn.rpartition(".")[0] if fqn else None
         inherited = replicated_by.get(parent) if parent is not None else None
-        style = rule.spec.style if rule else None
-        replicated_by[fqn] = rule if style in ("sequence_parallel", "no_parallel") else inherited
-        table = _SHARDED.get((module_kind(module), style))
+        semantics = rule.spec.semantics if rule else None
+        replicated_by[fqn] = rule if semantics is not None and semantics.replicates else inherited
+        kind = module_kind(module) if semantics is not None and semantics.params else None
         for key, param in module._parameters.items():
             if param is None:
                 continue
             name = f"{fqn}.{key}" if fqn else key
-            if table is not None:
-                out[name] = Placed(table.get(key, table["weight"]), fqn, rule)
+            placement = semantics.placement(kind, key) if kind is not None else None
+            if placement is not None:
+                out[name] = Placed(placement, fqn, rule)
             elif replicated_by[fqn] is not None:
                 out[name] = Placed("replicate", fqn, replicated_by[fqn])
             else:
                 out[name] = Placed("plain", fqn, None)
-    ctx.__dict__["_placements"] = out
     return out

@@ -1,4 +1,7 @@
-"""The model-aware lint rules: one `LintRule` per check, each in its own module.
+"""What a model-aware lint rule is (`LintRule`), and the runner.
+
+Each rule lives in its own module under rules/ and is listed, explicitly, in
+`rules.RULES` (as yamllint's `_RULES`): nothing registers by being imported.
 
 In the spirit of yamllint and ruff: a rule has a stable code, a name, a
 severity, and documentation (what it catches, why it matters, a failing and a
@@ -11,9 +14,10 @@ Importing this module does not import torch: `tpplan rules` stays fast.
 
 from __future__ import annotations
 
+import difflib
 import re
 import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,6 +35,7 @@ class Finding:
 
     at: Location
     message: str
+    severity: Severity | None = None  # None: the rule's; a rule that could not run says so as a warning
 
 
 @dataclass(frozen=True)
@@ -43,10 +48,27 @@ class LintRule:
     why: str  # Why is this bad?
     failing: str  # a plan this rule reports ...
     passing: str  # ... and the fixed plan it does not
-    check: Callable[["LintContext"], Iterable[Finding]]
+    # check(ctx) -> findings; a `runs_last` rule is called check(ctx, earlier), with
+    # the problems found before it (resolution and every other rule run)
+    check: Callable[..., Iterable[Finding]]
     model: str = "tpplan.models.llama:tiny"  # what both examples are validated against
     failing_model: str | None = None  # when the failing example needs another model
     runs_last: bool = False  # sees every other rule's problems first (the dry run)
+
+    def problems(self, ctx: "LintContext", earlier: Sequence[Problem] = ()) -> list[Problem]:
+        """This rule's problems, findings that repeat per layer folded into one."""
+        findings = self.check(ctx, list(earlier)) if self.runs_last else self.check(ctx)
+        groups: dict[tuple, list] = {}
+        for finding in findings:
+            key = (finding.at, _shape_of(finding.message))
+            if key in groups:
+                groups[key][1] += 1
+            else:
+                groups[key] = [finding, 1]
+        return [
+            Problem(self.code, finding.severity or self.severity, finding.message + (f" (and {count - 1} more like it)" if count > 1 else ""), *finding.at)
+            for finding, count in groups.values()
+        ]
 
     def doc(self) -> str:
         """The rule's documentation as Markdown (what `tpplan rules CODE` prints)."""
@@ -83,16 +105,18 @@ def _paragraphs(text: str) -> str:
     return textwrap.dedent(text).strip()
 
 
-RULES: dict[str, LintRule] = {}
-
-
-def register(rule: LintRule) -> LintRule:
-    if rule.code in RULES:
-        raise ValueError(f"two lint rules share the code {rule.code}")
-    if not re.fullmatch(r"TP3\d\d", rule.code):
-        raise ValueError(f"model-aware lint codes are TP3xx, not {rule.code}")
-    RULES[rule.code] = rule
-    return rule
+def rule_table(rules: Iterable[LintRule]) -> dict[str, LintRule]:
+    """{code: rule}, checking that codes are TP3xx and names and codes unique."""
+    table: dict[str, LintRule] = {}
+    names: set[str] = set()
+    for rule in rules:
+        if not re.fullmatch(r"TP3\d\d", rule.code):
+            raise ValueError(f"model-aware lint codes are TP3xx, not {rule.code}")
+        if rule.code in table or rule.name in names:
+            raise ValueError(f"two lint rules share the code {rule.code} or the name {rule.name}")
+        table[rule.code] = rule
+        names.add(rule.name)
+    return dict(sorted(table.items()))
 
 
 # Per-module findings repeat for every layer of a deep model: the same message
@@ -104,19 +128,54 @@ def _shape_of(message: str) -> str:
     return _INDEX.sub("*", message)
 
 
-def run_rules(ctx: "LintContext", rules: Iterable[LintRule]) -> list[Problem]:
-    """Every rule's problems, in rule order; a rule sees those of the rules before it
-    in `ctx.problems_so_far` (the dry run skips itself after errors)."""
-    problems = ctx.problems_so_far
+def run_rules(ctx: "LintContext", rules: Iterable[LintRule], earlier: Sequence[Problem] = ()) -> list[Problem]:
+    """Every rule's problems, in rule order; a `runs_last` rule is handed the problems
+    before it (`earlier`, then those of the rules run before it)."""
+    earlier = list(earlier)
+    found: list[Problem] = []
     for rule in rules:
-        groups: dict[tuple, list] = {}
-        for finding in rule.check(ctx):
-            key = (finding.at, _shape_of(finding.message))
-            if key in groups:
-                groups[key][1] += 1
-            else:
-                groups[key] = [finding, 1]
-        for finding, count in groups.values():
-            message = finding.message + (f" (and {count - 1} more like it)" if count > 1 else "")
-            problems.append(Problem(rule.code, rule.severity, message, *finding.at))
-    return problems
+        found += rule.problems(ctx, earlier + found)
+    return found
+
+
+# -- --select / --ignore -------------------------------------------------------------
+
+
+class UnknownRuleError(ValueError):
+    """A --select / --ignore entry that names no lint rule (TP3xx code, code prefix or name)."""
+
+    def __init__(self, entry: str, suggestions: list[str]):
+        self.entry = entry
+        self.suggestions = suggestions
+        hint = f"; did you mean {', '.join(suggestions)}?" if suggestions else ""
+        super().__init__(f"{entry!r} is not a lint rule (a TP3xx code, a code prefix such as TP31, or a rule name){hint}")
+
+
+def _split(entries: Iterable[str]) -> list[str]:
+    # ruff's convention: repeatable, and each entry may be a comma-separated list
+    return [part.strip() for entry in entries for part in entry.split(",") if part.strip()]
+
+
+def _codes_of(entry: str, rules: Mapping[str, LintRule]) -> set[str]:
+    upper = entry.upper()
+    if re.fullmatch(r"TP\d{1,3}", upper):
+        codes = {code for code in rules if code.startswith(upper)}
+    else:
+        codes = {code for code, rule in rules.items() if rule.name == entry.lower()}
+    if not codes:
+        words = [*rules, *(rule.name for rule in rules.values())]
+        raise UnknownRuleError(entry, difflib.get_close_matches(entry if not upper.startswith("TP") else upper, words, n=3, cutoff=0.6))
+    return codes
+
+
+def select_rules(
+    rules: Mapping[str, LintRule], select: Iterable[str] | None = None, ignore: Iterable[str] | None = None
+) -> set[str]:
+    """The codes of the rules to run: those `select` names (all when None), less those
+    `ignore` names. Entries are codes (TP311), prefixes (TP31) or names
+    (head-divisibility), comma-separated lists of them accepted; UnknownRuleError
+    names an entry that matches no rule and the closest valid ones."""
+    chosen = set(rules) if select is None else set().union(*(_codes_of(e, rules) for e in _split(select)))
+    if ignore is not None:
+        chosen -= set().union(*(_codes_of(e, rules) for e in _split(ignore)))
+    return chosen

@@ -1,17 +1,19 @@
-"""Record what the model's forward does, once, on the meta device.
+"""Record what the model's forward does, once, without real data.
 
 The layout-flow checks need to know which tensor each module receives and how
 the functions between modules transform it. We run the unparallelized model's
-forward on meta tensors under a `TorchFunctionMode` and keep a flat list of
-events: `Call` and `Return` of every module (with the node ids of its tensor
-inputs and outputs) and `Op` for every torch function applied to tensors in
-between. A node id names one tensor; its full shape is in `Trace.shapes`.
+forward under a `TorchFunctionMode` and keep a flat list of events: `Call` and
+`Return` of every module (with the node ids of its tensor inputs and outputs)
+and `Op` for every torch function applied to tensors in between. The forward
+runs however the caller set it up: the lint (context.py) tries the meta
+device, then FakeTensorMode, then, for a small model, random values on the CPU
+(simulation.py); this module only records. A node id names one tensor; its full shape is in `Trace.shapes`.
 
 The trace does not depend on the plan or the TP degree, so one trace serves
 every check, rule and degree.
 
-Meta kernels are slow (hundreds of microseconds per op), so a 1,000-layer
-model would take seconds to trace. Blocks repeat, though: a module whose
+Meta and fake kernels are slow (hundreds of microseconds per op), so a
+1,000-layer model would take seconds to trace. Blocks repeat, though: a module whose
 structure (class, parameters, submodules, plain attributes) and inputs
 (shapes, dtypes, plain arguments) equal those of an earlier call is not run
 again. Its recorded events are replayed under the new path with fresh node
@@ -78,7 +80,7 @@ class Trace:
 
 
 class TraceError(Exception):
-    """The model's forward cannot run on the meta device with the example inputs."""
+    """The model's forward raises on the example inputs (in the mode it was run in)."""
 
 
 def _op_name(func: Any) -> str:
@@ -340,7 +342,8 @@ _OPAQUE = object()
 
 
 def trace_model(model: nn.Module, inputs: tuple) -> Trace:
-    """The events of one forward of `model` (on meta) on `inputs`; TraceError when
+    """The events of one forward of `model` on `inputs` (in the caller's mode: meta,
+    fake or values); TraceError when
     the forward raises. The model is left exactly as it was."""
     trace = Trace()
     tracer = _Tracer(trace)

@@ -1,31 +1,13 @@
-"""Turn a style spec from a plan into a fresh torch ParallelStyle object."""
+"""Turn a style spec from a plan into a fresh torch ParallelStyle object: the class
+its style table entry names (core/style_table.py), called with the spec's options."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..core.placements import PlacementSpec
-from ..core.schema import StyleSpec
-from .styles import (
-    ColwiseParallel,
-    NoParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    PrepareModuleInputOutput,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    SequenceParallel,
-)
-
-STYLE_CLASSES: dict[str, type[ParallelStyle]] = {
-    "colwise": ColwiseParallel,
-    "rowwise": RowwiseParallel,
-    "sequence_parallel": SequenceParallel,
-    "prepare_module_input": PrepareModuleInput,
-    "prepare_module_output": PrepareModuleOutput,
-    "prepare_module_input_output": PrepareModuleInputOutput,
-    "no_parallel": NoParallel,
-}
+from ..core.style_table import StyleSpec
+from .styles import ParallelStyle, resolve
 
 
 def _to_torch(value: Any) -> Any:
@@ -41,6 +23,6 @@ def _to_torch(value: Any) -> Any:
 def compile_style(spec: StyleSpec, src_data_rank: int | None = 0) -> ParallelStyle:
     """A new style object for one module: styles hold per-module state, so never share one."""
     options = {name: _to_torch(getattr(spec, name)) for name in type(spec).model_fields if name != "style"}
-    style = STYLE_CLASSES[spec.style](**options)
+    style = resolve(type(spec).semantics.torch_class)(**options)
     style.src_data_rank = src_data_rank
     return style

@@ -1,7 +1,11 @@
-"""The parallel styles a plan can name: torch's seven, re-exported as they are,
-and `NoParallel`, ours."""
+"""The parallel styles a plan can name: torch's six (subclasses of their base
+class `ParallelStyle`), re-exported as they are, and `NoParallel`, ours; and the
+resolution of the torch names in the style table (core/style_table.py)."""
 
 from __future__ import annotations
+
+import functools
+import importlib
 
 import torch
 from torch import nn
@@ -25,7 +29,27 @@ __all__ = [
     "PrepareModuleInputOutput",
     "ParallelStyle",
     "NoParallel",
+    "module_kind",
+    "resolve",
 ]
+
+
+@functools.cache
+def resolve(name: str):
+    """The object a "module:attribute" name of the style table names."""
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def module_kind(module: nn.Module) -> str | None:
+    """The kind (a key of core.style_table.MODULE_KINDS) of `module`, else None."""
+    from ..core.style_table import MODULE_KINDS
+
+    for kind, entry in MODULE_KINDS.items():
+        target = resolve(entry.torch_class)
+        if isinstance(module, target) if isinstance(target, type) else target(module):
+            return kind
+    return None
 
 
 class NoParallel(ParallelStyle):

@@ -1,6 +1,12 @@
-"""The lint rules, one module each; importing this package registers them all."""
+"""The lint rules, one module each, listed here explicitly (as yamllint's `_RULES`):
+`RULES` is the registry `lint_model`, `tpplan rules` and docs/rules.md read.
+Adding a rule: write its module, add its `RULE` below.
 
-from . import (  # noqa: F401  (imported to register)
+Importing this package does not import torch: `tpplan rules` stays fast.
+"""
+
+from ..registry import rule_table
+from . import (
     arity,
     coverage,
     dry_run,
@@ -19,3 +25,24 @@ from . import (  # noqa: F401  (imported to register)
     uneven_handoff,
     unused_layout,
 )
+
+# code -> rule, in code order
+RULES = rule_table([
+    style_module.RULE,  # TP300
+    sequence_parallel_nested.RULE,  # TP301
+    sequence_parallel_positionwise.RULE,  # TP302
+    arity.RULE,  # TP303
+    unused_layout.RULE,  # TP304
+    shard_divisibility.RULE,  # TP310
+    head_divisibility.RULE,  # TP311
+    layout_mismatch.RULE,  # TP320
+    shard_leak.RULE,  # TP321
+    sequence_parallel_open.RULE,  # TP322
+    mixed_dtensor.RULE,  # TP323
+    uneven_handoff.RULE,  # TP324
+    trace_unavailable.RULE,  # TP329
+    dry_run.RULE,  # TP330
+    shared_input_comms.RULE,  # TP340
+    tied_placement.RULE,  # TP350
+    coverage.RULE,  # TP360
+])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import inspect
 
-from ..registry import Finding, LintRule, register
+from ..facts import module_kind
+from ..registry import Finding, LintRule
 from ..text import plural, rule_ref
 
 
@@ -36,7 +37,7 @@ def _static(ctx):
     for fqn, rule in ctx.matched.items():
         spec, module = rule.spec, ctx.modules[fqn]
         layouts = getattr(spec, "input_layouts", None)
-        if spec.style not in ("prepare_module_input", "prepare_module_input_output") or layouts is None:
+        if spec.semantics.inputs != "layouts" or layouts is None:
             continue
         if (id(rule), type(module)) in seen:
             continue
@@ -62,7 +63,8 @@ def _observed(ctx):
         passed = f"{plural(call.positional, 'positional input')}" + (
             f" (and {', '.join(call.keywords)} by keyword)" if call.keywords else ""
         )
-        if spec.style in ("prepare_module_input", "prepare_module_input_output") and spec.input_layouts is not None:
+        inputs = spec.semantics.inputs
+        if inputs == "layouts" and spec.input_layouts is not None:
             if len(spec.input_layouts) != call.positional:
                 fix = (
                     f"give {call.positional} entries" if call.positional else "drop input_layouts"
@@ -72,7 +74,7 @@ def _observed(ctx):
                     f"with {passed} ({rule_ref(call.rule)}): torch raises 'module inputs and input_layouts "
                     f"should have same length!'; {fix}"
                 ))
-        elif spec.style in ("colwise", "rowwise", "sequence_parallel") and call.positional > 1 and _applicable(ctx, call):
+        elif inputs == "first" and call.positional > 1 and _applicable(ctx, call):
             signature = forward_signature(module)
             shown = f" of {_signature_text(module, signature[0], signature[2])}" if signature else ""
             yield Finding(ctx.at(call.rule), (
@@ -80,10 +82,10 @@ def _observed(ctx):
                 f"({rule_ref(call.rule)}): torch drops the others and the forward fails; put {spec.style} on a "
                 "module called with one input (a Linear, a norm), or prepare the inputs with prepare_module_input"
             ))
-        elif spec.style == "no_parallel" and not call.first_is_tensor:
+        elif inputs == "first_tensor" and not call.first_is_tensor:
             yield Finding(ctx.at(call.rule), (
-                f"no_parallel lays out the first positional input of '{name}', but it is called with {passed} and "
-                f"the first is not a tensor ({rule_ref(call.rule)}): NoParallel raises TypeError; put it on a "
+                f"{spec.style} lays out the first positional input of '{name}', but it is called with {passed} and "
+                f"the first is not a tensor ({rule_ref(call.rule)}): {spec.semantics.torch_class.rpartition(':')[2]} raises TypeError; put it on a "
                 "module whose first positional input is a tensor"
             ))
     for site in ctx.flow.outputs:
@@ -97,13 +99,12 @@ def _observed(ctx):
 
 
 def _applicable(ctx, call) -> bool:
-    """colwise/rowwise on a module that is no Linear/Embedding is TP300's, whatever its inputs."""
-    from torch import nn
+    """A style on a module of a kind it does not shard is TP300's, whatever its inputs."""
+    kinds = call.rule.spec.semantics.kinds
+    return not kinds or module_kind(ctx.modules.get(call.fqn)) in kinds
 
-    return call.rule.spec.style == "sequence_parallel" or isinstance(ctx.modules.get(call.fqn), (nn.Linear, nn.Embedding))
 
-
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP303",
     name="style-arity",
     severity="error",
@@ -145,4 +146,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..facts import placements
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import generalize
 
 # Warn when more than this share of the parameters stays whole on every rank,
@@ -22,7 +21,7 @@ def _count(n: float) -> str:
 
 
 def check(ctx):
-    placed = placements(ctx)
+    placed = ctx.placements
     sizes = {name: param.numel() for name, param in ctx.model.named_parameters()}  # a tied parameter once
     total = sum(sizes.values())
     if not total:
@@ -43,7 +42,7 @@ def check(ctx):
     ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP360",
     name="coverage",
     severity="warning",
@@ -74,4 +73,4 @@ RULE = register(LintRule(
           blocks.*.out_proj: rowwise
     """,
     check=check,
-))
+)

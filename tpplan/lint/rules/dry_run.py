@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 
 
 def _sequence_length(tp: int) -> int:
@@ -11,13 +11,27 @@ def _sequence_length(tp: int) -> int:
     return tp * max(1, -(-8 // tp))
 
 
-def check(ctx):
-    if ctx.trace is None or any(p.severity == "error" for p in (*ctx.resolution_problems, *ctx.problems_so_far)):
-        return  # no way to run the model (TP329 says so), or it would only fail on what is reported already
+def check(ctx, earlier):
+    """The dry run's findings; `earlier`: the problems found before it (resolution and
+    every other rule run). A dry run that cannot run says why, as a warning: a
+    skipped check must not look like a passed one."""
+    if any(p.severity == "error" for p in earlier):
+        return  # it would only fail on what is reported already
+    if ctx.trace is None:
+        yield Finding(ctx.plan_location(), (
+            f"the shape-level dry run was skipped: the model's forward cannot run on example inputs "
+            f"({ctx.trace_error}); see TP329"
+        ), severity="warning")
+        return
     import torch.distributed as dist
 
     if dist.is_initialized():
-        return  # a real process group (under torchrun): simulating would need to replace it
+        yield Finding(ctx.plan_location(), (
+            f"the shape-level dry run was skipped: a process group ({dist.get_backend()}, world size "
+            f"{dist.get_world_size()}) is already initialized in this process, and simulating {ctx.tp_sizes} ranks "
+            "would need to replace it; run `tpplan validate --model` outside torchrun"
+        ), severity="warning")
+        return
     from ..simulation import available
 
     modes = available(ctx.model)
@@ -55,19 +69,22 @@ def _simulate(ctx, tp: int, mode: str):
     return None
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP330",
     name="dry-run",
     severity="error",
     summary="The parallelized model fails a shape-level forward and backward at a TP degree.",
     what="""
         When no other error was found, applies the plan at each TP degree in one
-        process (torch's fake process group, meta tensors: no memory, no
-        devices) and runs a forward and backward on default inputs, as
-        `tpplan apply --dry-run` does; a failure is reported at the rule that
-        shards the module where it happened. Repeated blocks are simulated
-        twice, not once per layer, so that deep models stay fast; the sequence
-        length is a multiple of the degree.
+        process (torch's fake process group; the model on the meta device or
+        under FakeTensorMode, or, if it is small and runs neither way, on
+        random values: no devices) and runs a forward and backward on default
+        inputs, as `tpplan apply --dry-run` does; a failure is reported at the
+        rule that shards the module where it happened. Repeated blocks are
+        simulated twice, not once per layer, so that deep models stay fast; the
+        sequence length is a multiple of the degree. When the dry run cannot run
+        (the forward cannot be traced, or a process group is already
+        initialized), it says so in a warning.
     """,
     why="""
         Static checks see the plan and the module tree; the forward code can
@@ -93,4 +110,4 @@ RULE = register(LintRule(
     """,
     check=check,
     runs_last=True,
-))
+)

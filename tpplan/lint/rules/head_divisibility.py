@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..facts import head_split
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import degrees_that_work, rule_ref
 
 
@@ -32,7 +32,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP311",
     name="head-divisibility",
     severity="error",
@@ -78,4 +78,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import rule_ref, shard_text, styled
 
 
@@ -31,8 +31,8 @@ def _fix(m, ndim: int) -> str:
             producer = f"give '{have.src.rule.pattern}' output_layouts: {m.declared}" if have.src else "shard it before (a rowwise with output_layouts: shard(1))"
             return f"sequence parallelism starts where the sequence is sharded: {producer}, or drop sequence_parallel here"
         return f"set sequence_dim to the dim that is sharded, or gather before it (it arrives {shard_text(have.dim, ndim) if have.kind == 'S' else 'partial'})"
-    if style == "no_parallel":
-        key = "input_layout"
+    if m.what == "input 0" and m.rule.spec.semantics.input_option is not None:
+        key = m.rule.spec.semantics.input_option
     if have.kind == "R":
         producer = f"give '{have.src.rule.pattern}' output_layouts: {m.declared} so that it arrives that way, or " if have.src else ""
         return f"{producer}declare {key}: replicate"
@@ -54,7 +54,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP320",
     name="layout-mismatch",
     severity="error",
@@ -102,4 +102,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

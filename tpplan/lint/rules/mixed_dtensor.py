@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import styled
 
 
@@ -22,7 +22,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP323",
     name="mixed-dtensor",
     severity="error",
@@ -58,4 +58,4 @@ RULE = register(LintRule(
           layers.*.feed_forward.w2: rowwise
     """,
     check=check,
-))
+)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from ..facts import nested_parameters
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import rule_ref
 
 
 def check(ctx):
     for fqn, rule in ctx.matched.items():
-        if rule.spec.style != "sequence_parallel":
+        style = rule.spec.style
+        if not rule.spec.semantics.flat_params:  # the styles that refuse nested parameters
             continue
         module = ctx.modules[fqn]
         nested = nested_parameters(module)
@@ -17,14 +18,14 @@ def check(ctx):
             continue
         shown = ", ".join(nested[:3]) + (", ..." if len(nested) > 3 else "")
         yield Finding(ctx.at(rule), (
-            f"sequence_parallel replicates a module's parameters by name, but '{fqn or '<root>'}' "
+            f"{style} replicates a module's parameters by name, but '{fqn or '<root>'}' "
             f"({type(module).__name__}) holds {len(nested)} in submodules ({shown}) ({rule_ref(rule)}); "
-            "torch fails with 'parameter name can't contain \".\"': put sequence_parallel on the "
+            f"torch fails with 'parameter name can't contain \".\"': put {style} on the "
             "position-wise leaves (norms, dropout) and shard the Linears with colwise/rowwise"
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP301",
     name="sequence-parallel-nested",
     severity="error",
@@ -67,4 +68,4 @@ RULE = register(LintRule(
           output: {style: colwise, input_layouts: shard(1), output_layouts: replicate}
     """,
     check=check,
-))
+)

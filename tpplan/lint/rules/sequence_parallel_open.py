@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import generalize, shard_text
 from .shard_leak import leak_message
 
@@ -35,7 +35,7 @@ def check(ctx):
             ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP322",
     name="sequence-parallel-open",
     severity="error",
@@ -99,4 +99,4 @@ RULE = register(LintRule(
           output: {style: colwise, input_layouts: shard(1), output_layouts: replicate}
     """,
     check=check,
-))
+)

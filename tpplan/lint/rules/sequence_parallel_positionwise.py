@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from ..facts import nested_parameters
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import rule_ref
 
 # Class names of position-wise modules in torch and HuggingFace (LlamaRMSNorm,
@@ -40,7 +40,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP302",
     name="sequence-parallel-positionwise",
     severity="warning",
@@ -80,4 +80,4 @@ RULE = register(LintRule(
           down: rowwise
     """,
     check=check,
-))
+)

@@ -2,17 +2,10 @@
 
 from __future__ import annotations
 
-from ..facts import head_split, module_kind
-from ..registry import Finding, LintRule, register
+from ...core.style_table import MODULE_KINDS
+from ..facts import head_split, module_kind, sharded_weight_dim
+from ..registry import Finding, LintRule
 from ..text import chunks_text, degrees_that_work, rule_ref
-
-# (module kind, style) -> (what the sharded dim is called, weight dim)
-_SHARDED_DIM = {
-    ("Linear", "colwise"): ("out_features", 0),
-    ("Linear", "rowwise"): ("in_features", 1),
-    ("Embedding", "colwise"): ("embedding_dim", 1),
-    ("Embedding", "rowwise"): ("num_embeddings", 0),
-}
 
 
 def sharded_dims(ctx):
@@ -20,11 +13,10 @@ def sharded_dims(ctx):
     except those split by whole heads (TP311 checks those)."""
     for fqn, rule in ctx.matched.items():
         module = ctx.modules[fqn]
-        entry = _SHARDED_DIM.get((module_kind(module), rule.spec.style))
-        if entry is None or head_split(ctx, fqn, rule) is not None:
+        dim = sharded_weight_dim(module, rule)  # from the style table
+        if dim is None or head_split(ctx, fqn, rule) is not None:
             continue
-        name, dim = entry
-        yield fqn, rule, name, dim, module.weight.shape[dim]
+        yield fqn, rule, MODULE_KINDS[module_kind(module)].weight_dims[dim], dim, module.weight.shape[dim]
 
 
 def check(ctx):
@@ -40,7 +32,7 @@ def check(ctx):
             ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP310",
     name="shard-divisibility",
     severity="warning",
@@ -75,4 +67,4 @@ RULE = register(LintRule(
           blocks.*.out_proj: rowwise
     """,
     check=check,
-))
+)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import generalize, shard_text, styled
 
 
@@ -38,7 +38,7 @@ def check(ctx):
         yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {fix}")
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP321",
     name="shard-leak",
     severity="error",
@@ -72,4 +72,4 @@ RULE = register(LintRule(
           blocks.*.out_proj: rowwise
     """,
     check=check,
-))
+)

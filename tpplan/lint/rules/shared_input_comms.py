@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import generalize, plural, rule_ref, shard_text
 
 
@@ -89,7 +89,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP340",
     name="shared-input-comms",
     severity="warning",
@@ -127,4 +127,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

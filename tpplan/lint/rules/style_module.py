@@ -1,32 +1,32 @@
-"""TP300: colwise / rowwise on a module that is not an nn.Linear or nn.Embedding."""
+"""TP300: a style on a module of a kind it does not shard (colwise / rowwise on a
+module that is not an nn.Linear or nn.Embedding; the kinds come from the style table)."""
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..facts import module_kind
+from ..registry import Finding, LintRule
 from ..text import article, rule_ref
 
 
 def check(ctx):
-    from torch import nn
-
     for fqn, rule in ctx.matched.items():
-        style = rule.spec.style
+        style, kinds = rule.spec.style, rule.spec.semantics.kinds  # the kinds the style table says it shards
         module = ctx.modules[fqn]
-        if style not in ("colwise", "rowwise") or isinstance(module, (nn.Linear, nn.Embedding)):
+        if not kinds or module_kind(module) in kinds:
             continue
-        shardable = [name for name, sub in module.named_modules() if name and isinstance(sub, (nn.Linear, nn.Embedding))]
+        shardable = [name for name, sub in module.named_modules() if name and module_kind(sub) in kinds]
         if shardable:
             shown = ", ".join(shardable[:4]) + (", ..." if len(shardable) > 4 else "")
-            fix = f"put {style} on its Linear/Embedding submodules ({shown}), and prepare_module_input here if its input needs a layout"
+            fix = f"put {style} on its {'/'.join(kinds)} submodules ({shown}), and prepare_module_input here if its input needs a layout"
         else:
-            fix = "it holds no Linear or Embedding to shard: use no_parallel to replicate it, or drop the rule"
+            fix = f"it holds no {' or '.join(kinds)} to shard: use no_parallel to replicate it, or drop the rule"
         yield Finding(ctx.at(rule), (
-            f"{style} shards only nn.Linear and nn.Embedding, but '{fqn or '<root>'}' is {article(type(module).__name__)} "
-            f"({rule_ref(rule)}); torch raises NotImplementedError when the plan is applied: {fix}"
+            f"{style} shards only {' and '.join(f'nn.{kind}' for kind in kinds)}, but '{fqn or '<root>'}' is "
+            f"{article(type(module).__name__)} ({rule_ref(rule)}); torch raises NotImplementedError when the plan is applied: {fix}"
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP300",
     name="style-module",
     severity="error",
@@ -54,4 +54,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from ...sharding.tied import shared_parameters
-from ..facts import placements
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import rule_ref
 
 
@@ -25,7 +24,7 @@ def _anchor(ctx, group, placed):
 
 
 def check(ctx):
-    placed = placements(ctx)
+    placed = ctx.placements
     for group in tied_groups(ctx):
         # a module reachable under two paths is known (and matched) by its first one only
         group = [name for name in group if name in placed]
@@ -40,7 +39,7 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP350",
     name="tied-placement",
     severity="error",
@@ -75,4 +74,4 @@ RULE = register(LintRule(
           down: rowwise
     """,
     check=check,
-))
+)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 
 
 def check(ctx):
@@ -14,18 +14,19 @@ def check(ctx):
         ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP329",
     name="trace-unavailable",
     severity="warning",
     summary="The model's forward cannot be traced, so the layout-flow checks were skipped.",
     what="""
-        The flow checks run the unparallelized model's forward once on the meta
-        device with default example inputs (token ids for a model that starts
-        with an Embedding, floats for one that starts with a Linear) and record
-        what each module receives. This rule says when that is impossible: no
-        default input for the first module, or a forward that fails on meta
-        tensors (data-dependent control flow, `.item()`).
+        The flow checks run the unparallelized model's forward once with default
+        example inputs (token ids for a model that starts with an Embedding,
+        floats for one that starts with a Linear) and record what each module
+        receives: on the meta device, else under FakeTensorMode, else (a small
+        model) on random values. This rule says when that is impossible: no
+        default input for the first module, or a forward that fails in every
+        one of these ways (data-dependent control flow, `.item()`).
     """,
     why="""
         A skipped check must not look like a passed one: under `--strict` this
@@ -45,4 +46,4 @@ RULE = register(LintRule(
           blocks.*.out_proj: rowwise
     """,
     check=check,
-))
+)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..facts import head_split
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import chunks_text, degrees_that_work, styled
 
 
@@ -29,7 +29,7 @@ def check(ctx):
             ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP324",
     name="uneven-handoff",
     severity="error",
@@ -64,4 +64,4 @@ RULE = register(LintRule(
           blocks.*.out_proj: rowwise
     """,
     check=check,
-))
+)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 
-from ..registry import Finding, LintRule, register
+from ..registry import Finding, LintRule
 from ..text import rule_ref
 
 
@@ -42,7 +42,7 @@ def check(ctx):
                 ))
 
 
-RULE = register(LintRule(
+RULE = LintRule(
     code="TP304",
     name="unused-kwarg-layout",
     severity="warning",
@@ -81,4 +81,4 @@ RULE = register(LintRule(
           layers.*.attention.wo: rowwise
     """,
     check=check,
-))
+)

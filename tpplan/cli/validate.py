@@ -1,0 +1,125 @@
+"""`tpplan validate PLAN...`: schema and plan-only checks; with --model, the model-aware lint.
+
+Plan-only validation must not import torch and starts in a benchmarked time
+(bench/bench_validate_startup.py): everything beyond typer is imported inside
+the command, and only what its options need.
+"""
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+
+from .output import Format, exit_with, print_outcome, usage_error
+
+if TYPE_CHECKING:
+    from ..core.plan import Plan
+    from ..core.problems import Problem
+    from ..render.problems import CheckedPlan
+
+
+def validate(
+    plans: Annotated[list[str], typer.Argument(metavar="PLAN", help="Plan files (YAML) to validate.", show_default=False)],
+    model: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="MOD:FN",
+            help="Also check the plans against this model: an importable callable returning an nn.Module, "
+            "built on the meta device (imports torch).",
+        ),
+    ] = None,
+    tp: Annotated[
+        Optional[list[int]],
+        typer.Option(
+            metavar="N",
+            min=1,
+            help="TP degree to check the model at; default: the plan's mesh.sizes, else 2, 4 and 8.",
+            show_default=False,
+        ),
+    ] = None,
+    format: Annotated[Format, typer.Option(help="Output format: text (for people), json (one object; cli.md lists its keys), github (annotations).")] = Format.text,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
+    select: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODE",
+            help="With --model, run only these lint rules: TP3xx codes, prefixes (TP31) or names "
+            "(head-divisibility); repeatable, comma-separated lists accepted.",
+            show_default=False,
+        ),
+    ] = None,
+    ignore: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            metavar="CODE",
+            help="With --model, skip these lint rules (as --select); applied after --select.",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Validate plans: schema and plan-only checks; with --model, strict resolution and model checks."""
+    from ..core.loader import load_plan, read_plan_text
+    from ..core.problems import PlanError
+    from ..render.problems import CheckedPlan, Outcome
+
+    rules = None
+    if select is not None or ignore is not None:
+        from ..lint.checks import UnknownRuleError, selected_codes
+
+        try:
+            selected_codes(select)
+        except UnknownRuleError as exc:
+            usage_error(f"--select: {exc}")
+        try:
+            rules = selected_codes(select, ignore)
+        except UnknownRuleError as exc:
+            usage_error(f"--ignore: {exc}")
+    factory = None
+    if model is not None:
+        from ..runtime.modelref import ModelRefError, load_callable
+
+        try:
+            factory = load_callable(model, "--model")
+        except ModelRefError as exc:
+            usage_error(str(exc))
+
+    checked: list[CheckedPlan] = []
+    loaded: list[tuple[CheckedPlan, Plan]] = []
+    problems: list[Problem] = []
+    for path in plans:
+        entry = CheckedPlan(path)
+        checked.append(entry)
+        try:
+            entry.text = read_plan_text(path)
+            plan = load_plan(text=entry.text, file=path)
+        except PlanError as exc:
+            problems += exc.problems
+            continue
+        entry.rules = len(plan.rules)
+        loaded.append((entry, plan))
+
+    if factory is not None:
+        problems += _check_against_model(model, factory, loaded, tp, rules)
+
+    exit_with(print_outcome(Outcome(checked, problems, strict), format))
+
+
+def _check_against_model(
+    ref: str, factory: Callable[[], Any], loaded: "list[tuple[CheckedPlan, Plan]]", tp: list[int] | None,
+    rules: "set[str] | None" = None,
+) -> "list[Problem]":
+    """Build the model once, on the meta device, and check every loaded plan against it."""
+    from ..core.problems import PlanError
+    from ..lint.checks import check_model, tp_sizes_for
+    from ..runtime.modelref import build_model
+
+    try:
+        built = build_model(ref, "meta", factory)
+    except PlanError as exc:
+        return exc.problems
+    problems: list[Problem] = []
+    for entry, plan in loaded:
+        entry.model, entry.tp_sizes = ref, tp_sizes_for(plan, tp)
+        selection = {} if rules is None else {"select": sorted(rules)}
+        problems += check_model(plan, built, entry.tp_sizes, **selection)
+    return problems

@@ -1,0 +1,152 @@
+"""The layouts the layout flow (flow.py) gives tensors, and what it finds.
+
+Every tensor gets a layout under the plan, as torch would give it at run time:
+
+- plain `R`: a local tensor holding the full value (what the model starts with);
+- plain `S(d)`: a local tensor holding one rank's shard of dim `d` of the full
+  shape (what a style returns with `use_local_output: true` and a shard layout);
+- plain `P`: a local tensor holding a partial sum;
+- a DTensor (`dt`): torch knows its placement and redistributes it as needed;
+- unknown (`?`): we lost track (an op we do not model); nothing downstream is judged.
+
+What can go wrong is recorded as findings that the TP32x rules turn into problems:
+
+- `Mismatch`: a style annotates a plain tensor (`DTensor.from_local`) with a
+  layout it does not have (a shard declared replicated, or the reverse);
+- `Leak`: a plain shard or partial reaches what needs the full tensor: a module
+  the plan leaves alone that has parameters, an op that mixes it with full
+  tensors or reduces over the sharded dim, or the model's output;
+- `Mixed`: a DTensor meets a plain tensor (torch raises);
+- `Handoff`: a plain shard correctly annotated by the next style (TP324 checks
+  that each degree divides it evenly);
+- `ColwiseInput`, `CallSite`, `OutputSite`: facts for the arity and
+  communication rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..core.placements import PlacementSpec
+from .text import shard_text
+
+if TYPE_CHECKING:
+    from ..core.plan import Rule
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """The module (and the plan rule that styles it) a layout comes from."""
+
+    fqn: str
+    rule: "Rule"
+
+
+@dataclass(frozen=True, slots=True)
+class Lay:
+    kind: str  # 'R', 'S', 'P' or '?'
+    dt: bool | None = False  # DTensor; None: unknown after a reported problem (judge nothing)
+    dim: int | None = None  # S: the sharded dim of the full shape
+    src: Source | None = None
+
+    def text(self, ndim: int) -> str:
+        base = shard_text(self.dim, ndim) if self.kind == "S" else {"R": "replicated", "P": "partial", "?": "unknown"}[self.kind]
+        return f"{base} DTensor" if self.dt else base
+
+
+REPLICATED = Lay("R")
+DEAD = Lay("?", None)
+
+
+def placement_lay(placement: PlacementSpec | None, ndim: int, dt: bool, src: Source | None) -> Lay | None:
+    """The layout a placement gives a tensor of `ndim` dims; None for a shard dim out of range."""
+    if placement is None or placement.kind == "replicate":
+        return Lay("R", dt, None, src)
+    if placement.kind == "partial":
+        return Lay("P", dt, None, src)
+    if not -ndim <= placement.dim < ndim:
+        return None
+    return Lay("S", dt, placement.dim % ndim, src)
+
+
+# -- findings ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    fqn: str  # the module whose style annotates
+    rule: "Rule"
+    what: str  # "input 0", "input 'mask'", "output 0"
+    declared: str  # placement text as the plan (or torch's default) says
+    declared_default: bool  # the declaration is torch's default, not written in the plan
+    actual: Lay
+    shape: tuple
+    impossible: bool = False  # the declared shard dim is out of range for the tensor
+
+
+@dataclass(frozen=True)
+class Leak:
+    value: Lay  # plain S or P, with its source
+    where: str  # 'module', 'output', 'op', 'reduce'
+    fqn: str  # the module reached (where='module'), or the module the op runs in
+    detail: str  # module class, op name
+    shape: tuple
+
+    @property
+    def sequence(self) -> bool:
+        """A shard of a non-feature dim (sequence parallelism), not of the last dim."""
+        return self.value.kind == "S" and self.value.dim != len(self.shape) - 1
+
+
+@dataclass(frozen=True)
+class Mixed:
+    value: Lay  # the DTensor
+    shape: tuple  # its full shape
+    fqn: str
+    detail: str  # "op 'add'" or "module 'norm' (RMSNorm) whose parameters are plain tensors"
+
+
+@dataclass(frozen=True)
+class Handoff:
+    value: Lay  # plain S, correctly declared by the consumer
+    consumer: str
+    rule: "Rule"
+    size: int  # full size of the sharded dim
+    ndim: int
+
+
+@dataclass(frozen=True)
+class ColwiseInput:
+    fqn: str
+    rule: "Rule"
+    node: int
+    value: Lay
+    needs_grad: bool
+    enclosing: tuple  # (fqn, Call) of the modules running around this call, innermost last
+
+
+@dataclass(frozen=True)
+class CallSite:
+    fqn: str
+    rule: "Rule"
+    positional: int
+    keywords: tuple
+    first_is_tensor: bool
+
+
+@dataclass(frozen=True)
+class OutputSite:
+    fqn: str
+    rule: "Rule"
+    count: int
+
+
+@dataclass
+class FlowReport:
+    mismatches: list = field(default_factory=list)
+    leaks: list = field(default_factory=list)
+    mixed: list = field(default_factory=list)
+    handoffs: list = field(default_factory=list)
+    colwise_inputs: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
