@@ -10,21 +10,16 @@ variants alternating, medians. Prints each variant's time and its ratio to the f
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_lint import TP_SIZES, build, plan_text  # noqa: E402
+from _common import arguments, median, seconds
+from bench_lint import TP_SIZES, build, plan_text
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--layers", type=int, nargs="+", default=[250, 1000])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
@@ -58,13 +53,11 @@ def main() -> int:
             for name, run in variants.items():
                 model = build(n_layers)
                 gc.collect()
-                start = time.perf_counter()
-                run(model)
-                times[name].append(time.perf_counter() - start)
+                times[name].append(seconds(lambda: run(model)))
                 del model
-        base = statistics.median(times["whole call"])
+        base = median(times["whole call"])
         print(f"{n_layers:5d} layers: " + ", ".join(
-            f"{name} {statistics.median(t):5.2f} s (x{statistics.median(t) / base:.2f})" for name, t in times.items()
+            f"{name} {median(t):5.2f} s (x{median(t) / base:.2f})" for name, t in times.items()
         ), flush=True)
     return 0
 

@@ -1,4 +1,4 @@
-"""`tpplan apply --dry-run`: one process simulates N ranks on meta tensors.
+"""`tpplan apply --dry-run`: one process simulates N ranks on fake tensors (FakeTensorMode).
 
 The expected bytes and collective counts (tests/expected.py) are derived from
 the model configs, not copied from a run.
@@ -19,7 +19,8 @@ from tpplan.cli.app import app
 from tpplan.runtime.dryrun import dry_run
 from tpplan.models import llama, mlp
 from tpplan.models.llama import LlamaConfig
-from tpplan.runtime.torchrun import ApplyOptions, UsageError
+from tpplan.cli.apply import worded
+from tpplan.runtime.options import ApplyOptions, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
@@ -173,7 +174,7 @@ def test_without_tp_the_largest_promised_degree_is_simulated_and_said():
 def test_plan_without_sizes_needs_tp(tmp_path):
     plan = tmp_path / "p.yaml"
     plan.write_text("version: 1\nrules:\n  blocks.*.in_proj: colwise\n")
-    with pytest.raises(UsageError, match=r"--dry-run needs --tp N"):
+    with pytest.raises(UsageError, match=r"--dry-run needs --tp N"), worded():
         dry_run(ApplyOptions(plan=str(plan), model="tpplan.models.mlp:tiny"))
 
 

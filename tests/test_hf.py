@@ -26,7 +26,7 @@ from tpplan.hf.importer import (  # noqa: E402
     apply_transformers_plan,
     import_hf,
 )
-from tpplan.runtime.simulate import check_parity  # noqa: E402
+from tpplan.runtime.verify import check_parity  # noqa: E402
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
 L = hf_models.TINY["num_hidden_layers"]  # 2

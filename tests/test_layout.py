@@ -129,3 +129,36 @@ def test_core_and_cli_modules_import_without_torch():
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
 
+
+
+# Which layers each layer may import (README, "How the code is laid out").
+# cli/, docs.py and __main__ sit on top and may import anything.
+MAY_IMPORT = {
+    "core": {"core"},
+    "sharding": {"core"},
+    "runtime": {"core", "sharding"},
+    "render": {"core", "runtime"},  # runtime.report: the apply report's data, which render prints
+    "lint": {"core", "sharding", "runtime"},
+    "hf": {"core", "sharding"},
+    "models": set(),
+    "hf_models": set(),
+}
+# The one way down a layer: Plan.apply (SPEC §5's API) compiles and applies styles, lazily.
+ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.compile"), ("tpplan.core.plan", "tpplan.sharding.tied")}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    crossings = sorted(
+        (module, target)
+        for module, targets in import_graph().items()
+        for target in targets
+        if _layer(module) in MAY_IMPORT
+        and _layer(target) not in MAY_IMPORT[_layer(module)] | {_layer(module)}
+        and (module, target) not in ALLOWED_EDGES
+    )
+    assert crossings == []
+    assert set(MAY_IMPORT) >= {_layer(m) for m in module_names() if _layer(m) not in ("cli", "docs", "__main__", "__init__", "tpplan")}

@@ -17,19 +17,14 @@ from tpplan import load_plan
 from tpplan.runtime.modelref import ModelRefError, build_model, load_callable, make_inputs, module_structure
 from tpplan.models import llama, mlp
 from tpplan.core.problems import PlanError
-from tpplan.runtime.torchrun import (
-    BACKENDS,
-    UsageError,
-    apply_plan,
-    compare_with_reference,
-    disagreements,
-    mesh_shape,
-    param_layouts,
-    pick_device,
-    rank_state,
-    sgd_steps,
-    torchrun_env,
-)
+from tpplan.runtime.consensus import disagreements, rank_state
+from tpplan.runtime.devices import BACKENDS, mesh_shape, pick_device, torchrun_env
+from tpplan.runtime.layouts import param_layouts
+from tpplan.runtime.locate import apply_plan
+from tpplan.cli.apply import worded
+from tpplan.runtime.options import UsageError
+from tpplan.runtime.steps import sgd_steps
+from tpplan.runtime.verify import compare_with_reference
 from tpplan.runtime.simulate import simulated_world, tp_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,9 +146,9 @@ def test_device_auto_is_cpu_without_accelerators_and_missing_ones_are_usage_erro
         pytest.skip("this machine has CUDA")
     assert pick_device("auto") == "cpu"
     assert pick_device("cpu") == "cpu"
-    with pytest.raises(UsageError, match="torch sees no CUDA device"):
+    with pytest.raises(UsageError, match="torch sees no CUDA device"), worded():
         pick_device("cuda")
-    with pytest.raises(UsageError, match="needs torch_npu"):
+    with pytest.raises(UsageError, match="needs torch_npu"), worded():
         pick_device("npu")
 
 
@@ -166,14 +161,14 @@ def test_world_size_mesh_is_one_dimensional_and_a_smaller_tp_adds_a_dp_dim():
 
 @pytest.mark.parametrize("tp", [3, 8])
 def test_tp_that_does_not_divide_the_world_is_a_usage_error(tp):
-    with pytest.raises(UsageError, match=rf"--tp \({tp}\) must divide the world size \(4\)"):
+    with pytest.raises(UsageError, match=rf"--tp \({tp}\) must divide the world size \(4\)"), worded():
         mesh_shape(4, tp, "tp")
 
 
 def test_outside_torchrun_apply_says_how_to_launch_it(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(UsageError) as caught:
+    with pytest.raises(UsageError) as caught, worded():
         torchrun_env()
     assert "torchrun --nproc-per-node N -m tpplan apply" in str(caught.value)
     assert "--dry-run --tp N" in str(caught.value)

@@ -38,7 +38,7 @@ def apply(
             "--model",
             metavar="MOD:FN",
             help="An importable callable returning the nn.Module, built under a torch.device context "
-            "(the same on every rank; on fake tensors, FakeTensorMode, with --dry-run).",
+            "(the same on every rank; under FakeTensorMode with --dry-run).",
             show_default=False,
         ),
     ],
@@ -84,7 +84,7 @@ def apply(
 ) -> None:
     """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
     from ..runtime.modelref import ModelRefError
-    from ..runtime.torchrun import ApplyOptions, UsageError
+    from ..runtime.options import ApplyOptions, UsageError
 
     options = ApplyOptions(
         plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout
@@ -104,12 +104,55 @@ def apply(
                     report = run_torchrun(options, on_event)
                 code = print_report(report, format, rank)
             except (UsageError, ModelRefError) as exc:
-                usage_error(str(exc), rank=rank)
+                usage_error(usage_text(exc), rank=rank)
     except typer.Exit as stop:  # a usage error: under torchrun it still leaves through _leave
         code = stop.exit_code
     if under_torchrun:
         _leave(code)
     exit_with(code)
+
+
+# (option, kind) of runtime.options.ApplyOptionsError -> its wording in flag names.
+_WORDING = {
+    ("launch", "not-torchrun"): "tpplan apply runs under torchrun ({missing_text} not set): "
+    "torchrun --nproc-per-node N -m tpplan apply ..., or add --dry-run --tp N to simulate N ranks in this process",
+    ("launch", "bad-env"): "RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)",
+    ("device", "unknown"): "--device must be auto, cpu, cuda or npu, not {value!r}",
+    ("device", "no-cuda"): "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)",
+    ("device", "no-npu"): "--device npu needs torch_npu installed and an Ascend NPU visible",
+    ("tp", "not-a-divisor"): "--tp ({tp}) must divide the world size ({world})",
+    ("tp", "below-one"): "--tp ({tp}) must be at least 1",
+    ("tp", "missing"): "--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)",
+    ("steps", "needs-ranks"): "--steps trains on real ranks (torchrun), or in a dry run with --check (real per-rank values, "
+    "compared with one device); without --check --dry-run runs on fake tensors without values",
+}
+
+
+def usage_text(exc: BaseException) -> str:
+    """A usage error of the runtime in the command line's words."""
+    from ..runtime.options import ApplyOptionsError, RanksUsageError
+
+    if isinstance(exc, RanksUsageError):
+        return "\n".join(f"{ranks}: {usage_text(e)}" if ranks else usage_text(e) for ranks, e in exc.errors)
+    if isinstance(exc, ApplyOptionsError):
+        wording = _WORDING.get((exc.option, exc.kind))
+        if wording is None:  # a check without wording of its own (the plan's mesh.axis): the library's reason
+            return exc.reason
+        facts = dict(exc.facts)
+        facts["missing_text"] = ", ".join(facts.get("missing", ()))
+        return wording.format(**facts)
+    return str(exc)
+
+
+@contextlib.contextmanager
+def worded() -> Iterator[None]:
+    """Raise the runtime's typed usage errors as a UsageError in the command line's words."""
+    from ..runtime.options import ApplyOptionsError, RanksUsageError, UsageError
+
+    try:
+        yield
+    except (ApplyOptionsError, RanksUsageError) as exc:
+        raise UsageError(usage_text(exc)) from None
 
 
 def _leave(code: int) -> NoReturn:

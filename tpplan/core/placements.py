@@ -77,3 +77,23 @@ def parse_placement(value: object) -> PlacementSpec:
             raise ValueError(f"unknown reduce op {op!r} in {value!r}: use one of {', '.join(REDUCE_OPS)}")
         return PlacementSpec("partial", reduce_op=op)
     raise ValueError(f"{value!r} is not a placement: use {GRAMMAR}")
+
+
+def placement_text(placement: object) -> str:
+    """A placement in the plan's own spelling (shard(0), replicate, partial(max)):
+    a `PlacementSpec`, or a torch placement read through its `is_shard()` /
+    `is_replicate()` / `is_partial()` methods (this module never imports torch)."""
+    if isinstance(placement, PlacementSpec):
+        return str(placement)
+    if placement.is_shard():  # type: ignore[attr-defined]
+        return str(PlacementSpec("shard", placement.dim))  # type: ignore[attr-defined]
+    if placement.is_replicate():  # type: ignore[attr-defined]
+        return str(PlacementSpec("replicate"))
+    if placement.is_partial():  # type: ignore[attr-defined]
+        return str(PlacementSpec("partial", reduce_op=str(placement.reduce_op)))  # type: ignore[attr-defined]
+    return str(placement)
+
+
+def placements_text(placements: object) -> str:
+    """Several placements (a DTensor's, one per mesh dim), comma separated."""
+    return ", ".join(map(placement_text, placements))  # type: ignore[call-overload]

@@ -47,3 +47,20 @@ class PlanError(Exception):
     @property
     def errors(self) -> list[Problem]:
         return [p for p in self.problems if p.severity == "error"]
+
+
+def first_line(exc: BaseException, *, with_type: bool = False) -> str:
+    """The exception's first non-blank line, at most 300 characters. Prefixed with
+    its class when `with_type`, or when that class is not a builtin one, whose name
+    says more than its message (DataDependentOutputException: aten.x)."""
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    if lines and (with_type or type(exc).__module__ != "builtins"):
+        text = f"{type(exc).__name__}: {text}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+class ModelError(Exception):
+    """Raised on purpose by tpplan code about the user's model or plan (a style given
+    an input it cannot take, a model output without floats): located like the
+    errors torch raises, never shown as a tpplan bug."""

@@ -28,22 +28,7 @@ def group_siblings(rules: Mapping[str, Any]) -> dict[str, Any]:
 
 def render_plan(name: str, description: str, sizes: list[int], rules: Mapping[str, Any], header: list[str]) -> str:
     """Plan YAML (SPEC §2) with one line per rule: shorthand or a flow mapping."""
-    import yaml
-
-    def scalar(value: Any) -> str:
-        if value is None:
-            return "null"
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        text = yaml.safe_dump(value, default_flow_style=True, width=10**6).strip()
-        return text[: -len("...")].strip() if text.endswith("...") else text
-
-    def flow(value: Any) -> str:
-        if isinstance(value, Mapping):
-            return "{" + ", ".join(f"{k}: {flow(v)}" for k, v in value.items()) + "}"
-        if isinstance(value, (list, tuple)):
-            return "[" + ", ".join(flow(v) for v in value) + "]"
-        return scalar(value)
+    from ..core.yamltext import yaml_flow as flow, yaml_scalar as scalar
 
     lines = [*header, "version: 1", f"name: {scalar(name)}", f"description: {scalar(description)}"]
     lines += ["mesh:", "  axis: tp", f"  sizes: {flow(sizes)}", "rules:"]

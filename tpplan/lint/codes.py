@@ -102,26 +102,27 @@ def _plain(code: str, name: str, text: str, severity: str = "error") -> Entry:
     return Entry(code, name, severity, first.group(1) if first else flat, f"## {code} {name} ({severity})\n\n{body}\n")
 
 
-def _runtime_entries() -> list[Entry]:
-    from ..runtime.torchrun import RULE_DOCS  # no torch at import
-
-    names = {
-        "TP500": "model-factory", "TP501": "apply-failed", "TP502": "forward-failed",
-        "TP503": "ranks-disagree", "TP504": "collective-failed", "TP505": "check-mismatch",
-        "TP506": "replicas-diverge",
-    }
-    docs = {**RULE_DOCS, **_REPLICA_DOCS}
-    return [_plain(code, names.get(code, code.lower()), text) for code, text in docs.items()]
-
-
-# The dry run's replica check (runtime/replicas.py, which imports torch at import).
-_REPLICA_DOCS = {
-    "TP506": "A parameter replicated over the TP mesh (or its gradient) holds different values on different ranks "
-    "after backward or an optimizer step: it computes on sharded activations whose gradient is never reduced "
-    "(e.g. a learnable scale between a colwise and a rowwise Linear, or a norm inside a sequence-parallel region "
-    "without sequence_parallel on it). Training would silently diverge: shard the module, give it a rule that "
-    "makes its input replicated (prepare_module_input), or move it out of the sharded region.",
+# code -> (name, what it means): the problems found while applying and running a plan (tpplan.runtime).
+_RUNTIME_CODES = {
+    "TP500": ("model-factory", "The model (or inputs) factory named by --model / --inputs raised, or returned something else than an nn.Module (or tensors)."),
+    "TP501": ("apply-failed", "Applying a rule's style to a module raised (e.g. colwise on a module that is not a Linear or Embedding)."),
+    "TP502": ("forward-failed", "The forward or backward of the parallelized model fails at this TP degree, typically a shape that the degree does not divide (heads, sequence)."),
+    "TP503": ("ranks-disagree", "The ranks of a torchrun job disagree before sharding: different plans, different models, or errors on some ranks only."),
+    "TP504": ("collective-failed", "A collective failed or timed out (--timeout): another rank died, hung or never started."),
+    "TP505": ("check-mismatch", "--check: the outputs or gradients of the parallelized model differ from the single-device reference; "
+              "the message names the first differing tensor and the problem is located at the rule of its module "
+              "(or its closest planned ancestor)."),
+    "TP506": ("replicas-diverge", "A parameter replicated over the TP mesh (or its gradient) holds different values on different ranks "
+              "after backward or an optimizer step (--check; the dry run sees every rank's values): it computes on sharded "
+              "activations whose gradient is never reduced (e.g. a learnable scale between a colwise and a rowwise Linear, "
+              "or a norm inside a sequence-parallel region without sequence_parallel on it). Training would silently diverge: "
+              "shard the module, give it a rule that makes its input replicated (prepare_module_input), or move it out of "
+              "the sharded region."),
 }
+
+
+def _runtime_entries() -> list[Entry]:
+    return [_plain(code, name, text) for code, (name, text) in _RUNTIME_CODES.items()]
 
 
 def catalog() -> list[Entry]:

@@ -5,8 +5,9 @@ without storage) and parallelized under torch's fake process group, so a model
 of any size costs no real memory and no devices:
 the report's per-rank shapes, bytes and collective counts come from the real
 DTensor machinery, only the values are missing. `--check` adds a second run
-with real per-rank values (`LocalTensorMode`, in `simulate.check_parity`)
-compared with a single-device reference.
+with real per-rank values (`LocalTensorMode`)
+compared with a single-device reference (`verify.check_parity`, the engine
+torchrun's `--check` uses too).
 """
 
 from __future__ import annotations
@@ -14,33 +15,26 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from ..render.apply_report import ApplyReport, CheckResult, human_bytes
 from ..core.loader import load_plan
-from .modelref import build_model, load_callable, make_inputs
 from ..core.plan import Plan
-from ..core.problems import PlanError, error
-from .torchrun import (
-    ApplyOptions,
-    FailureLocator,
-    UsageError,
-    apply_plan,
-    first_line,
-    run_located,
-    shard_recorded,
-    unpromised_tp_note,
-)
+from ..core.problems import PlanError, error, first_line
+from .report import ApplyReport, human_bytes
+from .layouts import param_layouts
+from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
+from .modelref import build_model, load_callable, make_inputs
+from .options import ApplyOptions, ApplyOptionsError
 
 
 def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
     """The degree to simulate, and a note when it was not given on the command line."""
     if options.tp is not None:
         if options.tp < 1:
-            raise UsageError(f"--tp ({options.tp}) must be at least 1")
+            raise ApplyOptionsError("tp", "below-one", f"{options.tp} is not at least 1", tp=options.tp)
         return options.tp, None
     if plan.mesh_sizes:
         tp = max(plan.mesh_sizes)
         return tp, f"--tp not given: simulating TP {tp}, the largest of the plan's mesh.sizes {list(plan.mesh_sizes)}"
-    raise UsageError("--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)")
+    raise ApplyOptionsError("tp", "missing", "a dry run needs a TP degree and the plan lists no mesh.sizes to pick from")
 
 
 def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
@@ -48,8 +42,8 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     any) of applying the plan and running one forward and backward."""
     event = on_event or (lambda text: None)
     if options.steps and not options.check:
-        raise UsageError("--steps trains on real ranks (torchrun), or in a dry run with --check (real per-rank values, "
-                         "compared with one device); without --check a dry run has fake tensors without values")
+        raise ApplyOptionsError("steps", "needs-ranks", "training steps need real ranks (torchrun), or real per-rank values "
+                                "(--check); a dry run runs on fake tensors without values")
     report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
     try:
         plan = load_plan(options.plan)
@@ -86,14 +80,18 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
             event("building the model on fake tensors")
             model = build_model(options.model, "cpu", factory)
             inputs = make_inputs(options.inputs, model, "cpu")
-            rules = shard_recorded(plan, model, mesh, report, event)
+            sharded = shard_with_progress(plan, model, mesh, event)
+            report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+            report.params = param_layouts(model, tp)
             event("forward and backward on fake tensors")
-            locator = FailureLocator(plan, model, rules, tp)
+            locator = FailureLocator(plan, model, sharded.rules, tp)
             with locator.tracking():
                 try:
                     _, report.comms = forward_backward(model, inputs)
                     return
                 except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
+                    if raised_by_tpplan(exc):
+                        raise  # tpplan's own code: a bug, shown as one
                     failure, problem = exc, locator.problem(exc)
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory.
@@ -130,7 +128,7 @@ def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> d
 
 
 def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyReport) -> None:
-    from .simulate import check_parity
+    from .verify import check_parity
 
     inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
     try:
@@ -140,10 +138,13 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
     except PlanError:
         raise
     except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
+        if raised_by_tpplan(exc):
+            raise  # tpplan's own code: a bug, shown as one
         raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
-    report.check = CheckResult(result.passed, result.max_abs_diff, result.problems[:10])
+    report.check = dataclasses.replace(result, problems=result.problems[:10], comms=None)
     report.notes += result.notes
-    forward_differs = result.first_difference is not None and result.first_difference.what.startswith(("the output", "the model"))
+    located = result.located
+    forward_differs = located is not None and located.first.what.startswith(("the output", "the model"))
     if result.replicas and not forward_differs:
         # the forward matches one device: what differs starts at the diverging replicas
         report.problems += replica_problems(result, plan, report.tp)
@@ -151,31 +152,30 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         report.problems.append(check_failure(result, plan, f"--check failed at TP {report.tp}: {result.problems[0]}"))
 
 
+def check_failure(result, plan: Plan, message: str):
+    """TP505 for a failed check: `message`, then the first differing tensor, located at
+    the rule that shards its module (or its closest planned ancestor)."""
+    located = result.located
+    if located is None:
+        return error("TP505", message, plan.file)
+    message += f"; {located.first.describe()}"
+    if located.rule is None:
+        return error("TP505", message, plan.file)
+    rule = located.rule
+    return error("TP505", f"{message}; located at rule '{rule.pattern}' ({located.relation})", rule.file, rule.line, rule.column)
+
+
 def replica_problems(result, plan: Plan, tp: int) -> list:
     """TP506 for each replicated parameter whose value or gradient differs between ranks
     (its first difference), at the rule of its module, closest planned ancestor or first planned child."""
-    from .first_difference import owning_rule
-
     problems, seen = [], set()
-    for found in result.replicas:
+    for found, rule, relation in result.replicas:
         if found.parameter in seen:
             continue
         seen.add(found.parameter)
-        rule, relation = owning_rule(result.claimed, found.parameter.rpartition(".")[0], result.call_order)
         message = f"at TP {tp}, {found.describe()}"
         if rule is None:
             problems.append(error("TP506", message, plan.file))
         else:
             problems.append(error("TP506", f"{message}; located at rule '{rule.pattern}' ({relation})", rule.file, rule.line, rule.column))
     return problems
-
-
-def check_failure(result, plan: Plan, message: str):
-    """TP505 for a failed check: `message`, then the first differing tensor, located at
-    the rule that shards its module (or its closest planned ancestor)."""
-    first, rule = result.first_difference, result.rule
-    if first is not None:
-        message += f"; {first.describe()}"
-    if rule is None:
-        return error("TP505", message, plan.file)
-    return error("TP505", f"{message}; located at rule '{rule.pattern}' ({result.rule_relation})", rule.file, rule.line, rule.column)

@@ -108,3 +108,50 @@ def owning_rule(claimed: dict[str, Any], module: str, call_order: list[str]) -> 
             if name in claimed:
                 return claimed[name], f"the rule of '{name}', the last planned module that ran before it"
     return None, None
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a failed check starts: the first differing tensor, and the plan rule to blame."""
+
+    first: Difference
+    rule: Any = None  # core.plan.Rule, or None when no rule reaches the module
+    relation: str | None = None  # how the rule relates to the module ("its rule", ...)
+    claimed: Any = None  # {module path: Rule} of the plan on the model
+    call_order: tuple = ()  # module paths in the order their forwards finished
+
+
+def locate(plan: Any, model: nn.Module, reference: nn.Module, got, want, rank_values, allowed) -> Located | None:
+    """The first differing tensor of a failed check (a module output in forward order; when
+    every comparable output agrees, the first parameter gradient) and the rule to blame."""
+    first = first_output_difference(got, want, rank_values, allowed)
+    if first is None:
+        params = dict(model.named_parameters())
+        for name, ref_param in reference.named_parameters():
+            grad = params[name].grad
+            if ref_param.grad is None or grad is None:
+                continue
+            limit = allowed(ref_param.grad)
+            for rank, value in enumerate(rank_values(grad)):
+                if value.shape != ref_param.grad.shape:
+                    continue
+                diff = (value.to(ref_param.grad.dtype) - ref_param.grad).abs().max().item()
+                if not diff <= limit:
+                    first = Difference(f"the gradient of '{name}'", name.rpartition(".")[0], rank, math.inf if math.isnan(diff) else diff, limit)
+                    break
+            if first is not None:
+                break
+    if first is None:
+        return None
+    return blame(first, plan, model, want)
+
+
+def claims(plan: Any, model: nn.Module, want) -> tuple[dict, tuple]:
+    """({module path: Rule} of a tpplan plan on `model`, module paths in forward order)."""
+    return (plan.match(model) if hasattr(plan, "match") else {}), tuple(dict.fromkeys(name for name, _ in want))
+
+
+def blame(first: Difference, plan: Any, model: nn.Module, want) -> Located:
+    claimed, call_order = claims(plan, model, want)
+    rule, relation = owning_rule(claimed, first.module, list(call_order))
+    return Located(first, rule, relation, claimed, call_order)

@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..core.problems import PlanError, error
+from ..core.problems import PlanError, error, first_line
 
 if TYPE_CHECKING:
     import torch
@@ -65,15 +65,13 @@ def _raised_at(exc: BaseException) -> str:
     """`ValueError: msg (at models.py:12)`: the innermost frame, the user's line."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}{where}"
+    return f"{first_line(exc, with_type=True)}{where}"
 
 
 def _failure(ref: str, what: str, exc: BaseException) -> PlanError:
     frames = traceback.extract_tb(exc.__traceback__)
     file, line = (frames[-1].filename, frames[-1].lineno or 1) if frames else (ref, 1)
-    text = str(exc).strip().splitlines()
-    return PlanError([error("TP500", f"{what} ({ref}) failed: {type(exc).__name__}: {text[0] if text else ''}", file, line)])
+    return PlanError([error("TP500", f"{what} ({ref}) failed: {first_line(exc, with_type=True)}", file, line)])
 
 
 def _definition(fn: Callable[..., Any], ref: str) -> tuple[str, int]:

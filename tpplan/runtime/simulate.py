@@ -4,10 +4,10 @@ Two levels, both on CPU and without `torchrun`:
 
 - shapes and communication: `simulated_world(n)` starts torch's fake process
   group (collectives are no-ops), so a model on the meta device or under
-  `FakeTensorMode` can be parallelized at any degree and its collectives
-  counted with `count_collectives`;
-- real values: `check_parity` adds torch's `LocalTensorMode`, which keeps one
-  real tensor per simulated rank and performs every collective on them, and
+  `FakeTensorMode` (`fake_tensors`, what the dry run uses) can be parallelized
+  at any degree and its collectives counted with `count_collectives`;
+- real values: `verify.check_parity` adds torch's `LocalTensorMode`, which keeps
+  one real tensor per simulated rank and performs every collective on them, and
   compares outputs and gradients with a single-device reference.
 
     with simulated_world(8):
@@ -21,21 +21,19 @@ Two levels, both on CPU and without `torchrun`:
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+
+from ..core.problems import ModelError
 
 # The op spellings torch uses (functional, c10d, DTensor's own), keyed by their
 # name without underscores, mapped to the names of SPEC section 4.
@@ -151,12 +149,16 @@ def output_tensors(output: Any) -> list[torch.Tensor]:
     return []
 
 
+class ModelOutputError(ModelError, ValueError):
+    """The model's output has nothing to take a loss of."""
+
+
 def scalar_loss(output: Any) -> torch.Tensor:
     """Mean of squares of every floating output: unlike a plain sum, its gradient
     depends on the output values, so a wrong output also shows in the gradients."""
     tensors = output_tensors(output)
     if not tensors:
-        raise ValueError(f"the model output ({type(output).__name__}) holds no floating-point tensor")
+        raise ModelOutputError(f"the model output ({type(output).__name__}) holds no floating-point tensor")
     return sum(t.float().pow(2).mean() for t in tensors)
 
 
@@ -234,247 +236,3 @@ def allowed_diff(want: torch.Tensor, rtol: float, atol: float) -> float:
 def max_abs_diff(got: torch.Tensor, want: torch.Tensor) -> float:
     """max|got - want| in `want`'s dtype (NaN when either holds one; 0 when empty)."""
     return (got.detach().to(want.dtype) - want).abs().max().item() if want.numel() else 0.0
-
-
-@dataclass
-class ParityResult:
-    """How a tensor-parallel run compares with the single-device reference."""
-
-    passed: bool
-    max_abs_diff: float  # over the outputs and every parameter gradient
-    out_diff: float
-    grad_diffs: dict[str, float]  # parameter fqn -> max abs diff over ranks
-    comms_fwd: dict[str, int]
-    comms_bwd: dict[str, int]
-    problems: list[str] = field(default_factory=list)  # why it did not pass
-    notes: list[str] = field(default_factory=list)  # what the check did to make the runs comparable (dropout off)
-    first_difference: Any = None  # first_difference.Difference of a failed check
-    rule: Any = None  # the plan rule that shards the first differing module (or its closest ancestor)
-    rule_relation: str | None = None  # how that rule relates to the module ("its rule", ...)
-    replicas: list = field(default_factory=list)  # replicas.ReplicaDifference: replicated values that differ by rank
-    claimed: dict = field(default_factory=dict)  # module path -> the plan's Rule (a tpplan plan only)
-    call_order: list = field(default_factory=list)  # module paths in the order their forwards finished
-
-    @property
-    def comms(self) -> dict[str, dict[str, int]]:
-        return {"forward": self.comms_fwd, "backward": self.comms_bwd}
-
-
-def _rank_values(t: torch.Tensor) -> list[torch.Tensor]:
-    """A tensor of the simulated run as one plain tensor per rank (full size for DTensors)."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    if isinstance(t, LocalTensor):
-        return [t._local_tensors[r] for r in sorted(t._local_tensors)]
-    return [t]
-
-
-def _compare(what: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float, problems: list[str]) -> float:
-    """Max abs diff of `got` (every rank's value) from `want`; records a problem when out of tolerance."""
-    worst = 0.0
-    limit = allowed_diff(want, rtol, atol)
-    for rank, value in enumerate(_rank_values(got)):
-        if value.shape != want.shape:
-            problems.append(f"{what}: rank {rank} has shape {tuple(value.shape)}, single device {tuple(want.shape)}")
-            return math.inf
-        diff = max_abs_diff(value, want)
-        if not diff <= limit:  # also catches NaN
-            problems.append(f"{what}: rank {rank} differs by up to {diff:.3g} (allowed {limit:.3g})")
-        worst = max(worst, diff) if not math.isnan(diff) else math.inf
-    return worst
-
-
-def _apply(plan: Any, model: nn.Module, mesh: DeviceMesh) -> None:
-    if hasattr(plan, "apply"):
-        plan.apply(model, mesh)
-    elif isinstance(plan, Mapping):
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        parallelize_module(model, mesh, dict(plan))
-    else:
-        plan(model, mesh)
-
-
-def check_parity(
-    build_model: Callable[[], nn.Module],
-    plan: Any,
-    tp: int,
-    inputs: Any = None,
-    *,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    rtol: float | None = None,
-    atol: float | None = None,
-    steps: int = 0,
-) -> ParityResult:
-    """Run `plan` at TP degree `tp` with real per-rank values and compare with one device.
-
-    `plan` is a tpplan plan (anything with `.apply(model, mesh)`), a torch
-    `{fqn: ParallelStyle}` dict, or a callable `(model, mesh)`. The reference
-    is built with `seed` and copied before sharding, so both models start from
-    the same weights. Both run one forward and backward of `scalar_loss` on the
-    same `inputs` (default: `default_inputs`); the outputs and every parameter
-    gradient, gathered to full size on every rank, must be within
-    `atol + rtol * max|reference|` of the reference (defaults by `dtype`).
-    Both run in eval mode (dropout off: `dropout.for_check`). Every replicated
-    parameter and its gradient must be identical on all ranks (`replicas`).
-    `steps`: then that many AdamW steps, each followed by a forward and backward
-    compared the same way.
-    """
-    default_rtol, default_atol = tolerance(dtype)
-    rtol = default_rtol if rtol is None else rtol
-    atol = default_atol if atol is None else atol
-
-    with torch.random.fork_rng(devices=[]):  # seed the build without touching the caller's RNG
-        torch.manual_seed(seed)
-        reference = build_model().to(dtype)
-    from .dropout import for_check
-    from .first_difference import recording
-
-    dropout_note = for_check(reference)  # eval mode on both sides (the copy below inherits it)
-    model = copy.deepcopy(reference)
-    if inputs is None:
-        inputs = default_inputs(reference, generator=torch.Generator().manual_seed(seed))
-    inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in _as_args(inputs))
-    with recording(reference) as want_records:
-        ref_out = reference(*inputs)
-    scalar_loss(ref_out).backward()
-    reference_steps = _adamw_steps(_with_grads(reference), inputs, steps) if steps else []
-
-    from torch.distributed._local_tensor import LocalTensorMode
-
-    from .replicas import differences
-
-    problems: list[str] = []
-    with simulated_world(tp), LocalTensorMode(tp):
-        _apply(plan, model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
-        with recording(model) as got_records:
-            out, comms = forward_backward(model, inputs)
-        got, want = output_tensors(out), output_tensors(ref_out)
-        if len(got) != len(want):
-            problems.append(f"output: {len(got)} tensors, single device {len(want)}")
-        out_diff = max((_compare("output", g, w, rtol, atol, problems) for g, w in zip(got, want)), default=0.0)
-        grad_diffs = {}
-        params = dict(model.named_parameters())
-        for name, ref_param in reference.named_parameters():
-            grad = params[name].grad
-            if ref_param.grad is None or grad is None:
-                if (ref_param.grad is None) != (grad is None):
-                    problems.append(f"{name}: gradient is {'missing' if grad is None else 'unexpected'}")
-                continue
-            grad_diffs[name] = _compare(f"{name} grad", grad, ref_param.grad, rtol, atol, problems)
-        first = rule = relation = None
-        if problems:
-            first, rule, relation = _locate_difference(plan, model, reference, got_records, want_records, rtol, atol)
-        replicas = differences(model, "after backward")
-        claimed = plan.match(model) if hasattr(plan, "match") else {}
-        if reference_steps:
-            _one_copy_per_rank(model, tp)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=_STEP_LR)
-            for step, (want_outputs, want_grads) in enumerate(reference_steps, start=1):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                out = model(*inputs)
-                scalar_loss(out).backward()
-                got = output_tensors(out)
-                for g, w in zip(got, want_outputs):
-                    out_diff = max(out_diff, _compare(f"after step {step}: output", g, w, rtol, atol, problems))
-                for name, param in model.named_parameters():
-                    if param.grad is not None and want_grads.get(name) is not None:
-                        diff = _compare(f"after step {step}: {name} grad", param.grad, want_grads[name], rtol, atol, problems)
-                        grad_diffs[name] = max(grad_diffs.get(name, 0.0), diff)
-                replicas += differences(model, f"after step {step}")
-        if replicas and not problems:
-            problems.append(replicas[0].describe())
-
-    return ParityResult(
-        passed=not problems,
-        max_abs_diff=max([out_diff, *grad_diffs.values()]),
-        out_diff=out_diff,
-        grad_diffs=grad_diffs,
-        comms_fwd=comms["forward"],
-        comms_bwd=comms["backward"],
-        problems=problems,
-        notes=[dropout_note] if dropout_note else [],
-        first_difference=first,
-        rule=rule,
-        rule_relation=relation,
-        replicas=replicas,
-        claimed=claimed,
-        call_order=list(dict.fromkeys(name for name, _ in want_records)),
-    )
-
-
-def _one_copy_per_rank(model: nn.Module, tp: int) -> None:
-    """Give each replicated parameter one storage per simulated rank. A replicated
-    DTensor's local value (and a plain parameter) is one tensor that LocalTensorMode
-    shares between the ranks, so an optimizer's in-place update would be applied once
-    per rank to it; real ranks each hold their own copy."""
-    from torch.distributed._local_tensor import LocalTensor
-
-    replaced: dict[int, nn.Parameter] = {}  # a tied parameter is replaced once, everywhere
-    with torch.no_grad():
-        for module in model.modules():
-            for name, param in list(module.named_parameters(recurse=False)):
-                if isinstance(param, DTensor):
-                    if not isinstance(param._local_tensor, LocalTensor):
-                        param._local_tensor = LocalTensor({rank: param._local_tensor.clone() for rank in range(tp)})
-                elif not isinstance(param, LocalTensor):
-                    if id(param) not in replaced:
-                        twin = nn.Parameter(LocalTensor({rank: param.detach().clone() for rank in range(tp)}), param.requires_grad)
-                        twin.grad = param.grad
-                        replaced[id(param)] = twin
-                    setattr(module, name, replaced[id(param)])
-
-
-def _with_grads(module: nn.Module) -> nn.Module:
-    """A deep copy of `module` with its parameters' gradients (deepcopy drops them)."""
-    twin = copy.deepcopy(module)
-    for (_, param), (_, copied) in zip(module.named_parameters(), twin.named_parameters()):
-        copied.grad = None if param.grad is None else param.grad.detach().clone()
-    return twin
-
-
-_STEP_LR = 1e-3  # AdamW's first steps move each weight by about lr, whatever its gradient's size
-
-
-def _adamw_steps(reference: nn.Module, inputs: tuple, steps: int) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
-    """The single-device side of `steps` AdamW steps: (outputs, {name: grad}) of the
-    forward and backward after each step."""
-    optimizer = torch.optim.AdamW(reference.parameters(), lr=_STEP_LR)
-    results = []
-    for _ in range(steps):
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        out = reference(*inputs)
-        scalar_loss(out).backward()
-        grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
-        results.append(([t.detach().clone() for t in output_tensors(out)], grads))
-    return results
-
-
-def _locate_difference(plan, model, reference, got_records, want_records, rtol, atol):
-    """(the first differing tensor, the rule to blame, how that rule relates to it), in a failed check."""
-    from .first_difference import Difference, first_output_difference, owning_rule
-
-    first = first_output_difference(got_records, want_records, _rank_values, lambda want: allowed_diff(want, rtol, atol))
-    if first is None:  # the forward agrees where comparable: the first parameter whose gradient differs
-        params = dict(model.named_parameters())
-        for name, ref_param in reference.named_parameters():
-            grad = params[name].grad
-            if ref_param.grad is None or grad is None:
-                continue
-            limit = allowed_diff(ref_param.grad, rtol, atol)
-            values = _rank_values(grad)
-            bad = [(r, max_abs_diff(v, ref_param.grad)) for r, v in enumerate(values) if v.shape == ref_param.grad.shape]
-            bad = [(r, d) for r, d in bad if not d <= limit]
-            if bad:
-                first = Difference(f"the gradient of '{name}'", name.rpartition(".")[0], bad[0][0], bad[0][1], limit)
-                break
-    if first is None or not hasattr(plan, "match"):
-        return first, None, None
-    call_order = list(dict.fromkeys(name for name, _ in want_records))
-    rule, relation = owning_rule(plan.match(model), first.module, call_order)
-    return first, rule, relation

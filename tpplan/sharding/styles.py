@@ -20,6 +20,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ..core.problems import ModelError
+
 __all__ = [
     "ColwiseParallel",
     "RowwiseParallel",
@@ -50,6 +52,10 @@ def module_kind(module: nn.Module) -> str | None:
         if isinstance(module, target) if isinstance(target, type) else target(module):
             return kind
     return None
+
+
+class NoParallelInputError(ModelError, TypeError):
+    """NoParallel's module got no tensor as its first positional input."""
 
 
 class NoParallel(ParallelStyle):
@@ -100,7 +106,7 @@ class NoParallel(ParallelStyle):
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         if not inputs or not isinstance(inputs[0], torch.Tensor):
-            raise TypeError(
+            raise NoParallelInputError(
                 f"NoParallel on {type(module).__name__} expects a tensor as the first positional input, "
                 f"got {type(inputs[0]).__name__ if inputs else 'no positional input'}"
             )

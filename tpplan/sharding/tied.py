@@ -29,6 +29,8 @@ def shared_parameters(model: "nn.Module") -> list[list[Owner]]:
 
 
 def _layout(param) -> str:
+    # torch's own short spelling ([S(0)], [R]): TP210 quotes what torch made of the
+    # parameters, not a plan value (core.placements.placement_text spells those).
     placements = getattr(param, "placements", None)
     return "[" + ", ".join(map(str, placements)) + "]" if placements else "a plain tensor"
 

@@ -50,7 +50,7 @@ def check(ctx, earlier):
 def _simulate(ctx, tp: int, mode: str):
     """None when the plan applies and a forward and backward run at `tp`; else the problems."""
     from ...core.problems import PlanError
-    from ...runtime.torchrun import FailureLocator, apply_plan, run_located
+    from ...runtime.locate import FailureLocator, apply_plan, run_located
     from ...runtime.simulate import default_inputs, scalar_loss, simulated_world, tp_mesh
     from ..collapse import collapsed_copy, plan_for
     from ..simulation import prepared, running

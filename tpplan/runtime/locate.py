@@ -1,0 +1,226 @@
+"""Located application: the plan applied to a model, and the model run, with a
+failure of the user's model or plan turned into a problem at the rule that caused
+it (TP501 while sharding, TP502 in the forward or backward). An exception raised
+in tpplan's own code is a tpplan bug: it escapes unchanged, for the CLI to show as one."""
+
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..core.placements import placements_text
+from ..core.plan import Plan, Rule
+from ..core.problems import ModelError, PlanError, Problem, error, first_line
+from .comm import CommFailure, comm_problem, is_comm_failure
+from .layouts import local_shapes
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+_TPPLAN = Path(__file__).resolve().parent.parent
+# tpplan's reference and example models are models like the user's: their errors
+# (a torch op failing on a line of their forward) are the model's.
+_MODELS = (_TPPLAN / "models", _TPPLAN / "hf_models.py", _TPPLAN / "lint" / "examples.py")
+
+
+def raised_by_tpplan(exc: BaseException) -> bool:
+    """Whether `exc` was raised in tpplan's own code (its innermost frame is in the
+    tpplan package, outside the reference models) and is not a `ModelError`,
+    raised on purpose about the user's model: then it is a tpplan bug."""
+    if isinstance(exc, ModelError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return False
+    where = Path(frames[-1].filename).resolve()
+    return where.is_relative_to(_TPPLAN) and not any(where == m or where.is_relative_to(m) for m in _MODELS)
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """Which rule gave each module its style: {fqn: rule}, and its report fields."""
+
+    rules: dict[str, Rule]
+
+    @property
+    def modules(self) -> dict[str, str]:
+        return {fqn: rule.spec.style for fqn, rule in self.rules.items()}
+
+    @property
+    def rule_of(self) -> dict[str, str]:
+        return {fqn: rule.pattern for fqn, rule in self.rules.items()}
+
+    @property
+    def rule_where(self) -> dict[str, str]:
+        return {rule.pattern: rule.where for rule in self.rules.values()}
+
+
+def shard_with_progress(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", event: Callable[[str], None]) -> Sharded:
+    """`apply_plan` with a progress event per module."""
+    return Sharded(apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}")))
+
+
+def unpromised_tp_note(plan: Plan, tp: int) -> list[str]:
+    """A note when `tp` is not among the plan's mesh.sizes (none when it lists none)."""
+    if plan.mesh_sizes and tp not in plan.mesh_sizes:
+        return [f"TP {tp} is not among the degrees the plan promises (mesh.sizes {list(plan.mesh_sizes)})"]
+    return []
+
+
+def _module_shapes(module: "nn.Module") -> str:
+    shapes = [f"{key} {tuple(p.shape)}" for key, p in module.named_parameters(recurse=False)]
+    return f", {', '.join(shapes)}" if shapes else ""
+
+
+def apply_plan(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None) -> dict[str, Rule]:
+    """`plan.apply(model, mesh)`, with a failure inside torch turned into a problem
+    that names the module and the rule (file:line) that sharded it, and progress
+    reported as `on_module(done, total, fqn)`. Returns {fqn: rule}."""
+    rules = plan.match(model)
+    tp_size = plan.tp_mesh(mesh).size()  # before the try: a mesh without the plan's axis is our bug, not a module's
+    order = list(reversed(rules))  # Plan.apply's order: descendants first
+    done: list[str] = []
+
+    def applied(fqn: str) -> None:
+        done.append(fqn)
+        if on_module is not None:
+            on_module(len(done), len(order), fqn)
+
+    try:
+        plan.apply(model, mesh, on_module=applied)
+    except PlanError:
+        raise
+    except Exception as exc:  # torch raises anything from deep inside; it becomes a located problem
+        if len(done) == len(order) or raised_by_tpplan(exc):
+            raise  # not from a style (the modules are all done), or tpplan's own code: a bug, shown as one
+        fqn = order[len(done)]  # Plan.apply reports each module once it is parallelized
+        if is_comm_failure(exc):
+            raise CommFailure(comm_problem(plan, f"sharding '{fqn}'", exc)) from None
+        rule, module = rules[fqn], model.get_submodule(fqn)
+        raise PlanError([rule.problem(
+            "TP501",
+            f"{rule.spec.style} cannot shard '{fqn or '<root>'}' ({type(module).__name__}{_module_shapes(module)}) "
+            f"at TP {tp_size}: {first_line(exc)}",
+        )]) from None
+    return rules
+
+
+
+class FailureLocator:
+    """Keeps the stack of modules whose forward is running, so that an exception
+    in a forward is reported at the module it happened in and the rule that
+    sharded it (or its children), with the shapes involved."""
+
+    def __init__(self, plan: Plan, model: "nn.Module", rules: dict[str, Rule], tp: int):
+        self.plan, self.model, self.rules, self.tp = plan, model, rules, tp
+        self.stack: list[tuple[str, str]] = []  # (fqn, input shapes)
+
+    @contextlib.contextmanager
+    def tracking(self) -> Iterator[None]:
+        # Per-module hooks, the entry hook prepended and the exit hook appended: they
+        # wrap the hooks parallelize_module installed, so a failing input or output
+        # redistribution is blamed on its module, not the parent.
+        handles = []
+        for name, module in self.model.named_modules():
+            handles.append(module.register_forward_pre_hook(self._enter(name), prepend=True))
+            handles.append(module.register_forward_hook(self._exit(name)))
+        self.stack.clear()
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _enter(self, name: str):
+        def hook(module, args):
+            self.stack.append((name, _arg_shapes(args)))
+
+        return hook
+
+    def _exit(self, name: str):
+        def hook(module, args, output):
+            if self.stack and self.stack[-1][0] == name:
+                self.stack.pop()
+
+        return hook
+
+    def problem(self, exc: BaseException) -> Problem:
+        if not self.stack:
+            return error("TP502", f"the backward (or the loss) fails at TP {self.tp}: {first_line(exc)}", self.plan.file)
+        site, shapes = self.stack[-1]
+        module = self.model.get_submodule(site)
+        rule, evidence = self._blame(site)
+        message = (
+            f"the forward of '{site or '<root>'}' ({type(module).__name__}, input {shapes or 'none'}) "
+            f"fails at TP {self.tp}: {first_line(exc)}"
+        )
+        if rule is None:
+            return error("TP502", message + "; no rule of the plan shards this module or its children", self.plan.file)
+        return rule.problem("TP502", f"{message}; {evidence}")
+
+    def _blame(self, site: str) -> tuple[Rule | None, str]:
+        """The rule most likely at fault, and the shapes that show it: an uneven shard
+        inside `site` first, then the rule of `site`, of a child, of an ancestor."""
+        inside = [(fqn, rule) for fqn, rule in self.rules.items() if _within(fqn, site)]
+        for fqn, rule in inside:
+            for text, uneven in self._shards(fqn):
+                if uneven:
+                    return rule, f"rule '{rule.pattern}' ({rule.spec.style}, {rule.where}) shards {text}"
+        if inside:
+            fqn, rule = next(((f, r) for f, r in inside if f == site), inside[0])
+        else:
+            ancestors = [(fqn, rule) for fqn, rule in self.rules.items() if _within(site, fqn)]
+            if not ancestors:
+                return None, ""
+            fqn, rule = max(ancestors, key=lambda item: len(item[0]))
+        shards = [text for text, _ in self._shards(fqn)]
+        shown = f" and shards {'; '.join(shards[:2])}" if shards else ""
+        return rule, f"rule '{rule.pattern}' ({rule.spec.style}, {rule.where}) applies to '{fqn or '<root>'}'{shown}"
+
+    def _shards(self, fqn: str) -> list[tuple[str, bool]]:
+        """(description, uneven) of each DTensor parameter of the module `fqn`."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        found = []
+        for key, param in self.model.get_submodule(fqn).named_parameters(recurse=False):
+            if not isinstance(param, DTensor):
+                continue
+            shapes = local_shapes(param, self.tp)
+            text = f"{fqn}.{key} {tuple(param.shape)} into {shapes[0]} on rank 0 ({placements_text(param.placements)})"
+            uneven = False
+            for placement in param.placements:
+                length = param.shape[placement.dim] if isinstance(placement, Shard) else 0
+                if length % self.tp:
+                    uneven = True
+                    text += f", not divisible: dim {placement.dim} is {length}, {length} % {self.tp} = {length % self.tp}"
+            found.append((text, uneven))
+        return found
+
+
+def _within(fqn: str, ancestor: str) -> bool:
+    return ancestor == "" or fqn == ancestor or fqn.startswith(ancestor + ".")
+
+
+def _arg_shapes(args: tuple) -> str:
+    import torch
+
+    return ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
+
+
+def run_located(locator: FailureLocator, fn: Callable[[], Any]) -> Any:
+    """`fn()`, with a failure in the model's forward or backward turned into a
+    located TP502 problem (and a failed collective into TP504)."""
+    with locator.tracking():
+        try:
+            return fn()
+        except Exception as exc:  # anything the user's model or torch raises becomes a located problem
+            if raised_by_tpplan(exc):
+                raise  # tpplan's own code (the hooks, the loss): a bug, shown as one
+            if is_comm_failure(exc):
+                raise CommFailure(comm_problem(locator.plan, "the forward or backward", exc)) from None
+            raise PlanError([locator.problem(exc)]) from None

@@ -1,0 +1,58 @@
+"""What a `tpplan apply` run is asked to do, and the typed errors for a run that
+cannot be done as asked. The library names the option (a field of
+`ApplyOptions`) and why; the CLI words them in its own flag names."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class UsageError(ValueError):
+    """The run cannot be done as asked (the CLI exits 2)."""
+
+
+class ApplyOptionsError(UsageError):
+    """An option of the run cannot be used as given.
+
+    `option`: the `ApplyOptions` field ("tp", "device", "steps", "plan"), or
+    "launch" for the environment torchrun sets; `kind`: which check failed (a
+    stable key for the CLI's wording); `facts`: the values it quotes."""
+
+    def __init__(self, option: str, kind: str, reason: str, **facts: Any):
+        self.option, self.kind, self.reason, self.facts = option, kind, reason, facts
+        super().__init__(f"{option}: {reason}")
+
+    def __reduce__(self):  # pickled between ranks in the plan consensus
+        return (_rebuild, (self.option, self.kind, self.reason, self.facts))
+
+    def __repr__(self) -> str:
+        return f"ApplyOptionsError({self.option!r}, {self.kind!r}, {self.reason!r}, **{self.facts!r})"
+
+
+def _rebuild(option: str, kind: str, reason: str, facts: dict) -> ApplyOptionsError:
+    return ApplyOptionsError(option, kind, reason, **facts)
+
+
+class RanksUsageError(UsageError):
+    """Usage errors of the ranks of a torchrun job: (ranks that had it, or None
+    when every rank did, the error) each."""
+
+    def __init__(self, errors: list[tuple[str | None, BaseException]]):
+        self.errors = errors
+        super().__init__("\n".join(f"{ranks}: {exc}" if ranks else str(exc) for ranks, exc in errors))
+
+
+@dataclass(frozen=True)
+class ApplyOptions:
+    plan: str
+    model: str
+    tp: int | None = None
+    check: bool = False
+    steps: int = 0
+    inputs: str | None = None
+    device: str = "auto"
+    timeout: float = DEFAULT_TIMEOUT_S
+    seed: int = 0

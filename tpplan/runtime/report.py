@@ -1,0 +1,165 @@
+"""What `tpplan apply` found, as data, and its JSON object (SPEC §4). The text
+tables are `render.apply_report`'s; nothing here imports torch or rich.
+
+The JSON keys of SPEC §4 (`ok`, `problems`, `world_size`, `modules`, `params`,
+`comms`, `check`) always appear with exactly the shapes it fixes; details the
+SPEC leaves open (`mode`, `tp`, `dp`, `parameters`, `step_time_s`, `steps`,
+...) are extra keys beside them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.problems import Problem
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter: its full shape and what each TP rank holds of it."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    local_shapes: tuple[tuple[int, ...], ...]  # one per TP rank
+    placements: str  # in the plan's spelling: "shard(0)", "replicate"; "-" for a plain (unsharded) tensor
+    element_size: int
+
+    @property
+    def global_bytes(self) -> int:
+        return math.prod(self.global_shape) * self.element_size
+
+    def rank_bytes(self, rank: int) -> int:
+        return math.prod(self.local_shapes[rank]) * self.element_size
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.local_shapes)) > 1
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "global_shape": list(self.global_shape),
+            "local_shapes": [list(s) for s in self.local_shapes],
+            "placements": self.placements,
+        }
+
+
+@dataclass
+class CheckResult:
+    """How a tensor-parallel run compares with its single-device reference
+    (`runtime.verify`): the verdict, the worst difference, why it did not pass
+    (the first difference first) and each compared tensor's difference."""
+
+    passed: bool
+    max_abs_diff: float  # over the outputs and every parameter gradient
+    problems: list[str] = field(default_factory=list)  # why it did not pass, in comparison order
+    diffs: dict[str, float] = field(default_factory=dict)  # compared tensor -> max abs diff
+    comms: dict[str, dict[str, int]] | None = None  # collectives of the compared run, when counted
+    notes: list[str] = field(default_factory=list)  # what the check did to make the runs comparable (dropout off)
+    located: Any = None  # first_difference.Located of a failed check: the first differing tensor and its rule
+    replicas: list = field(default_factory=list)  # replicas.ReplicaDifference: replicated values that differ by rank
+
+    @property
+    def first_difference(self) -> str | None:
+        return self.problems[0] if self.problems else None
+
+    @property
+    def out_diff(self) -> float:
+        return max((d for name, d in self.diffs.items() if name.startswith("output")), default=0.0)
+
+    @property
+    def grad_diffs(self) -> dict[str, float]:
+        """Parameter fqn -> max abs diff of its gradient."""
+        return {name.removesuffix(" grad"): d for name, d in self.diffs.items() if name.endswith(" grad")}
+
+    def to_json(self) -> dict:
+        return {"passed": self.passed, "max_abs_diff": self.max_abs_diff}
+
+
+@dataclass
+class StepsResult:
+    losses: list[float]
+    step_times_s: list[float]
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_times_s)
+
+    def to_json(self) -> dict:
+        return {"n": len(self.losses), "losses": self.losses, "median_step_s": self.median_step_s}
+
+
+@dataclass
+class ApplyReport:
+    mode: str  # "dry-run" (simulated ranks) or "torchrun" (real ranks)
+    plan_file: str
+    model: str
+    world_size: int = 0
+    tp: int = 0
+    dp: int = 1
+    plan_name: str | None = None
+    device: str | None = None  # "fake" (a dry run on fake tensors), "cpu", "cuda", "npu"
+    backend: str | None = None  # "fake", "gloo", "nccl", "hccl"
+    modules: dict[str, str] = field(default_factory=dict)  # fqn -> style
+    rule_of: dict[str, str] = field(default_factory=dict)  # fqn -> rule pattern
+    rule_where: dict[str, str] = field(default_factory=dict)  # rule pattern -> file:line
+    params: list[ParamLayout] = field(default_factory=list)
+    comms: dict[str, dict[str, int]] | None = None
+    check: CheckResult | None = None
+    step_time_s: float | None = None
+    steps: StepsResult | None = None
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity == "error" for p in self.problems) and (self.check is None or self.check.passed)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.global_bytes for p in self.params)
+
+    @property
+    def rank_bytes(self) -> list[int]:
+        """Parameter bytes held by each TP rank."""
+        return [sum(p.rank_bytes(r) for p in self.params) for r in range(self.tp)] if self.params else []
+
+    @property
+    def per_rank_bytes(self) -> int:
+        """The most any rank holds: what must fit on one device."""
+        return max(self.rank_bytes, default=0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "problems": [p.to_dict() for p in self.problems],
+            "world_size": self.world_size,
+            "modules": dict(self.modules),
+            "params": {"total_bytes": self.total_bytes, "per_rank_bytes": self.per_rank_bytes},
+            "comms": self.comms or {"forward": {}, "backward": {}},
+            "check": self.check.to_json() if self.check else None,
+            # Beyond SPEC §4:
+            "mode": self.mode,
+            "plan": self.plan_file,
+            "model": self.model,
+            "tp": self.tp,
+            "dp": self.dp,
+            "device": self.device,
+            "backend": self.backend,
+            "rank_bytes": self.rank_bytes,
+            "parameters": {p.name: p.to_json() for p in self.params},
+            "step_time_s": self.step_time_s,
+            "steps": self.steps.to_json() if self.steps else None,
+        }
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
