@@ -27,13 +27,11 @@ NO_PLAN = ("no TP plan", None)
 
 # model type -> (stage, code) of what the sweep finds; a family not listed must pass
 OUTCOMES: dict[str, tuple[str, str | None]] = {
-    # Apertus normalizes q/k after the transpose ([batch, heads, seq, head_dim]): transformers'
-    # replicated_with_grad_allreduce on q_norm/k_norm becomes no_parallel with shard(-2), the head
-    # dim of Qwen3's [batch, seq, heads, head_dim]; the input really is shard(1). And transformers'
-    # plan leaves xIELU's learnable alpha_p/alpha_n (mlp.act_fn) whole between the colwise up_proj
-    # and the rowwise down_proj, so each rank's gradient of them covers its own features only (TP506).
-    "apertus": ("validate", "TP320"),
-    "apertus1p5_text": ("validate", "TP320"),
+    # transformers' plan leaves xIELU's learnable alpha_p/alpha_n (mlp.act_fn) whole between the
+    # colwise up_proj and the rowwise down_proj: each rank's gradient of them covers its own
+    # features only (validate: TP321; the dry run's replica check: TP506)
+    "apertus": ("validate", "TP321"),
+    "apertus1p5_text": ("validate", "TP321"),
 }
 FAST = ["llama", "seed_oss", "qwen3", "gpt2"]  # and apertus, in its own test below
 
@@ -105,18 +103,32 @@ def test_the_apertus_problems_are_located_at_their_rules(tmp_path):
     from tpplan.runtime.torchrun import ApplyOptions
 
     found, text = sweep("apertus", tmp_path)
-    assert found == ("validate", "TP320")
+    assert found == ("validate", "TP321")
     assert text.splitlines()[0].startswith(
-        f"{tmp_path / 'hf.yaml'}:12:3: TP320 no_parallel 'model.layers.0.self_attn.q_norm' (rule 'model.layers.*.self_attn.{{q_norm,k_norm}}'"
+        f"{tmp_path / 'hf.yaml'}:14:3: TP321 the local shard(-1) (2, 8, 128) that colwise 'model.layers.0.mlp.up_proj' "
+        "(rule 'model.layers.*.mlp.up_proj' at "
     )
-    # the dry run's forward matches one device (the norm is elementwise over head_dim), but the
-    # replicas of xIELU's parameters diverge
+    assert "reaches 'model.layers.0.mlp.act_fn' (XIELUActivation), a module with parameters that no rule covers" in text
+    # the dry run's forward matches one device (xIELU is elementwise), but the replicas of its parameters diverge
     report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.hf.tiny:apertus", tp=2, check=True))
     assert {(p.code, p.line, p.column) for p in report.problems} == {("TP506", 14, 3)}
     assert report.problems[0].message.startswith("at TP 2, replicated parameter 'model.layers.0.mlp.act_fn.alpha_")
     assert report.problems[0].message.endswith(
         "; located at rule 'model.layers.*.mlp.up_proj' (the rule of 'model.layers.0.mlp.up_proj', the last planned module that ran before it)"
     )
+
+
+@pytest.mark.parametrize("model_type, dim", [("qwen3", -2), ("exaone4", 1), ("apertus", 1)])
+def test_per_head_norms_are_declared_on_the_dim_their_heads_are_on(tmp_path, model_type, dim):
+    # Qwen3 normalizes [batch, seq, heads, head_dim]; EXAONE 4 and Apertus after the transpose
+    from tpplan.hf.importer import import_hf
+    from tpplan.hf.tiny import tiny_config
+
+    tiny_config(model_type).save_pretrained(tmp_path)
+    text = import_hf(tmp_path).text
+    layout = f"shard({dim})"
+    assert (f"  model.layers.*.self_attn.{{q_norm,k_norm}}: {{style: no_parallel, input_layout: {layout}, "
+            f"desired_input_layout: {layout}, output_layout: {layout}}}\n") in text
 
 
 if __name__ == "__main__":  # python tests/test_hf_sweep.py [TYPE...]: one table row per family

@@ -281,6 +281,7 @@ def import_hf(
                 f"({type(exc).__name__}: {exc}); pass a complete config, or check_model=False"
             ) from exc
         rules = _keep_module_rules(rules, hf_plan, model, skipped)
+        rules = _per_head_norms(rules, hf_plan, model, config, model_cls)
         for key, value in _tied_embedding_rules(rules, model).items():
             rules = {key: value, **rules}
             added.append((key, "vocab-parallel, as the lm_head it is tied to (tie_word_embeddings): both shard(0)"))
@@ -308,6 +309,28 @@ def import_hf(
     )
     text = render_plan(name, description, _tp_sizes(config), group_siblings(rules), header)
     return ImportedPlan(text, skipped, added)
+
+
+def _per_head_norms(rules: dict[str, Any], hf_plan: Mapping[str, str], model, config, model_cls) -> dict[str, Any]:
+    """The per-head norm rules (replicated_with_grad_allreduce) with the dim the heads are
+    really on (hf.head_norms): the mapping's shard(-2) fits [batch, seq, heads, head_dim] only."""
+    from ..core.globs import ModuleTree, compile_glob
+    from .head_norms import heads_dims, with_heads_dim
+
+    keys = [key for key in rules if hf_plan.get(key) == "replicated_with_grad_allreduce"]
+    if not keys:
+        return rules
+    tree = ModuleTree(name for name, _ in model.named_modules())
+    matched = {key: tree.match(compile_glob(key)) for key in keys}
+    try:
+        dims = heads_dims(config, model_cls, [names[0] for names in matched.values() if names])
+    except Exception:  # the model's forward on fake tensors: keep the mapping; validate --model checks it (TP320)
+        return rules
+    out = dict(rules)
+    for key, names in matched.items():
+        if names and dims.get(names[0], -2) != -2:
+            out[key] = with_heads_dim(rules[key], dims[names[0]])
+    return out
 
 
 def _keep_module_rules(
