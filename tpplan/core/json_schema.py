@@ -23,16 +23,18 @@ from __future__ import annotations
 import typing
 from typing import Any
 
-from .schema import STYLE_NAMES, STYLE_SPECS, MeshSpec, PlanSpec, StyleSpec
+from .style_table import STYLE_NAMES, STYLE_SPECS, StyleSpec
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _NULL = {"type": "null"}
 _NOT_NULL = {"not": _NULL}
 
 
-def plan_json_schema() -> dict:
-    MeshSpec.model_rebuild()  # its default is encoded with its own serializer, built lazily
-    schema = PlanSpec.model_json_schema()
+def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
+    """The schema of `plan_spec` (schema.PlanSpec; passed in, so that schema.py may
+    import this module without a cycle), whose mesh is `mesh_spec`."""
+    mesh_spec.model_rebuild()  # its default is encoded with its own serializer, built lazily
+    schema = plan_spec.model_json_schema()
     defs = schema["$defs"]
     for cls in STYLE_SPECS.values():
         conditions = cross_field_conditions(cls)

@@ -71,4 +71,4 @@ def plan_json_schema() -> dict:
     """JSON Schema of the plan format (built in json_schema.py)."""
     from .json_schema import plan_json_schema as build
 
-    return build()
+    return build(PlanSpec, MeshSpec)

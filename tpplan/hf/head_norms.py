@@ -20,11 +20,10 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
     """{module path: the dim of its first input that holds the heads} for each of `fqns`
     whose input is [batch, seq, heads, head_dim] (-2) or [batch, heads, seq, head_dim] (1)."""
     import torch
-
-    from ..runtime.simulate import fake_tensors
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     shapes: dict[str, tuple[int, ...]] = {}
-    with fake_tensors():
+    with FakeTensorMode(allow_non_fake_inputs=True):  # as runtime.simulate.fake_tensors (hf sits below runtime)
         model = model_cls(config)
         modules = dict(model.named_modules())
         for fqn in fqns:

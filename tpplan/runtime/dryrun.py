@@ -76,9 +76,18 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         # Fake tensors rather than bare meta ones: no memory either, and code that
         # checks for tracing (transformers' attention masks) skips the data-dependent
         # branches that meta tensors cannot run.
+        build_failure = None
         with fake_tensors():
             event("building the model on fake tensors")
-            model = build_model(options.model, "cpu", factory)
+            try:
+                model = build_model(options.model, "cpu", factory)
+            except PlanError as exc:
+                build_failure = exc
+        if build_failure is not None:  # outside FakeTensorMode: try meta, then real values
+            if _built_with_values_instead(options, plan, factory, report, event, build_failure):
+                return
+            raise build_failure
+        with fake_tensors():
             inputs = make_inputs(options.inputs, model, "cpu")
             sharded = shard_with_progress(plan, model, mesh, event)
             report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
@@ -109,6 +118,42 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         f"fake tensors could not run the forward and backward ({first_line(failure)}); "
         f"the collectives were counted with real values of rank 0 ({human_bytes(report.total_bytes)} model)"
     )
+
+
+def _built_with_values_instead(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, failure: PlanError) -> bool:
+    """Some models cannot be built on fake tensors (their constructor reads a value, or
+    swaps parameters fake tensors cannot hold): when the factory fails only there (it
+    builds on the meta device) and the model is small, the shapes and collectives come
+    from one rank's real values instead. False when that does not apply."""
+    import torch
+
+    from .simulate import VALUES_LIMIT_BYTES, forward_backward, simulated_world, tp_mesh
+
+    if failure.problems[0].code != "TP500":
+        return False
+    try:
+        meta = build_model(options.model, "meta", factory)
+    except PlanError:
+        return False  # the factory fails anyway: its own problem stands
+    size = sum(p.numel() * p.element_size() for p in meta.parameters())
+    if size > VALUES_LIMIT_BYTES:
+        return False
+    tp = report.tp
+    event("building the model with real values (fake tensors cannot build it)")
+    with simulated_world(tp):
+        torch.manual_seed(options.seed)
+        model = build_model(options.model, "cpu", factory)
+        inputs = make_inputs(options.inputs, model, "cpu")
+        sharded = shard_with_progress(plan, model, tp_mesh(tp, plan.mesh_axis), event)
+        report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+        report.params = param_layouts(model, tp)
+        _, report.comms = run_located(FailureLocator(plan, model, sharded.rules, tp), lambda: forward_backward(model, inputs))
+    report.device = "cpu"
+    report.notes.append(
+        f"fake tensors could not build the model ({failure.problems[0].message}); the shapes and collectives "
+        f"come from real values of rank 0 ({human_bytes(size)} model)"
+    )
+    return True
 
 
 def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> dict:
