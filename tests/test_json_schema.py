@@ -71,12 +71,15 @@ def tpplan_accepts(text: str) -> bool:
     return True
 
 
+YAML_REJECTS = object()  # what `parsed` returns for a text tpplan's YAML layer rejects
+
+
 def parsed(text: str):
-    """The data tpplan's YAML layer reads from `text`, or None when that layer rejects it."""
+    """The data tpplan's YAML layer reads from `text` (None for an empty document), or YAML_REJECTS."""
     try:
         data, _ = parse_yaml(text, "<text>") if text.strip() else (None, None)
     except _PlanError:
-        return None
+        return YAML_REJECTS
     return data
 
 
@@ -141,7 +144,7 @@ def verdicts(validator, text: str) -> tuple[bool, bool, str | None] | None:
     """(tpplan accepts, the schema accepts, undecidable class), or None when the YAML layer rejects the text."""
     data = parsed(text)
     accepted = tpplan_accepts(text)
-    if data is None:
+    if data is YAML_REJECTS:
         assert not accepted
         return None
     return accepted, validator.is_valid(data), undecidable(data)
