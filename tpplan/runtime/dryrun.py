@@ -83,25 +83,25 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
                 model = build_model(options.model, "cpu", factory)
             except PlanError as exc:
                 build_failure = exc
-        if build_failure is not None:  # outside FakeTensorMode: try meta, then real values
-            if _built_with_values_instead(options, plan, factory, report, event, build_failure):
-                return
-            raise build_failure
-        with fake_tensors():
-            inputs = make_inputs(options.inputs, model, "cpu")
-            sharded = shard_with_progress(plan, model, mesh, event)
-            report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
-            report.params = param_layouts(model, tp)
-            event("forward and backward on fake tensors")
-            locator = FailureLocator(plan, model, sharded.rules, tp)
-            with locator.tracking():
-                try:
-                    _, report.comms = forward_backward(model, inputs)
-                    return
-                except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
-                    if raised_by_tpplan(exc):
-                        raise  # tpplan's own code: a bug, shown as one
-                    failure, problem = exc, locator.problem(exc)
+            if build_failure is None:
+                inputs = make_inputs(options.inputs, model, "cpu")
+                sharded = shard_with_progress(plan, model, mesh, event)
+                report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+                report.params = param_layouts(model, tp)
+                event("forward and backward on fake tensors")
+                locator = FailureLocator(plan, model, sharded.rules, tp)
+                with locator.tracking():
+                    try:
+                        _, report.comms = forward_backward(model, inputs)
+                        return
+                    except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
+                        if raised_by_tpplan(exc):
+                            raise  # tpplan's own code: a bug, shown as one
+                        failure, problem = exc, locator.problem(exc)
+    if build_failure is not None:  # outside FakeTensorMode: try meta, then real values
+        if _built_with_values_instead(options, plan, factory, report, event, build_failure):
+            return
+        raise build_failure
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory.
     if report.total_bytes > VALUES_LIMIT_BYTES:
