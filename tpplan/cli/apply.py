@@ -63,7 +63,9 @@ def apply(
     ] = False,
     steps: Annotated[
         int,
-        typer.Option("--steps", metavar="N", min=0, help="Also run N SGD steps on random targets; report the loss and the median step time (torchrun only)."),
+        typer.Option("--steps", metavar="N", min=0, help="Also run N SGD steps on random targets; report the loss and the median step time (torchrun). "
+            "In a dry run with --check: N AdamW steps on every simulated rank, each compared with one device, "
+            "with the replicas checked after each."),
     ] = 0,
     inputs: Annotated[
         Optional[str],
