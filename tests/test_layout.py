@@ -136,9 +136,10 @@ def test_core_and_cli_modules_import_without_torch():
 MAY_IMPORT = {
     "core": {"core"},
     "sharding": {"core"},
-    "runtime": {"core", "sharding"},
+    "checkpoint": {"core"},  # torch.distributed.checkpoint on any model; its codes' docs need no torch
+    "runtime": {"core", "sharding", "checkpoint", "hf"},  # hf.build: `--model hf:SPEC`
     "render": {"core", "runtime"},  # runtime.report: the apply report's data, which render prints
-    "lint": {"core", "sharding", "runtime"},
+    "lint": {"core", "sharding", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},
     "models": set(),
     "hf_models": set(),

@@ -13,6 +13,9 @@ _EXPORTS = {
     "Rule": "core.plan",
     "PlanError": "core.problems",
     "Problem": "core.problems",
+    "load_checkpoint": "checkpoint.load",
+    "save_checkpoint": "checkpoint.save",
+    "CheckpointError": "checkpoint.errors",
     **dict.fromkeys(
         [
             "NoParallel",

@@ -38,7 +38,9 @@ JSON_OUTPUT = """\
   `"comms": {"forward": {op: count}, "backward": {op: count}}` (op: `all_reduce`, `all_gather`,
   `reduce_scatter`, `all_to_all`, `broadcast`) and `"check": {"passed": bool, "max_abs_diff": float}` or null;
   beyond those: `mode`, `plan`, `model`, `tp`, `dp`, `device`, `backend`, `rank_bytes`,
-  `parameters`, `step_time_s` and `steps`."""
+  `parameters`, `step_time_s` and `steps`; with `--checkpoint`, `"checkpoint": {"path", "format": "hf"|"dcp",
+  "files", "tensors", "loaded", "missing", "allowed_missing", "unexpected", "checkpoint_bytes",
+  "rank_read_bytes": [int per rank], "dtypes"}` (else null), and with `--save`, `"saved": {"path", "format"}`."""
 
 
 def cli_markdown(app: Any = None) -> str:

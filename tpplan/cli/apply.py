@@ -23,6 +23,11 @@ class ApplyFormat(str, Enum):
     json = "json"
 
 
+class SaveFormat(str, Enum):
+    dcp = "dcp"
+    hf = "hf"
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -38,7 +43,8 @@ def apply(
             "--model",
             metavar="MOD:FN",
             help="An importable callable returning the nn.Module, built under a torch.device context "
-            "(the same on every rank; under FakeTensorMode with --dry-run).",
+            "(the same on every rank; under FakeTensorMode with --dry-run), or hf:DIR, hf:CONFIG.json, hf:TYPE: the transformers "
+            "causal LM of a local model directory, a config.json or a model type (built from the config; nothing is downloaded).",
             show_default=False,
         ),
     ],
@@ -79,6 +85,34 @@ def apply(
     ] = None,
     device: Annotated[Device, typer.Option("--device", help="Device of each rank; auto: cuda, then npu, then cpu. Picks the backend: nccl, hccl, gloo.")] = Device.auto,
     format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (one object; cli.md lists its keys).")] = ApplyFormat.text,
+    checkpoint: Annotated[
+        Optional[str],
+        typer.Option(
+            "--checkpoint",
+            metavar="PATH",
+            help="Load this HuggingFace safetensors file or directory (sharded with model.safetensors.index.json) "
+            "or torch.distributed.checkpoint directory after sharding; the model is built without storage and "
+            "each rank allocates and reads only its own slices. --dry-run: read only headers / metadata and check keys, shapes, dtypes.",
+            show_default=False,
+        ),
+    ] = None,
+    save: Annotated[
+        Optional[str],
+        typer.Option("--save", metavar="PATH", help="After the run, save the sharded model to this directory (torchrun only).", show_default=False),
+    ] = None,
+    save_format: Annotated[
+        SaveFormat,
+        typer.Option("--save-format", help="dcp: every rank writes its shards (loads at any TP degree); hf: consolidated safetensors + config.json."),
+    ] = SaveFormat.dcp,
+    allow_missing: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--allow-missing",
+            metavar="PATTERN",
+            help="Keys that may be missing from --checkpoint (shell-style, e.g. '*.bias'); they are initialised as the model would.",
+            show_default=False,
+        ),
+    ] = None,
     timeout: Annotated[
         float,
         typer.Option("--timeout", metavar="SECONDS", min=1, help="Bound on every collective: a rank that dies or hangs fails the others after this long."),
@@ -89,7 +123,8 @@ def apply(
     from ..runtime.options import ApplyOptions, UsageError
 
     options = ApplyOptions(
-        plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout
+        plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout,
+        checkpoint=checkpoint, save=save, save_format=save_format.value, allow_missing=tuple(allow_missing or ()),
     )
     under_torchrun = not dry_run and "RANK" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0
@@ -127,6 +162,7 @@ _WORDING = {
     ("tp", "missing"): "--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)",
     ("steps", "needs-ranks"): "--steps trains on real ranks (torchrun), or in a dry run with --check (real per-rank values, "
     "compared with one device); without --check --dry-run runs on fake tensors without values",
+    ("save", "needs-ranks"): "--save writes real weights: run under torchrun (--dry-run has none)",
 }
 
 

@@ -125,11 +125,18 @@ def _runtime_entries() -> list[Entry]:
     return [_plain(code, name, text) for code, (name, text) in _RUNTIME_CODES.items()]
 
 
+def _checkpoint_entries() -> list[Entry]:
+    from ..checkpoint.errors import CODE_DOCS  # no torch at import
+
+    return [_plain(code, name, text) for code, (name, text) in CODE_DOCS.items()]
+
+
 def catalog() -> list[Entry]:
     """Every documented code, in code order."""
     entries = [_plain(code, name, text) for code, (name, text) in _PLAN_CODES.items()]
     entries += [Entry(rule.code, rule.name, rule.severity, rule.summary, rule.doc()) for rule in RULES.values()]
     entries += _runtime_entries()
+    entries += _checkpoint_entries()
     return sorted(entries, key=lambda entry: entry.code)
 
 

@@ -93,8 +93,30 @@ def render_text(report: ApplyReport, console) -> None:
             f"{len(losses)} SGD steps: loss {losses[0]:.6g} -> {losses[-1]:.6g}, "
             f"median step {report.steps.median_step_s * 1e3:.2f} ms"
         )
+    if report.checkpoint is not None:
+        _render_checkpoint(report, console)
+    if report.saved is not None:
+        console.print(Text(f"saved: {report.saved['path']} ({report.saved['format']})"))
     if report.check is not None:
         verdict = "[green]passed[/green]" if report.check.passed else "[red]FAILED[/red]"
         console.print(f"check against a single device: {verdict}, max |diff| {report.check.max_abs_diff:.3g}")
         for line in report.check.problems:
             console.print(f"  {line}", markup=False)
+
+
+def _render_checkpoint(report: ApplyReport, console) -> None:
+    from rich.text import Text
+
+    c = report.checkpoint
+    verb = "would load" if report.mode == "dry-run" else "loaded"
+    console.print(Text(
+        f"checkpoint {c['path']} ({c['format']}, {c['files']} files, {human_bytes(c['checkpoint_bytes'])}, "
+        f"{'/'.join(c['dtypes']) or '-'}): {verb} {c['loaded']} of its {c['tensors']} tensors"
+    ))
+    for first, last, read in _runs(list(c["rank_read_bytes"])):
+        ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+        console.print(Text(f"  {ranks} read{'s' if first == last else ''} {human_bytes(read)} ({read} bytes)"))
+    for key, label in (("missing", "missing"), ("allowed_missing", "missing, allowed (initialised)"), ("unexpected", "unexpected")):
+        if c.get(key):
+            shown = ", ".join(c[key][:8]) + (f" (and {len(c[key]) - 8} more)" if len(c[key]) > 8 else "")
+            console.print(Text(f"  {label}: {shown}"))

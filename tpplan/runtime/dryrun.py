@@ -57,17 +57,24 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     if options.device not in ("auto", "cpu"):
         report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
+    if options.save:
+        raise ApplyOptionsError("save", "needs-ranks", "saving writes real weights: it needs real ranks (torchrun)")
     try:
-        _simulate_shapes(options, plan, factory, report, event)
+        source = None
+        if options.checkpoint:  # headers / metadata only, before building anything
+            from ..checkpoint.run import open_checkpoint
+
+            source = open_checkpoint(options.checkpoint)
+        _simulate_shapes(options, plan, factory, report, event, source)
         if options.check:
             event(f"checking {tp} ranks with real values against a single device")
             _simulate_values(options, plan, factory, report)
     except PlanError as exc:
-        report.problems = exc.problems
+        report.problems += exc.problems
     return report
 
 
-def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event) -> None:
+def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, source=None) -> None:
     from .simulate import VALUES_LIMIT_BYTES, fake_tensors, forward_backward, simulated_world, tp_mesh
 
     tp = report.tp
@@ -88,6 +95,11 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
                 sharded = shard_with_progress(plan, model, mesh, event)
                 report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
                 report.params = param_layouts(model, tp)
+                if source is not None:  # the checkpoint's metadata against the sharded model
+                    from ..checkpoint.run import inspect_into
+
+                    report.checkpoint, found = inspect_into(model, source, options.allow_missing, tp)
+                    report.problems += found
                 event("forward and backward on fake tensors")
                 locator = FailureLocator(plan, model, sharded.rules, tp)
                 with locator.tracking():
@@ -177,9 +189,12 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
 
     inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
     try:
-        result = check_parity(
-            lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed, steps=options.steps
-        )
+        if options.checkpoint:
+            result = _check_loaded(options, plan, factory, report.tp, inputs)
+        else:
+            result = check_parity(
+                lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed, steps=options.steps
+            )
     except PlanError:
         raise
     except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
@@ -224,3 +239,34 @@ def replica_problems(result, plan: Plan, tp: int) -> list:
         else:
             problems.append(error("TP506", f"{message}; located at rule '{rule.pattern}' ({relation})", rule.file, rule.line, rule.column))
     return problems
+
+
+def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
+    """--check --checkpoint: every simulated rank reads its own slices of the
+    checkpoint (tpplan.checkpoint.simulate); outputs and gradients against the
+    single-device model loaded from the same checkpoint."""
+    import torch
+
+    from ..checkpoint.load import load_checkpoint
+    from ..checkpoint.simulate import simulated_load
+    from .simulate import default_inputs, forward_backward, scalar_loss
+    from .verify import _with_problems, compare, run_pairs
+
+    from .dropout import for_check
+
+    reference = build_model(options.model, "meta", factory)
+    load_checkpoint(reference, options.checkpoint, allow_missing=options.allow_missing, device="cpu")
+    note = for_check(reference)  # eval mode on both sides, as check_parity
+    if inputs is None:
+        inputs = (default_inputs(reference, generator=torch.Generator().manual_seed(options.seed)),)
+    ref_out = reference(*inputs)
+    scalar_loss(ref_out).backward()
+    with simulated_load(factory, plan, tp, options.checkpoint, allow_missing=options.allow_missing) as sim:
+        sim.model.eval()
+        out, comms = forward_backward(sim.model, inputs)
+        grads = {name: p.grad for name, p in sim.model.named_parameters()}
+        problems, pairs = run_pairs(out, ref_out, grads, reference, output_name=lambda i: "output")
+        result = _with_problems(problems, compare(pairs))
+    result.comms = comms
+    result.notes = [note] if note else []
+    return result

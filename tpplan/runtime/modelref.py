@@ -29,7 +29,15 @@ class ModelRefError(ValueError):
 
 
 def load_callable(ref: str, option: str = "--model") -> Callable[..., Any]:
-    """The callable that `ref` ("package.module:function") names."""
+    """The callable that `ref` ("package.module:function") names; "hf:SPEC" names
+    the transformers causal LM of a local config (tpplan.hf.build)."""
+    if option == "--model" and ref.startswith("hf:"):
+        from ..hf.build import HFSpecError, factory
+
+        try:
+            return factory(ref)
+        except HFSpecError as exc:
+            raise ModelRefError(str(exc)) from None
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise ModelRefError(f"{option} {ref!r} must be MODULE:FUNCTION, e.g. tpplan.models.llama:tiny")

@@ -56,3 +56,7 @@ class ApplyOptions:
     device: str = "auto"
     timeout: float = DEFAULT_TIMEOUT_S
     seed: int = 0
+    checkpoint: str | None = None  # load into the sharded model (tpplan.checkpoint)
+    save: str | None = None  # save the sharded model after the run
+    save_format: str = "dcp"
+    allow_missing: tuple[str, ...] = ()

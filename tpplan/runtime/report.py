@@ -114,6 +114,8 @@ class ApplyReport:
     steps: StepsResult | None = None
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
+    checkpoint: dict | None = None  # --checkpoint: what was (or would be) loaded, see tpplan.checkpoint.inspect
+    saved: dict | None = None  # --save: {"path", "format"}
 
     @property
     def ok(self) -> bool:
@@ -154,6 +156,8 @@ class ApplyReport:
             "parameters": {p.name: p.to_json() for p in self.params},
             "step_time_s": self.step_time_s,
             "steps": self.steps.to_json() if self.steps else None,
+            "checkpoint": self.checkpoint,
+            "saved": self.saved,
         }
 
 

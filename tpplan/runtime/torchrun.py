@@ -69,6 +69,8 @@ class _Ran:
     step_time_s: float | None = None
     check: CheckResult | None = None
     steps: StepsResult | None = None
+    checkpoint: dict | None = None
+    saved: dict | None = None
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -117,6 +119,7 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
         report.modules, report.rule_of, report.rule_where = ran.sharded.modules, ran.sharded.rule_of, ran.sharded.rule_where
     report.params, report.comms, report.step_time_s = ran.params, ran.comms, ran.step_time_s
     report.check, report.steps = ran.check, ran.steps
+    report.checkpoint, report.saved = ran.checkpoint, ran.saved
     if ran.check is not None and not ran.check.passed:
         report.problems.append(error("TP505", f"--check failed: {ran.check.problems[0]}", loaded.plan.file))
     if ran.problems:
@@ -137,9 +140,13 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
         loaded.mesh = mesh_shape(ctx.world, options.tp, loaded.plan.mesh_axis)
         event("building the model")
         torch.manual_seed(options.seed)  # the same weights on every rank, even with src_data_rank: null
-        loaded.model = build_model(options.model, ctx.device)
+        loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device)
         loaded.structure = module_structure(loaded.model)
         loaded.plan.match(loaded.model)
+        if options.checkpoint:  # keys, shapes, dtypes: on every rank, before any shards
+            from ..checkpoint.run import preflight
+
+            preflight(loaded.model, options.checkpoint, options.allow_missing)
     except PlanError as exc:
         loaded.problems = exc.problems
     except (UsageError, ModelRefError) as exc:
@@ -167,16 +174,20 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     ran = _Ran(tp=shape[-1], dp=shape[0] if len(shape) == 2 else 1)
     try:
-        torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
-        inputs = make_inputs(options.inputs, model, ctx.device)
         if options.check:  # both sides in eval mode: dropout would draw different masks on each
             from .dropout import for_check
 
             ran.notes += [note] if (note := for_check(model)) else []
-        reference = copy.deepcopy(model) if options.check else None
+        reference = copy.deepcopy(model) if options.check and not options.checkpoint else None
 
         ran.sharded = shard_with_progress(plan, model, mesh, event)
-        ran.params = param_layouts(model, ran.tp)
+        if options.checkpoint:
+            reference = _load_checkpoint(ctx, options, model, ran, event)
+            if reference is not None:
+                reference.eval()  # as the sharded side (for_check above)
+        ran.params = param_layouts(model, ran.tp)  # after a load: the checkpoint's dtypes
+        torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
+        inputs = make_inputs(options.inputs, model, ctx.device)
         locator = FailureLocator(plan, model, ran.sharded.rules, ran.tp)
 
         event("forward and backward")
@@ -187,17 +198,38 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
 
         if reference is not None:
             event("checking against a single device")
-            ran.check = _check(ctx, plan, model, reference, inputs, output, grads)
+            ran.check = _check(ctx, plan, model, reference, inputs, output, grads, copy_weights=not options.checkpoint)
         if options.steps:
             from .steps import sgd_steps
 
             event(f"{options.steps} SGD steps")
             ran.steps = run_located(locator, lambda: sgd_steps(model, inputs, options.steps, ctx.device, options.seed))
+        if options.save:
+            from ..checkpoint.run import save_from
+
+            event(f"saving to {options.save}")
+            ran.saved = save_from(model, options.save, options.save_format)
     except PlanError as exc:
         ran.problems = exc.problems
     except CommFailure as exc:
         ran.problems = [exc.problem]
     return ran
+
+
+def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran: _Ran, event) -> "nn.Module | None":
+    """Load --checkpoint into the sharded meta model (each rank its slices); with
+    --check, also into a single-device reference, which the check then compares
+    as it is (not with the sharded weights copied in)."""
+    from ..checkpoint.run import load_into
+
+    event(f"loading {options.checkpoint}")
+    ran.checkpoint = load_into(model, options.checkpoint, options.allow_missing, ctx.device)
+    if not options.check:
+        return None
+    event(f"loading {options.checkpoint} on a single device for --check")
+    reference = build_model(options.model, "meta")
+    load_into(reference, options.checkpoint, options.allow_missing, ctx.device)
+    return reference
 
 
 def _timed_step(ctx: _Rank, locator: FailureLocator, model: "nn.Module", inputs: tuple) -> float:
@@ -211,12 +243,12 @@ def _timed_step(ctx: _Rank, locator: FailureLocator, model: "nn.Module", inputs:
     return time.perf_counter() - start
 
 
-def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict) -> CheckResult:
+def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict, copy_weights: bool = True) -> CheckResult:
     """This rank's comparison with a single device, merged over the ranks."""
     from .verify import compare_with_reference, merge_ranks
 
     try:
-        local = compare_with_reference(model, reference, inputs, output, grads)
+        local = compare_with_reference(model, reference, inputs, output, grads, copy_weights)
     except Exception as exc:  # the single-device run of the user's model, or gathering the weights
         if raised_by_tpplan(exc):
             raise  # tpplan's own code: a bug, shown as one

@@ -112,14 +112,15 @@ def _with_problems(first: list[str], result: CheckResult) -> CheckResult:
     return CheckResult(False, result.max_abs_diff, first + result.problems, result.diffs, result.comms)
 
 
-def compare_with_reference(model: nn.Module, reference: nn.Module, inputs: tuple, output: Any, grads: dict) -> CheckResult:
+def compare_with_reference(model: nn.Module, reference: nn.Module, inputs: tuple, output: Any, grads: dict, copy_weights: bool = True) -> CheckResult:
     """This rank's outputs and gradients (`grads`: {name: grad} of the sharded run)
     against a single-device run of `reference` loaded with the sharded model's
-    weights gathered to full tensors."""
+    weights gathered to full tensors (or, `copy_weights=False`, with its own: the
+    same checkpoint loaded on one device)."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in model.named_parameters() if copy_weights else ():
             reference.get_parameter(name).copy_(full_tensor(param))
-        for name, buffer in model.named_buffers():
+        for name, buffer in model.named_buffers() if copy_weights else ():
             reference.get_buffer(name).copy_(full_tensor(buffer))
     ref_output = reference(*inputs)
     scalar_loss(ref_output).backward()

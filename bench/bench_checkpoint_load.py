@@ -1,0 +1,193 @@
+"""Loading a HuggingFace checkpoint at TP 2: tpplan vs transformers, side by side.
+
+A ~1.1B-parameter random-weight Llama (TinyLlama-1.1B's shape: hidden 2048,
+22 layers, 32 heads, 4 KV heads, vocab 32000) is written as bf16 safetensors
+(two files and an index, ~2.2 GB) in a temp dir. Then two torchrun jobs of 2
+gloo ranks each, one after the other, each process group initialised before
+the clock starts:
+
+- `tpplan`: config -> meta model -> `plan.apply` -> `load_checkpoint` (DCP's
+  HuggingFaceStorageReader, each rank reading its slices);
+- `transformers`: `AutoModelForCausalLM.from_pretrained(path, tp_plan="auto")`.
+
+The plan, plans/hf/llama_tp.yaml, lays the parameters out as transformers'
+own Llama plan does (vocab-parallel embedding and lm_head, colwise q/k/v and
+gate/up, rowwise o/down), so both hold the same shards and read the same bytes;
+a checksum of one shard per rank shows both loaded the same values.
+
+Per rank: load time, the empty process's RSS (after the same imports in both
+-- torch.distributed.checkpoint, transformers' Llama modeling code, tpplan --
+and the process group), and the peak RSS during the load (VmHWM, reset before the load through
+/proc/self/clear_refs). Prints load time tpplan / transformers (goal <= 1.0),
+peak RSS tpplan / transformers (goal <= 1.0) and each peak / (its shard's bytes
++ the empty-process baseline) (goal <= 1.3).
+
+    python bench/bench_checkpoint_load.py [--layers 22] [--keep DIR] [--check]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import _common
+
+ROOT = _common.ROOT
+
+CONFIG = dict(
+    vocab_size=32000,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=22,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+)
+
+WORKER = textwrap.dedent('''
+    import json, os, re, sys, time, warnings
+    import torch, torch.distributed as dist, transformers
+    from torch.distributed.tensor import DTensor
+
+    def status(key):
+        return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+    mode, path, plan_file, out = sys.argv[1:5]
+    warnings.filterwarnings("ignore")
+    # The same libraries in both processes before the baseline: the load alone is measured.
+    import safetensors.torch, torch.distributed.checkpoint, torch.distributed.tensor.parallel
+    import transformers.models.llama.modeling_llama
+    from torch.distributed.device_mesh import init_device_mesh
+    from tpplan import load_checkpoint, load_plan
+    import tpplan.checkpoint.load
+    plan = load_plan(plan_file)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    baseline = status("VmRSS")
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS: the peak of the load alone
+    start = time.perf_counter()
+    if mode == "tpplan":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        config = transformers.AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        plan.apply(model, mesh)
+        load_checkpoint(model, path)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peak = status("VmHWM")
+    file_backed = status("RssFile")
+    local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+    tensors = [local(t) for t in list(model.parameters()) + list(model.buffers())]
+    shard = sum(t.numel() * t.element_size() for t in tensors)
+    # First use: read every byte of every shard (tensors backed by a file mapping are read now).
+    touch = time.perf_counter()
+    total = sum(float(t.sum(dtype=torch.float64)) for t in tensors)  # no copy of the shard
+    touch = time.perf_counter() - touch
+    used_peak = status("VmHWM")
+    q = local(model.model.layers[0].self_attn.q_proj.weight)
+    json.dump({"rank": rank, "seconds": seconds, "baseline": baseline, "peak": peak, "shard_bytes": shard,
+               "file_backed": file_backed, "touch_s": touch, "used_peak": used_peak, "sum": total,
+               "checksum": float(q.double().sum()), "q_shape": list(q.shape),
+               "dtypes": sorted({str(p.dtype) for p in model.parameters()})}, open(f"{out}.{rank}", "w"))
+    dist.destroy_process_group()
+    os._exit(0)
+''')
+
+
+def write_checkpoint(directory: Path, layers: int) -> int:
+    """Random bf16 weights in transformers' names and layout, two files and an index; returns bytes."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    config = transformers.LlamaConfig(**{**CONFIG, "num_hidden_layers": layers}, dtype="bfloat16")
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
+    names = list(shapes)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    generator = torch.Generator().manual_seed(0)
+    weight_map, total = {}, 0
+    for i, part in enumerate(halves, start=1):
+        file = f"model-{i:05d}-of-{len(halves):05d}.safetensors"
+        tensors = {}
+        for name in part:
+            t = torch.randn(shapes[name], generator=generator, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+            tensors[name] = t
+            weight_map[name] = file
+            total += t.numel() * 2
+        save_file(tensors, directory / file, metadata={"format": "pt"})
+        del tensors
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config.save_pretrained(directory)
+    return total
+
+
+def run_job(mode: str, directory: Path, plan: Path, work: Path) -> list[dict]:
+    worker = work / "worker.py"
+    worker.write_text(WORKER)
+    out = work / f"{mode}.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(worker), mode, str(directory), str(plan), str(out)]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        sys.exit(f"{mode} job failed:\n{result.stderr[-4000:]}")
+    return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(2)]
+
+
+def main() -> None:
+    parser = _common.arguments(__doc__, check="when a goal is missed")
+    parser.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
+    parser.add_argument("--keep", type=Path, help="write (or reuse) the checkpoint here instead of a temp dir")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="tpplan-bench-") as tmp:
+        work = Path(tmp)
+        directory = args.keep or work / "llama"
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / "model.safetensors.index.json").exists():
+            total = write_checkpoint(directory, args.layers)
+        else:
+            total = json.loads((directory / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+        plan = ROOT / "plans/hf/llama_tp.yaml"
+        load = os.getloadavg()
+        results = {mode: run_job(mode, directory, plan, work) for mode in ("tpplan", "transformers")}
+
+    print(f"checkpoint: {total / 1e9:.2f} GB bf16 safetensors ({args.layers} layers, ~{total / 2 / 1e9:.2f}B parameters), 2 gloo ranks; load average before: {load[0]:.1f}")
+    print(f"{'rank':>4} {'impl':>12} {'load s':>7} {'base MiB':>9} {'peak MiB':>9} {'shard MiB':>10} {'peak/(shard+base)':>18} "
+          f"{'file-backed MiB':>16} {'1st use s':>10} {'peak after 1st use MiB':>23}")
+    for rank in range(2):
+        for mode in ("tpplan", "transformers"):
+            r = results[mode][rank]
+            ratio = r["peak"] / (r["shard_bytes"] + r["baseline"])
+            print(f"{rank:>4} {mode:>12} {r['seconds']:>7.2f} {r['baseline'] / 2**20:>9.0f} {r['peak'] / 2**20:>9.0f} {r['shard_bytes'] / 2**20:>10.0f} "
+                  f"{ratio:>18.3f} {r['file_backed'] / 2**20:>16.0f} {r['touch_s']:>10.2f} {r['used_peak'] / 2**20:>23.0f}")
+    ours, theirs = results["tpplan"], results["transformers"]
+    time_ratio = max(r["seconds"] for r in ours) / max(r["seconds"] for r in theirs)
+    print(f"load time tpplan / transformers: {time_ratio:.3f} (goal <= 1.0)")
+    met = _common.within(time_ratio, 1.0)
+    for rank in range(2):
+        met = met and _common.within(ours[rank]["peak"] / theirs[rank]["peak"], 1.0)
+        met = met and _common.within(ours[rank]["peak"] / (ours[rank]["shard_bytes"] + ours[rank]["baseline"]), 1.3)
+        print(f"rank {rank}: peak RSS tpplan / transformers: {ours[rank]['peak'] / theirs[rank]['peak']:.3f} (goal <= 1.0); "
+              f"tpplan peak / (shard + baseline): {ours[rank]['peak'] / (ours[rank]['shard_bytes'] + ours[rank]['baseline']):.3f} (goal <= 1.3)")
+        print(f"rank {rank}: after first use of every shard: load + first use time tpplan / transformers "
+              f"{(ours[rank]['seconds'] + ours[rank]['touch_s']) / (theirs[rank]['seconds'] + theirs[rank]['touch_s']):.3f}, "
+              f"peak RSS tpplan / transformers {ours[rank]['used_peak'] / theirs[rank]['used_peak']:.3f}")
+        if ours[rank]["sum"] != theirs[rank]["sum"] or ours[rank]["q_shape"] != theirs[rank]["q_shape"]:
+            print(f"rank {rank}: WARNING the two loads hold different q_proj shards")
+            met = False
+    sys.exit(_common.exit_code(args.check, met))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The problems of reading and writing checkpoints, and their codes (TP6xx).
+
+Plain data, no torch: `tpplan rules` documents these codes without importing it.
+A `CheckpointError` is a `PlanError` (it carries `.problems`, located at the
+checkpoint file), so the CLI prints it like any other problem and picks the
+exit code: TP600 (the path cannot be read) exits 2, the others 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+from ..core.problems import PlanError, Problem, error
+
+# code -> (name, what it means and what to do); see `tpplan rules TP6xx`.
+CODE_DOCS = {
+    "TP600": ("unreadable-checkpoint", """
+        The checkpoint path cannot be read: it does not exist, is not readable,
+        or is neither a HuggingFace safetensors file or directory (with
+        `model.safetensors.index.json` when sharded) nor a
+        `torch.distributed.checkpoint` directory (with `.metadata`). Exits 2.
+    """),
+    "TP601": ("missing-keys", """
+        Tensors the model has are not in the checkpoint. Nothing is loaded: a
+        partial load is an error unless `--allow-missing PATTERN`
+        (`allow_missing=` in the API) names the keys that may be missing; those
+        are initialised as the model's own initialisation would.
+    """),
+    "TP602": ("unexpected-keys", """
+        The checkpoint holds tensors the model does not have (a renamed module,
+        another variant of the architecture). Nothing is loaded.
+    """),
+    "TP603": ("shape-mismatch", """
+        A tensor of the checkpoint has another shape than the model's parameter
+        or buffer of the same name (another configuration: hidden size, vocabulary,
+        KV heads). Nothing is loaded.
+    """),
+    "TP604": ("dtype-mismatch", """
+        A tensor of the checkpoint has a dtype that cannot become the model's: an
+        integer or boolean tensor for a floating-point parameter, or the reverse.
+        (Floating-point tensors of another precision are cast, e.g. a bfloat16
+        checkpoint into a float32 model.)
+    """),
+    "TP605": ("corrupt-checkpoint", """
+        A checkpoint file cannot be decoded: a safetensors header that is not
+        valid, a file shorter than its header says (truncated), a DCP `.metadata`
+        that does not unpickle, an index that names files that are missing, or a
+        read that fails half-way. The message names the file; when reading failed
+        after the model's tensors were allocated it says that the model is left
+        partly loaded.
+    """),
+    "TP606": ("checkpoint-of-another-model", """
+        Most of the model's tensors are missing from the checkpoint and the
+        checkpoint holds tensors the model does not have: it was saved from
+        another model (check `--model` and `--checkpoint`).
+    """),
+    "TP607": ("buffer-not-recomputable", """
+        The model was built on the meta device and a non-persistent buffer (not
+        in any checkpoint, e.g. a rotary `inv_freq` table) cannot be recomputed:
+        the module is not a transformers model and has no `reset_parameters()`.
+        Build the model with real buffers (parameters alone on meta), or give
+        the module a `reset_parameters()` that fills them.
+    """),
+    "TP608": ("save-failed", "Writing the checkpoint failed (the directory is not writable, the disk is full); the message names the path."),
+}
+
+UNREADABLE = "TP600"
+
+
+class CheckpointError(PlanError):
+    """Loading or saving a checkpoint failed; `.problems` say which keys and files."""
+
+    def __init__(self, problems: list[Problem]):
+        super().__init__(problems)
+
+    @property
+    def unreadable(self) -> bool:
+        return any(p.code == UNREADABLE for p in self.problems)
+
+
+def fail(code: str, message: str, file: str) -> CheckpointError:
+    return CheckpointError([error(code, message, str(file))])
+
+
+def some(names: list[str], n: int = 5) -> str:
+    """'a, b, c (and 4 more)'"""
+    shown = ", ".join(names[:n])
+    return shown + (f" (and {len(names) - n} more)" if len(names) > n else "")
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process when no process group is up: that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -1,0 +1,218 @@
+"""A checkpoint's metadata against a (possibly sharded, meta or fake) model:
+which keys it loads, which are missing or unexpected, which have another shape
+or an incompatible dtype, and the bytes each TP rank reads.
+
+Used before any tensor is read by `load_checkpoint` (so a bad checkpoint leaves
+the model untouched) and by `apply --dry-run --checkpoint` (so it fails before a
+job starts).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import math
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..core.problems import Problem, error
+from .errors import some
+from .source import Source
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@dataclass
+class Expected:
+    """One tensor of the model's state dict: every name it goes by (tied
+    parameters have several), its full shape and dtype, what each rank holds."""
+
+    names: list[str]
+    shape: tuple[int, ...]
+    dtype: "torch.dtype"
+    local_shapes: list[tuple[int, ...]]  # one per rank of its mesh (one entry when not a DTensor)
+    is_parameter: bool
+
+
+@dataclass
+class Match:
+    source: Source
+    loads: dict[str, Expected] = field(default_factory=dict)  # checkpoint key -> tensor it fills
+    allowed_missing: list[Expected] = field(default_factory=list)
+    missing: list[Expected] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    def rank_bytes(self, ranks: int) -> list[int]:
+        """Bytes of checkpoint data each rank reads (its shards, in the checkpoint's dtype)."""
+        out = []
+        for rank in range(ranks):
+            total = 0
+            for key, exp in self.loads.items():
+                shape = exp.local_shapes[rank] if len(exp.local_shapes) > rank else exp.local_shapes[0]
+                total += math.prod(shape) * _itemsize(self.source.tensors[key].properties.dtype)
+            out.append(total)
+        return out
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(math.prod(md.size) * _itemsize(md.properties.dtype) for md in self.source.tensors.values())
+
+    def summary(self, ranks: int) -> dict:
+        """The `checkpoint` entry of `apply`'s report."""
+        return {
+            "path": self.source.path,
+            "format": self.source.format,
+            "files": len(self.source.files),
+            "tensors": len(self.source.tensors),
+            "loaded": len(self.loads),
+            "missing": [e.names[0] for e in self.missing],
+            "allowed_missing": [e.names[0] for e in self.allowed_missing],
+            "unexpected": list(self.unexpected),
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "rank_read_bytes": self.rank_bytes(ranks),
+            "dtypes": sorted({str(self.source.tensors[k].properties.dtype).removeprefix("torch.") for k in self.loads}),
+        }
+
+
+def _itemsize(dtype: "torch.dtype") -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def local_shapes(t: "torch.Tensor") -> list[tuple[int, ...]]:
+    """What each rank of `t`'s mesh holds of it, as torch chunks shards."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return [tuple(t.shape)]
+    mesh = t.device_mesh
+    coords = [tuple(c) for c in _coordinates(mesh.shape)]
+    shapes = []
+    for coord in coords:
+        shape = list(t.shape)
+        for mesh_dim, placement in enumerate(t.placements):
+            if isinstance(placement, Shard):
+                dim = placement.dim % len(shape)
+                shape[dim] = Shard.local_shard_size_and_offset(shape[dim], mesh.shape[mesh_dim], coord[mesh_dim])[0]
+        shapes.append(tuple(shape))
+    return shapes
+
+
+def _coordinates(shape: tuple[int, ...]) -> Iterable[list[int]]:
+    if not shape:
+        yield []
+        return
+    for first in range(shape[0]):
+        for rest in _coordinates(tuple(shape[1:])):
+            yield [first, *rest]
+
+
+def expected_tensors(model: "nn.Module") -> list[Expected]:
+    """The model's parameters and persistent buffers, tied ones once (with all names)."""
+    by_id: dict[int, Expected] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        _add(by_id, name, param, True)
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for key, buffer in module._buffers.items():
+            if buffer is None or key in module._non_persistent_buffers_set:
+                continue
+            _add(by_id, f"{module_name}.{key}" if module_name else key, buffer, False)
+    return list(by_id.values())
+
+
+def _add(by_id: dict, name: str, t: "torch.Tensor", is_parameter: bool) -> None:
+    found = by_id.get(id(t))
+    if found is not None:
+        if name not in found.names:
+            found.names.append(name)
+        return
+    by_id[id(t)] = Expected([name], tuple(t.shape), t.dtype, local_shapes(t), is_parameter)
+
+
+def _ignored_unexpected(model: "nn.Module") -> list[re.Pattern]:
+    """transformers models list keys of old checkpoints to ignore (rotary inv_freq tables)."""
+    patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
+    return [re.compile(p) for p in patterns]
+
+
+def match(model: "nn.Module", source: Source, allow_missing: Iterable[str] = ()) -> Match:
+    """Compare `source.tensors` (read_metadata first) with the model."""
+    result = Match(source)
+    allow = list(allow_missing)
+    keys = set(source.tensors)
+    expected = expected_tensors(model)
+    claimed: set[str] = set()
+    for exp in expected:
+        key = next((n for n in exp.names if n in keys), None)
+        if key is None:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in exp.names for pattern in allow):
+                result.allowed_missing.append(exp)
+            else:
+                result.missing.append(exp)
+            continue
+        claimed.update(n for n in exp.names if n in keys)
+        result.loads[key] = exp
+    ignored = _ignored_unexpected(model)
+    result.unexpected = sorted(k for k in keys - claimed if not any(p.search(k) for p in ignored))
+    result.problems = _problems(result, len(expected))
+    return result
+
+
+def _problems(m: Match, n_expected: int) -> list[Problem]:
+    src = m.source
+    problems = []
+    missing = [e.names[0] for e in m.missing]
+    if missing and m.unexpected and len(missing) > n_expected / 2:
+        problems.append(error(
+            "TP606",
+            f"{src.path} does not look like a checkpoint of this model: {len(missing)} of its {n_expected} tensors are missing "
+            f"({some(missing, 3)}) and {len(m.unexpected)} of the checkpoint's are unexpected ({some(m.unexpected, 3)})",
+            src.where,
+        ))
+        return problems
+    if missing:
+        problems.append(error(
+            "TP601",
+            f"{len(missing)} tensors of the model are missing from {src.path}: {some(missing, 8)}"
+            " (--allow-missing PATTERN, allow_missing=, names keys that may be missing)",
+            src.where,
+        ))
+    if m.unexpected:
+        hints = []
+        for key in m.unexpected[:8]:
+            close = difflib.get_close_matches(key, missing, n=1, cutoff=0.8)
+            hints.append(f"{key} (the model has {close[0]})" if close else key)
+        more = f" (and {len(m.unexpected) - 8} more)" if len(m.unexpected) > 8 else ""
+        problems.append(error(
+            "TP602",
+            f"{len(m.unexpected)} tensors of {src.path} are not in the model: {', '.join(hints)}{more}",
+            src.file_for(m.unexpected[0]),
+        ))
+    for key, exp in m.loads.items():
+        md = src.tensors[key]
+        if tuple(md.size) != exp.shape:
+            problems.append(error(
+                "TP603",
+                f"{key} has shape {tuple(md.size)} in {src.file_for(key)}, the model's is {exp.shape}",
+                src.file_for(key),
+            ))
+        elif md.properties.dtype.is_floating_point != exp.dtype.is_floating_point or (md.properties.dtype == _bool()) != (exp.dtype == _bool()):
+            problems.append(error(
+                "TP604",
+                f"{key} is {str(md.properties.dtype).removeprefix('torch.')} in {src.file_for(key)}, "
+                f"the model's is {str(exp.dtype).removeprefix('torch.')}",
+                src.file_for(key),
+            ))
+    return problems
+
+
+def _bool():
+    import torch
+
+    return torch.bool

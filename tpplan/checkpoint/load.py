@@ -1,0 +1,319 @@
+"""`load_checkpoint`: fill a (sharded, possibly meta-device) model from a
+HuggingFace safetensors or DCP checkpoint, each rank reading only its slices.
+
+    with torch.device("meta"):
+        model = build()
+    plan.apply(model, tp_mesh)
+    load_checkpoint(model, "llama/")
+
+Order, so that a bad checkpoint leaves the model as it was: read the metadata
+(headers only) and compare it with the model (`inspect.match`); allocate each
+tensor's local shard on the target device (a DTensor keeps its mesh and
+placements); initialise the keys `allow_missing` lets be missing; then
+`torch.distributed.checkpoint.load`, whose planner turns each rank's shards into
+byte-range reads (`HuggingFaceStorageReader` slices safetensors files,
+`FileSystemReader` reads DCP items); last, recompute the non-persistent
+buffers (rotary tables), which no checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import CheckpointError, fail, quiet, some
+from .inspect import Match, match
+from .source import locate, read_metadata
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@dataclass
+class LoadResult:
+    """What `load_checkpoint` did on this rank."""
+
+    path: str
+    format: str  # "hf" or "dcp"
+    loaded: list[str]  # checkpoint keys read
+    initialized: list[str] = field(default_factory=list)  # missing keys allowed by allow_missing, initialised instead
+    read_bytes: int = 0  # checkpoint bytes this rank reads (its shards)
+    recomputed_buffers: list[str] = field(default_factory=list)
+    match: Match | None = field(default=None, repr=False)
+
+
+def load_checkpoint(
+    model: "nn.Module",
+    path: str | os.PathLike,
+    *,
+    dtype: "torch.dtype | None" = None,
+    allow_missing: Iterable[str] = (),
+    device: "torch.device | str | None" = None,
+) -> LoadResult:
+    """Load `path` into `model` in place (parallelized by a plan or not, on the meta
+    device or materialized). Each rank allocates and reads only its local shards.
+
+    `dtype`: floating-point tensors become this dtype (default: the checkpoint's
+    for tensors on the meta device; a materialized tensor keeps its own).
+    `allow_missing`: shell-style patterns (`*.bias`) of keys that may be missing;
+    those are initialised as the model would (transformers' `_init_weights`, or the
+    module's `reset_parameters()`). `device`: where meta tensors are materialized
+    (default: the device of the parameters' mesh, else of the model, else cpu).
+
+    Raises `CheckpointError` (a `PlanError`) naming keys and files: TP600 unreadable
+    path, TP601 missing, TP602 unexpected, TP603 shape, TP604 dtype, TP605 corrupt,
+    TP606 another model's checkpoint, TP607 a buffer that cannot be recomputed.
+    Everything but TP605 during the read (which says so) leaves the model untouched.
+    """
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    source = locate(path)
+    read_metadata(source)
+    found = match(model, source, allow_missing)
+    if found.problems:
+        raise CheckpointError(found.problems)
+    target = _target_device(model, device)
+    state, initialized = _materialize(model, found, dtype, target)
+    _initialize(model, initialized, source.where)
+    try:
+        with torch.no_grad(), quiet():
+            dcp.load(
+                state,
+                storage_reader=source.reader(),
+                planner=DefaultLoadPlanner(allow_partial_load=False),
+                no_dist=_no_dist(state),
+            )
+    except (Exception, CheckpointException) as exc:  # safetensors, pickle, OS errors (DCP's is a BaseException)
+        raise fail(
+            "TP605",
+            f"reading the tensors of {source.path} failed: {_reason(exc)}; the model is left partly loaded "
+            f"(its {len(state)} tensors were allocated, some were not read): build it again before use",
+            source.where,
+        ) from None
+    recomputed = recompute_buffers(model, source.where)
+    rank = _rank_in_meshes(model)
+    return LoadResult(
+        path=str(path),
+        format=source.format,
+        loaded=list(state),
+        initialized=[e.names[0] for e in found.allowed_missing],
+        read_bytes=_rank_bytes(found, rank),
+        recomputed_buffers=recomputed,
+        match=found,
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):  # one entry per failing rank
+        failures = getattr(exc, "failures", {}) or {}
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(inner).__name__}: {_first(inner)}")
+        if parts:
+            return "; ".join(parts[:4])
+    return f"{type(exc).__name__}: {_first(exc)}"
+
+
+def _first(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def _no_dist(state: dict) -> bool:
+    """Plain tensors need no coordination; nor does the simulation's fake group
+    (its collectives return nothing)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not dist.is_initialized():
+        return True
+    if dist.get_backend() == "fake":
+        return True
+    return not any(isinstance(t, DTensor) for t in state.values())
+
+
+def _rank_in_meshes(model: "nn.Module") -> int:
+    """This rank's index among the ranks of the parameters' mesh (0 without one)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            coordinate = p.device_mesh.get_coordinate() or [0]
+            index = 0
+            for size, c in zip(p.device_mesh.shape, coordinate):
+                index = index * size + c
+            return index
+    return 0
+
+
+def _rank_bytes(found: Match, rank: int) -> int:
+    ranks = max((len(e.local_shapes) for e in found.loads.values()), default=1)
+    return found.rank_bytes(ranks)[min(rank, ranks - 1)] if found.loads else 0
+
+
+def _target_device(model: "nn.Module", device) -> "torch.device":
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if device is not None:
+        return torch.device(device)
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            kind = p.device_mesh.device_type
+            if kind == "cpu":
+                return torch.device("cpu")
+            module = getattr(torch, kind)
+            return torch.device(kind, module.current_device())
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
+
+
+def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict, list]:
+    """Give every meta (or re-typed) parameter and buffer storage on `device`: the
+    local shard only for DTensors. Returns ({checkpoint key: tensor to fill},
+    [Expected allowed to be missing])."""
+    import torch
+    from torch import nn
+
+    ckpt_dtype = {}
+    for key, exp in found.loads.items():
+        for name in exp.names:
+            ckpt_dtype[name] = found.source.tensors[key].properties.dtype
+    floating = Counter(d for d in ckpt_dtype.values() if d.is_floating_point)
+    usual = floating.most_common(1)[0][0] if floating else None
+
+    def wanted(name: str, t: "torch.Tensor") -> "torch.dtype":
+        if dtype is not None and t.is_floating_point():
+            return dtype
+        if t.device.type != "meta":
+            return t.dtype
+        if name in ckpt_dtype:
+            return ckpt_dtype[name]
+        return usual if (usual is not None and t.is_floating_point()) else t.dtype
+
+    replaced: dict[int, "torch.Tensor"] = {}
+    with torch.no_grad():
+        for module_name, module in model.named_modules(remove_duplicate=False):
+            prefix = f"{module_name}." if module_name else ""
+            for key, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in replaced:
+                    new = _storage_like(param, wanted(prefix + key, param), device)
+                    replaced[id(param)] = param if new is None else nn.Parameter(new, requires_grad=param.requires_grad)
+                module._parameters[key] = replaced[id(param)]
+            for key, buffer in list(module._buffers.items()):
+                if buffer is None:
+                    continue
+                if id(buffer) not in replaced:
+                    non_persistent = key in module._non_persistent_buffers_set
+                    new = _storage_like(buffer, buffer.dtype if non_persistent else wanted(prefix + key, buffer), device)
+                    if new is not None and non_persistent and new.is_floating_point():
+                        new.fill_(float("nan"))  # recompute_buffers must overwrite it
+                    replaced[id(buffer)] = buffer if new is None else new
+                module._buffers[key] = replaced[id(buffer)]
+    state = {key: _tensor(model, exp.names[0]) for key, exp in found.loads.items()}
+    return state, found.allowed_missing
+
+
+def _storage_like(t: "torch.Tensor", dtype, device) -> "torch.Tensor | None":
+    """An empty tensor like `t` (a DTensor: its local shard, same mesh and placements)
+    with storage on `device`; None when `t` can stay as it is."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if t.device.type != "meta" and t.dtype == dtype:
+        return None
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        if local.device.type == "meta":
+            fresh = torch.empty(local.shape, dtype=dtype, device=device)
+        else:
+            fresh = local.detach().to(dtype)
+        return DTensor.from_local(fresh, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    if t.device.type == "meta":
+        return torch.empty(t.shape, dtype=dtype, device=device)
+    return t.detach().to(dtype)
+
+
+def _tensor(model: "nn.Module", name: str) -> "torch.Tensor":
+    module_name, _, key = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    value = module._parameters.get(key)
+    return value if value is not None else module._buffers[key]
+
+
+def _initialize(model: "nn.Module", missing: list, where: str) -> None:
+    """Initialise the tensors allowed to be missing, as the model's own init would."""
+    import torch
+
+    if not missing:
+        return
+    owners = {}
+    for exp in missing:
+        module_name = exp.names[0].rpartition(".")[0]
+        owners[module_name] = model.get_submodule(module_name)
+    with torch.no_grad():
+        for module_name, module in owners.items():
+            if _is_transformers(model):
+                model._init_weights(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            else:
+                names = [e.names[0] for e in missing if e.names[0].rpartition(".")[0] == module_name]
+                raise fail(
+                    "TP601",
+                    f"{some(names)} may be missing (allow_missing) but '{module_name}' ({type(module).__name__}) has no "
+                    "reset_parameters() to initialise them",
+                    where,
+                )
+
+
+def _is_transformers(model: "nn.Module") -> bool:
+    return hasattr(model, "_init_weights") and hasattr(model, "config") and type(model).__module__.startswith("transformers.")
+
+
+def recompute_buffers(model: "nn.Module", where: str) -> list[str]:
+    """Fill the non-persistent buffers `_materialize` allocated (NaN-filled), by the
+    module's own init: transformers' `_init_weights` (rotary `inv_freq`), else the
+    module's `reset_parameters()`. Returns their names; TP607 when one stays unset."""
+    import torch
+
+    pending = []
+    for module_name, module in model.named_modules():
+        names = [k for k in module._non_persistent_buffers_set if isinstance(module._buffers.get(k), torch.Tensor)]
+        unset = [k for k in names if module._buffers[k].is_floating_point() and bool(torch.isnan(module._buffers[k]).all())]
+        if unset:
+            pending.append((module_name, module, unset))
+    done = []
+    with torch.no_grad():
+        for module_name, module, unset in pending:
+            own_params = next(module.parameters(recurse=False), None) is not None
+            if _is_transformers(model) and not own_params:
+                model._init_weights(module)
+            elif hasattr(module, "reset_parameters") and not own_params:
+                module.reset_parameters()
+            still = [k for k in unset if bool(torch.isnan(module._buffers[k]).all())]
+            prefix = f"{module_name}." if module_name else ""
+            if still:
+                raise fail(
+                    "TP607",
+                    f"the non-persistent buffers {some([prefix + k for k in still])} of '{module_name}' ({type(module).__name__}) "
+                    "were on the meta device and cannot be recomputed (no transformers init, no reset_parameters()); "
+                    "the parameters are loaded, these buffers are not",
+                    where,
+                )
+            done += [prefix + k for k in unset]
+    return done
