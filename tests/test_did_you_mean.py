@@ -60,7 +60,9 @@ def test_torch_names_in_another_case_or_with_underscores(plan_error, spelling, o
                           "DTensor, which no torch style does (the closest is colwise: DTensor parameters, a local output)"),
         ("packed_colwise", "'packed_colwise' is a transformers style with no tpplan equivalent: it shards a fused [gate; up] weight "
                            "with a strided shard, which no torch style expresses"),
-        ("ep_router", "'ep_router' is a transformers style with no tpplan equivalent: it is expert parallelism, not tensor parallelism"),
+        # main's import-hf leaves the router unplanned (issue 10): no rule needed
+        ("ep_router", "'ep_router' is transformers' style for a router left whole on every rank (expert_parallel's all_reduce "
+                      "dispatch routes the replicated tokens on every rank), as every module no rule names keeps: delete this rule"),
         ("isolated", "'isolated' is a transformers style with no tpplan equivalent: it is expert parallelism, not tensor parallelism"),
         ("gather", "'gather' is a transformers style with no tpplan equivalent: it gathers a local output outside DTensor "
                    "(the closest is a colwise rule with output_layouts: replicate)"),
@@ -75,7 +77,7 @@ def test_transformers_strings_say_what_to_write(plan_error, hf_style, says):
 @pytest.mark.parametrize("hf_style, value", list(TRANSFORMERS_EQUIVALENTS.items()))
 def test_what_the_message_says_to_write_loads(hf_style, value):
     [rule] = load_plan(text=f"version: 1\nrules:\n  a: {flow(value)}\n").rules
-    assert rule.spec.style == value["style"]
+    assert rule.spec.style == (value["style"] if isinstance(value, dict) else value)
 
 
 def test_the_tables_agree_with_what_import_hf_does():

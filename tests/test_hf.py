@@ -35,11 +35,15 @@ L = hf_models.TINY["num_hidden_layers"]  # 2
 # (transformers' names for the same modules: o_proj and down_proj for wo and w2).
 TP = llama_comms("llama_tp.yaml", L)
 TP_SP = llama_comms("llama_tp_sp.yaml", L)
+# Qwen2-MoE: the routed experts (expert_tp) add one all-reduce forward (their partial
+# output) and two backward (their hidden states' and routing weights' input gradients)
+# per layer to the dense counts.
+MOE_TP = {"forward": {"all_gather": 1, "all_reduce": 3 * L + 1}, "backward": {"all_reduce": 4 * L + 1}}
 # The sparse block hands back its own sequence slice (no reduce-scatter); its
-# shared expert all-reduces forward and backward.
+# shared expert and its routed experts all-reduce forward and backward.
 MOE_TP_SP = {
-    "forward": {"all_gather": 2 * L + 2, "all_reduce": L, "reduce_scatter": L + 1},
-    "backward": {"all_gather": 2 * L + 1, "all_reduce": L, "reduce_scatter": L + 1},
+    "forward": {"all_gather": 2 * L + 2, "all_reduce": 2 * L, "reduce_scatter": L + 1},
+    "backward": {"all_gather": 2 * L + 1, "all_reduce": 3 * L, "reduce_scatter": L + 1},
 }
 
 SHIPPED = [
@@ -51,9 +55,20 @@ SHIPPED = [
     ("qwen2_tp_sp.yaml", "qwen2", TP_SP),
     ("mistral_tp.yaml", "mistral", TP),
     ("mistral_tp_sp.yaml", "mistral", TP_SP),
-    ("qwen2_moe_tp.yaml", "qwen2_moe", TP),
+    ("qwen2_moe_tp.yaml", "qwen2_moe", MOE_TP),
     ("qwen2_moe_tp_sp.yaml", "qwen2_moe", MOE_TP_SP),
+    ("qwen3_tp.yaml", "qwen3", TP),
+    # MoE families of tests/test_experts.py (also at TP 2 and 4 there, with parameter bytes).
+    ("qwen3_moe_tp.yaml", "qwen3_moe", {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 3 * L + 1}}),
+    ("qwen3_moe_ep.yaml", "qwen3_moe", {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 3 * L + 1}}),
+    ("mixtral_tp.yaml", "mixtral", {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 3 * L + 1}}),
+    ("mixtral_ep.yaml", "mixtral", {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 3 * L + 1}}),
+    ("gpt_oss_tp.yaml", "gpt_oss", {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 3 * L + 1}}),
+    ("gpt_oss_ep.yaml", "gpt_oss", {"forward": {"all_gather": 1, "all_reduce": 2 * L + 1}, "backward": {"all_reduce": 3 * L + 1}}),
 ]
+# test_experts.py runs the MoE plans at both degrees with eager (gpt-oss: sinks) attention;
+# here only the families whose every plan runs both attentions.
+_PARITY_HERE = {"llama", "llama_tied", "qwen2", "mistral", "qwen2_moe", "qwen3"}
 
 
 def _assert_parity(result):
@@ -64,7 +79,9 @@ def _assert_parity(result):
 # Both attention implementations and both TP degrees, without the full product (time).
 @pytest.mark.parametrize("attn, tp", [("eager", 2), ("sdpa", 4)])
 @pytest.mark.parametrize(
-    "plan_file, family, counts", SHIPPED, ids=[f"{plan}-{family}" for plan, family, _ in SHIPPED]
+    "plan_file, family, counts",
+    [case for case in SHIPPED if case[1] in _PARITY_HERE],
+    ids=[f"{plan}-{family}" for plan, family, _ in SHIPPED if family in _PARITY_HERE],
 )
 def test_shipped_plan_matches_single_device_with_minimal_collectives(plan_file, family, counts, attn, tp):
     plan = load_plan(PLANS / plan_file)
@@ -85,9 +102,10 @@ def test_every_shipped_hf_plan_is_tested():
 # families: q/k/v and gate/up all-reduce their input gradient one by one.
 DENSE_HF = {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 5 * L + 1}}
 DENSE_MINIMAL = {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 2 * L + 1}}
-# MoE families: only attention is sharded (the experts are skipped, see below).
-MOE_HF = {"forward": {"all_gather": 1, "all_reduce": L}, "backward": {"all_reduce": 3 * L + 1}}
-MOE_MINIMAL = {"forward": {"all_gather": 1, "all_reduce": L}, "backward": {"all_reduce": L + 1}}
+# MoE families: attention and the routed experts (expert_tp: one all-reduce forward, two
+# backward per layer) are sharded.
+MOE_HF = {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 5 * L + 1}}
+MOE_MINIMAL = {"forward": {"all_gather": 1, "all_reduce": 2 * L}, "backward": {"all_reduce": 3 * L + 1}}
 # Fused qkv_proj / gate_up_proj are colwise_gather_output: each all-gathers its output
 # forward; rowwise_split_input o_proj / down_proj need no input collective.
 PHI3 = {
@@ -103,7 +121,7 @@ IMPORTED = [
     ("llama", True, 4, DENSE_MINIMAL),
     ("qwen2", False, 4, DENSE_HF),
     ("mistral", True, 4, DENSE_MINIMAL),
-    ("qwen3", False, 4, DENSE_HF),  # q_norm/k_norm: no_parallel on head shards
+    ("qwen3", False, 4, DENSE_HF),  # q_norm/k_norm: local_params (gradients summed)
     ("qwen3", True, 2, DENSE_MINIMAL),
     ("phi3", False, 2, PHI3),
     ("qwen2_moe", False, 2, MOE_HF),
@@ -136,19 +154,21 @@ def test_imported_transformers_plan_matches_single_device(config_dirs, family, m
     assert result.comms == counts
 
 
-def test_import_reports_fused_experts_and_rules_matching_nothing(config_dirs):
+def test_import_maps_fused_experts_and_reports_rules_matching_nothing(config_dirs):
     imported = import_hf(config_dirs["qwen2_moe"])
+    # The experts' module and parameter entries become one expert_tp rule (issue 10);
+    # the dense-MLP entries match no module of an all-sparse config.
     assert [(s.key, s.hf_style) for s in imported.skipped] == [
-        ("model.layers.*.mlp.experts.gate_up_proj", "packed_colwise"),
-        ("model.layers.*.mlp.experts", "moe_tp_experts"),
-        ("model.layers.*.mlp.experts.down_proj", "rowwise"),
         ("model.layers.*.mlp.gate_proj", "colwise"),
         ("model.layers.*.mlp.up_proj", "colwise"),
         ("model.layers.*.mlp.down_proj", "rowwise"),
     ]
+    assert "  model.layers.*.mlp.experts: expert_tp\n" in imported.text
+    assert [why for key, why in imported.added if key == "model.layers.*.mlp.experts"] == [
+        "lays out gate_up_proj (packed_colwise) as packed_shard of its gate/up dim (expert_tp's default)",
+        "lays out down_proj (rowwise) as shard of its input dim (expert_tp's default)",
+    ]
     reasons = {s.key: s.reason for s in imported.skipped}
-    assert "fused 3-D expert parameters" in reasons["model.layers.*.mlp.experts"]
-    assert "names a parameter" in reasons["model.layers.*.mlp.experts.down_proj"]
     assert "matches no module" in reasons["model.layers.*.mlp.gate_proj"]
     # Every skipped entry is named in the YAML too.
     assert all(f"#   {s.key}: {s.hf_style} -- " in imported.text for s in imported.skipped)
@@ -265,7 +285,8 @@ def test_import_hf_command_lists_what_it_leaves_out_and_rejects_unknown_types():
 
     moe = CliRunner().invoke(app, ["import-hf", "qwen2_moe"])
     assert moe.exit_code == 0
-    assert "left out: model.layers.*.mlp.experts: moe_tp_experts" in moe.output
+    assert "left out: model.layers.*.mlp.gate_proj: colwise -- matches no module" in moe.output
+    assert "added: model.layers.*.mlp.experts: lays out gate_up_proj (packed_colwise)" in moe.output
     unknown = CliRunner().invoke(app, ["import-hf", "no_such_model_type"])
     assert unknown.exit_code == 2
     assert "neither a config path nor a transformers model type" in unknown.output

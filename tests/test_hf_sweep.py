@@ -29,9 +29,10 @@ NO_PLAN = ("no TP plan", None)
 OUTCOMES: dict[str, tuple[str, str | None]] = {
     # transformers' plan leaves xIELU's learnable alpha_p/alpha_n (mlp.act_fn) whole between the
     # colwise up_proj and the rowwise down_proj: each rank's gradient of them covers its own
-    # features only (validate: TP321; the dry run's replica check: TP506)
-    "apertus": ("validate", "TP321"),
-    "apertus1p5_text": ("validate", "TP321"),
+    # features only (validate: TP325, which main's lint reports instead of TP321 for a module that
+    # can compute on the shard; the dry run's replica check: TP506, naming the same fix)
+    "apertus": ("validate", "TP325"),
+    "apertus1p5_text": ("validate", "TP325"),
 }
 FAST = ["llama", "seed_oss", "qwen3", "gpt2"]  # and apertus, in its own test below
 
@@ -107,16 +108,19 @@ def test_the_apertus_problems_are_located_at_their_rules(tmp_path):
     from tpplan.runtime.torchrun import ApplyOptions
 
     found, text = sweep("apertus", tmp_path)
-    assert found == ("validate", "TP321")
+    assert found == ("validate", "TP325")
     assert text.splitlines()[0].startswith(
-        f"{tmp_path / 'hf.yaml'}:14:3: TP321 the local shard(-1) (2, 8, 128) that colwise 'model.layers.0.mlp.up_proj' "
+        f"{tmp_path / 'hf.yaml'}:14:3: TP325 the local shard(-1) (2, 8, 128) that colwise 'model.layers.0.mlp.up_proj' "
         "(rule 'model.layers.*.mlp.up_proj' at "
     )
-    assert "reaches 'model.layers.0.mlp.act_fn' (XIELUActivation), a module with parameters that no rule covers" in text
+    assert "reaches 'model.layers.0.mlp.act_fn' (XIELUActivation), whose parameters 'alpha_p', 'alpha_n' no rule covers" in text
+    fix = "add the rule 'model.layers.*.mlp.act_fn: local_params'"
+    assert fix in text
     # the dry run's forward matches one device (xIELU is elementwise), but the replicas of its parameters diverge
     report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.hf.tiny:apertus", tp=2, check=True))
     assert {(p.code, p.line, p.column) for p in report.problems} == {("TP506", 14, 3)}
     assert report.problems[0].message.startswith("at TP 2, replicated parameter 'model.layers.0.mlp.act_fn.alpha_")
+    assert all(fix in p.message for p in report.problems)  # the fix TP325 names, for the same cause
     assert report.problems[0].message.endswith(
         "; located at rule 'model.layers.*.mlp.up_proj' (the rule of 'model.layers.0.mlp.up_proj', the last planned module that ran before it)"
     )
@@ -131,8 +135,33 @@ def test_per_head_norms_are_declared_on_the_dim_their_heads_are_on(tmp_path, mod
     tiny_config(model_type).save_pretrained(tmp_path)
     text = import_hf(tmp_path).text
     layout = f"shard({dim})"
-    assert (f"  model.layers.*.self_attn.{{q_norm,k_norm}}: {{style: no_parallel, input_layout: {layout}, "
-            f"desired_input_layout: {layout}, output_layout: {layout}}}\n") in text
+    # local_params (main: the replicated weight's gradient summed, TP325) declaring the dim its heads are on
+    assert (f"  model.layers.*.self_attn.{{q_norm,k_norm}}: {{style: local_params, input_layouts: {layout}, "
+            f"desired_input_layouts: {layout}, use_local_output: true}}\n") in text
+
+
+def test_a_per_head_norm_on_its_real_dim_gets_the_gradients_of_one_device_and_a_wrong_dim_is_tp320(tmp_path):
+    import torch
+
+    from tpplan.hf.importer import import_hf
+    from tpplan.hf.tiny import build, tiny_config
+    from tpplan.lint.checks import check_model
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.torchrun import ApplyOptions
+
+    tiny_config("exaone4").save_pretrained(tmp_path)
+    text = import_hf(tmp_path).text
+    (tmp_path / "hf.yaml").write_text(text)
+    # outputs and every gradient (q_norm/k_norm's summed: local_params) as one device, replicas equal
+    report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.hf.tiny:exaone4", tp=2, check=True))
+    assert report.problems == [] and report.check.passed
+    (tmp_path / "wrong.yaml").write_text(text.replace("input_layouts: shard(1), desired_input_layouts: shard(1)",
+                                                      "input_layouts: shard(-2), desired_input_layouts: shard(-2)"))
+    with torch.device("meta"):
+        model = build("exaone4")
+    wrong = [p for p in check_model(load_plan(tmp_path / "wrong.yaml"), model, [2]) if p.code == "TP320"]
+    assert [(p.line, p.column) for p in wrong] == [(12, 3), (12, 3)]
+    assert "takes its input 0 (2, 8, 8, 8) as shard(-2), but it arrives as a local shard(1)" in wrong[0].message
 
 
 if __name__ == "__main__":  # python tests/test_hf_sweep.py [TYPE...]: one table row per family

@@ -211,9 +211,11 @@ def test_schema_agrees_with_load_plan_on_every_plan_text_of_the_suite(validator)
 # -- fuzzing: plans generated from the spec classes, then mutated ------------------------------------
 
 PLACEMENTS = ["replicate", "Replicate", "REPLICATE", "shard(0)", "Shard(-1)", "shard( 2 )", " shard(1) ",
-              "partial", "partial(avg)", "Partial(MAX)", "partial( min )", "partial(sum)"]
+              "partial", "partial(avg)", "Partial(MAX)", "partial( min )", "partial(sum)",
+              "packed_shard(1, 2)", "Packed_Shard( -1 ,3 )", "packed_shard(0,01)"]
 BAD_PLACEMENTS = ["shard", "shard()", "shard(x)", "shard(1.5)", "shard(١)", "sharded(1)", "replicate(0)",
-                  "partial()", "partial(prod)", "", "KELVIN", "replicate\u00a0", "ſhard(1)", "shard(1))"]
+                  "partial()", "partial(prod)", "", "KELVIN", "replicate\u00a0", "ſhard(1)", "shard(1))",
+                  "packed_shard(1)", "packed_shard(1, 0)", "packed_shard(1, x)", "packed_shard(1, -2)", "packedshard(1, 2)"]
 NAMES = st.sampled_from(["mask", "hidden_states", "x", "position_ids"])
 GLOBS = st.sampled_from(["", "a", "layers.*.wq", "layers.*.attention.w{q,k,v}", "layers.**.w2", "h.[0-3].mlp",
                          "h.[!0].x", "x?", "norm", "model.layers.*.self_attn"])
@@ -242,9 +244,11 @@ def _kind(field) -> str:
     if "parse_placement" in text:
         return "layout"
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and len(args) == 2 and any(typing.get_origin(a) is typing.Literal for a in args):
+        return "int_or_literal"  # colwise heads: a count or 'auto'
     base = args[0] if typing.get_origin(annotation) is typing.Union and len(args) == 1 else annotation
     if typing.get_origin(base) is typing.Literal:
-        return "literal"
+        return "literal:" + ",".join(typing.get_args(base))
     return {bool: "bool", int: "int", str: "str"}.get(base, f"unknown {text}")
 
 
@@ -288,9 +292,17 @@ def style_values(draw, name: str):
         strategy = {
             "bool": st.booleans(), "int": st.integers(-4, 4), "str": st.text(max_size=5),
             "layout": st.sampled_from(PLACEMENTS),
+            "int_or_literal": st.one_of(st.integers(1, 8), st.just("auto")),
+            # an unpaired mapping of layouts: per-parameter placements (expert_tp / local_params 'params')
+            "kwargs": st.dictionaries(st.sampled_from(["weight", "bias", "gate_up_proj", "*"]), st.sampled_from(PLACEMENTS), max_size=3),
         }.get(kind)
+        if kind.startswith("literal:"):
+            strategy = st.sampled_from(kind.split(":", 1)[1].split(","))
         assert strategy is not None, f"no strategy for {cls.__name__}.{key}: {kind} (teach _kind the new type)"
         value[key] = draw(st.one_of(strategy, st.none()) if nullable else strategy)
+    if value.get("heads") is not None and value.get("output_layouts") is not None:
+        # colwise with heads hands on local head slices: no output layout but shard(-1)
+        value["output_layouts"] = draw(st.sampled_from(["shard(-1)", " Shard( -01 )"]))
     return value if len(value) > 1 or not draw(st.booleans()) else name
 
 

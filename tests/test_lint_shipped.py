@@ -3,6 +3,7 @@ no errors, and the communication-minimal reference plans no warnings either."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -33,7 +34,7 @@ def test_the_sequence_parallel_plan_is_clean_on_llama3_8b_shapes():
 
 def _hf_cases():
     for path in sorted((ROOT / "plans" / "hf").glob("*.yaml")):
-        family = path.stem.split("_tp")[0]
+        family = re.sub(r"_(tp|ep)(_sp)?$", "", path.stem)
         yield str(path.relative_to(ROOT)), f"tpplan.hf_models:{family}"
         if family == "llama":
             yield str(path.relative_to(ROOT)), "tpplan.hf_models:llama_tied"

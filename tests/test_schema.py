@@ -49,7 +49,7 @@ def test_unknown_option_suggests_the_closest_and_lists_the_style_options(plan_er
     assert (problem.code, problem.line, problem.column) == ("TP100", 3, 23)
     assert problem.message == (
         "unknown key 'output_layout' in rule 'a'; did you mean 'output_layouts'? "
-        "(options of colwise: input_layouts, output_layouts, use_local_output)"
+        "(options of colwise: input_layouts, output_layouts, use_local_output, heads)"
     )
 
 
@@ -402,9 +402,18 @@ def _torch():
     from torch.distributed.tensor import Partial, Replicate, Shard
     from torch.distributed.tensor import parallel
 
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from tpplan.sharding.experts import ExpertParallel, ExpertTensorParallel
+    from tpplan.sharding.kv_heads import HeadsColwiseParallel
+    from tpplan.sharding.params import LocalParams
     from tpplan.sharding.styles import NoParallel
 
-    return SimpleNamespace(**vars(parallel), Partial=Partial, Replicate=Replicate, Shard=Shard, NoParallel=NoParallel)
+    return SimpleNamespace(
+        **vars(parallel), Partial=Partial, Replicate=Replicate, Shard=Shard, StridedShard=_StridedShard, NoParallel=NoParallel,
+        ExpertTensorParallel=ExpertTensorParallel, ExpertParallel=ExpertParallel, HeadsColwiseParallel=HeadsColwiseParallel,
+        LocalParams=LocalParams,
+    )
 
 
 # (rule value in a plan, the torch style it must compile to)
@@ -469,6 +478,27 @@ COMPILE_CASES = [
     (
         "{style: no_parallel, input_layout: shard(0), output_layout: 'partial(max)', desired_input_layout: shard(1), use_local_output: false}",
         lambda t: t.NoParallel(input_layout=t.Shard(0), output_layout=t.Partial("max"), desired_input_layout=t.Shard(1), use_local_output=False),
+    ),
+    (
+        "{style: expert_tp, params: {gate_up_proj: 'packed_shard(1, 2)', down_proj_bias: replicate}, output_layouts: shard(0),"
+        " use_local_output: false}",
+        lambda t: t.ExpertTensorParallel(
+            params={"gate_up_proj": t.StridedShard(1, split_factor=2), "down_proj_bias": t.Replicate()},
+            output_layouts=t.Shard(0),
+            use_local_output=False,
+        ),
+    ),
+    ("{style: expert_parallel, dispatch: all_reduce, input_layouts: replicate}", lambda t: t.ExpertParallel(input_layouts=t.Replicate())),
+    ("{style: colwise, heads: 2, input_layouts: shard(1)}", lambda t: t.HeadsColwiseParallel(heads=2, input_layouts=t.Shard(1))),
+    ("{style: colwise, heads: auto}", lambda t: t.HeadsColwiseParallel()),
+    (
+        "{style: local_params, params: {sinks: shard(0)}, input_kwarg_layouts: {hidden_states: replicate},"
+        " desired_input_kwarg_layouts: {hidden_states: replicate}}",
+        lambda t: t.LocalParams(
+            params={"sinks": t.Shard(0)},
+            input_kwarg_layouts={"hidden_states": t.Replicate()},
+            desired_input_kwarg_layouts={"hidden_states": t.Replicate()},
+        ),
     ),
 ]
 

@@ -94,6 +94,60 @@ def mixtral(attn_implementation: str = "sdpa"):
     )
 
 
+def qwen3_moe(attn_implementation: str = "sdpa"):
+    """Qwen3MoeForCausalLM: every layer sparse (4 routed experts, top 2, no shared expert),
+    per-head q_norm/k_norm in attention."""
+    return _build(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        attn_implementation,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,
+    )
+
+
+def gpt_oss(attn_implementation: str = "eager"):
+    """GptOssForCausalLM: 4 routed experts (top 2) with biases, gate/up interleaved and stored
+    transposed ([E, H, 2I]); attention with per-head sinks and biases, alternating sliding and
+    full attention. Eager attention: transformers' sdpa path has no sinks."""
+    return _build(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        attn_implementation,
+        head_dim=8,
+        intermediate_size=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+        output_router_logits=False,
+    )
+
+
+def apertus(attn_implementation: str = "sdpa"):
+    """ApertusForCausalLM: xIELU activation with learnable alpha_p/alpha_n between the MLP's
+    up_proj and down_proj; per-head q_norm/k_norm."""
+    return _build(
+        "ApertusConfig",
+        "ApertusForCausalLM",
+        attn_implementation,
+        head_dim=8,
+        dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 12000000.0},
+    )
+
+
+def llama_kv2(attn_implementation: str = "sdpa"):
+    """LlamaForCausalLM with 2 KV heads (8 query heads): TP 4 and 8 need replicated KV heads."""
+    return _build("LlamaConfig", "LlamaForCausalLM", attn_implementation, num_key_value_heads=2)
+
+
 FACTORIES = {
     "llama": llama,
     "llama_tied": llama_tied,
@@ -103,4 +157,8 @@ FACTORIES = {
     "phi3": phi3,
     "qwen2_moe": qwen2_moe,
     "mixtral": mixtral,
+    "qwen3_moe": qwen3_moe,
+    "gpt_oss": gpt_oss,
+    "apertus": apertus,
+    "llama_kv2": llama_kv2,
 }

@@ -33,7 +33,16 @@ def import_hf(
         typer.Option(
             "--minimal",
             help="Add a prepare_module_input on each parent of column-parallel Linears, so backward all-reduces "
-            "once per parent instead of once per Linear.",
+            "once per parent instead of once per Linear, and local_params on each module whose parameters compute "
+            "on sharded activations (TP325).",
+        ),
+    ] = False,
+    ep: Annotated[
+        bool,
+        typer.Option(
+            "--ep",
+            help="Import transformers' expert-parallel plan (base_model_ep_plan: whole experts per rank) "
+            "over its TP plan for the rest of the model.",
         ),
     ] = False,
 ) -> None:
@@ -51,7 +60,9 @@ def import_hf(
     except ModuleNotFoundError as exc:
         usage_error(f"import-hf needs transformers ({exc}): pip install 'tpplan[hf]'")
     try:
-        imported = run_import(source, minimal=minimal, output=output)
+        from ..lint.fixes import partial_gradient_rules
+
+        imported = run_import(source, minimal=minimal, ep=ep, fix_partial_gradients=partial_gradient_rules, output=output)
     except HfImportError as exc:
         usage_error(str(exc))
     if output is None:

@@ -31,12 +31,11 @@ TRANSFORMERS_EQUIVALENTS: dict[str, Any] = {
     "embedding_rowwise": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
     "embedding_colwise": {"style": "colwise", "output_layouts": "replicate"},
     "all_reduce": {"style": "prepare_module_output", "output_layouts": "partial", "desired_output_layouts": "replicate"},
-    "replicated_with_grad_allreduce": {
-        "style": "no_parallel",
-        "input_layout": "shard(-2)",
-        "desired_input_layout": "shard(-2)",
-        "output_layout": "shard(-2)",
-    },
+    # a module on head-sharded activations: replicated parameters, their gradients summed
+    # (import-hf also declares the dim its heads are on: input_layouts shard(-2) or shard(1))
+    "replicated_with_grad_allreduce": "local_params",
+    "moe_tp_experts": "expert_tp",
+    "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
 }
 
 _LOCAL = "it runs the module on local shards outside DTensor, which no torch style does"
@@ -45,7 +44,6 @@ _EP = "it is expert parallelism, not tensor parallelism"
 TRANSFORMERS_WITHOUT_EQUIVALENT = {
     "packed_colwise": "it shards a fused [gate; up] weight with a strided shard, which no torch style expresses",
     "packed_rowwise": "it shards a fused weight with a strided shard, which no torch style expresses",
-    "moe_tp_experts": "it shards fused 3-D expert parameters, which torch's colwise/rowwise do not",
     "moe_identity_expert": "it only undoes moe_tp_experts' sum",
     "mla_kv_a_proj": "it all-reduces the gradient of only the rotary slice of the output",
     "local_params": _LOCAL,
@@ -55,9 +53,7 @@ TRANSFORMERS_WITHOUT_EQUIVALENT = {
     "local_packed_rowwise": _LOCAL,
     "replicated_with_grad_allreduce_local": _LOCAL,
     "gather": "it gathers a local output outside DTensor (the closest is a colwise rule with output_layouts: replicate)",
-    "grouped_gemm": _EP,
-    "ep_dispatch_experts": _EP,
-    "ep_router": _EP,
+    "grouped_gemm": "it shards one expert parameter by expert index: write expert_parallel on the experts module",
     "isolated": _EP,
 }
 
@@ -66,6 +62,8 @@ TRANSFORMERS_WITHOUT_EQUIVALENT = {
 TRANSFORMERS_NO_RULE = {
     "replicate": "full parameters on every rank, which every module no rule names keeps: delete this rule "
     "(or write no_parallel for replicated DTensor parameters)",
+    "ep_router": "a router left whole on every rank (expert_parallel's all_reduce dispatch routes the "
+    "replicated tokens on every rank), as every module no rule names keeps: delete this rule",
 }
 
 
@@ -91,6 +89,8 @@ def suggestion(style: str) -> str | None:
         return f"did you mean '{ours}'? ('{name}' is torch's class name for it)"
     if style in TRANSFORMERS_EQUIVALENTS:
         value = TRANSFORMERS_EQUIVALENTS[style]
+        if isinstance(value, str):
+            return f"'{style}' is transformers' name for tpplan's {value}: write {value}"
         options = ", ".join(f"{key}: {flow(item)}" for key, item in value.items() if key != "style")
         return f"'{style}' is transformers' name for {value['style']} with {options}: write {flow(value)}"
     if style in TRANSFORMERS_NO_RULE:

@@ -37,7 +37,7 @@ def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
     schema = plan_spec.model_json_schema()
     defs = schema["$defs"]
     for cls in STYLE_SPECS.values():
-        conditions = cross_field_conditions(cls)
+        conditions = cross_field_conditions(cls) + value_conditions(cls)
         if conditions:
             defs[cls.__name__]["allOf"] = conditions
     rules = schema["properties"]["rules"]
@@ -92,6 +92,22 @@ def cross_field_conditions(cls: type[StyleSpec]) -> list[dict]:
         if kind == "object":  # a desired keyword layout needs a layout for some keyword
             conditions.append({"if": _present(desired, kind, nonempty=True), "then": _present(given, kind, nonempty=True)})
     return conditions
+
+
+# shard(-1) in any spelling parse_placement accepts (any case, blanks, -01)
+_LAST_DIM_PATTERN = r"^[ \t\n\r\f\v]*[Ss][Hh][Aa][Rr][Dd]\([ \t\n\r\f\v]*-0*1[ \t\n\r\f\v]*\)[ \t\n\r\f\v]*$"
+
+
+def value_conditions(cls: type[StyleSpec]) -> list[dict]:
+    """The cross-field checks that compare an option with a constant (decidable):
+    colwise with `heads` hands on local head slices, so its output_layouts is
+    null or shard(-1) (ColwiseSpec.cross_field_problems)."""
+    if "heads" not in cls.model_fields or "output_layouts" not in cls.model_fields:
+        return []
+    return [{
+        "if": {"required": ["heads"], "properties": {"heads": _NOT_NULL}},
+        "then": {"properties": {"output_layouts": {"anyOf": [_NULL, {"not": {"type": "string"}}, {"type": "string", "pattern": _LAST_DIM_PATTERN}]}}},
+    }]
 
 
 def _present(key: str, kind: str, *, nonempty: bool = False) -> dict:

@@ -85,9 +85,9 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from .placements import GRAMMAR, PATTERN, PlacementSpec, parse_placement
+from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
 
-PLACEMENT_SCHEMA = {"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR}."}
+PLACEMENT_SCHEMA = {"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR} (a parameter's also {PACKED_GRAMMAR})."}
 Layout = Annotated[
     PlacementSpec,
     PlainValidator(parse_placement),
@@ -184,6 +184,14 @@ class StyleSpec(_Strict):
         """(path within the rule, message) for each constructor rule this spec breaks."""
         return []
 
+    def torch_class(self) -> str:
+        """The "module:Class" this rule compiles to: the table's, unless an option picks another."""
+        return self.semantics.torch_class
+
+    def torch_options(self) -> dict[str, Any]:
+        """The constructor's keyword arguments: every option (a spec may drop some)."""
+        return {name: getattr(self, name) for name in type(self).model_fields if name != "style"}
+
 
 # -- shared option groups -------------------------------------------------------
 
@@ -272,6 +280,12 @@ class ColwiseSpec(_LinearOptions):
     """Shard a Linear's weight by output features (an Embedding's by embedding dim)."""
 
     style: Literal["colwise"]
+    heads: Union[Annotated[int, Field(ge=1)], Literal["auto"], None] = Field(
+        None,
+        description="The output is whole heads (a GQA k_proj/v_proj): their count, or auto (out_features / the parent's "
+        "head_dim). When the TP degree is a multiple of the count above it, rank r holds head r // (tp / heads), "
+        "replicated, with summed gradients, and the attention's KV-group count becomes the local ratio.",
+    )
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:ColwiseParallel",
         params={
@@ -290,6 +304,24 @@ class ColwiseSpec(_LinearOptions):
 
     def natural_output(self):
         return self.output_layouts or _LAST_DIM
+
+    def torch_class(self) -> str:
+        # whole heads, replicated above their count (tpplan/sharding/kv_heads.py)
+        return "tpplan.sharding.kv_heads:HeadsColwiseParallel" if self.heads is not None else self.semantics.torch_class
+
+    def torch_options(self) -> dict[str, Any]:
+        options = super().torch_options()
+        heads = options.pop("heads")
+        if heads is not None:
+            options.pop("output_layouts")
+            options["heads"] = None if heads == "auto" else heads
+        return options
+
+    def cross_field_problems(self) -> list[tuple[tuple, str]]:
+        problems = super().cross_field_problems()
+        if self.heads is not None and self.output_layouts is not None and str(self.output_layouts) != "shard(-1)":
+            problems.append((("output_layouts",), "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"))
+        return problems
 
 
 class RowwiseSpec(_LinearOptions):
@@ -397,6 +429,69 @@ class NoParallelSpec(StyleSpec):
         return self.output_layout
 
 
+# -- styles beyond torch's (SPEC §2a) ---------------------------------------------
+
+
+class _ExpertOptions(StyleSpec):
+    input_layouts: Layout | None = Field(None, description="Layout of the hidden states; default replicate.")
+    output_layouts: Layout | None = Field(
+        None, description="The partial output is reduced to it: replicate (all-reduce, default) or shard(D) (reduce-scatter)."
+    )
+    use_local_output: bool = True
+
+    def declared_input(self):
+        return (self.input_layouts, False) if self.input_layouts is not None else (_REPLICATE, True)
+
+    def natural_output(self):
+        return self.output_layouts or _REPLICATE
+
+
+# The experts' hidden states, token indices and routing weights are all handed on
+# (first_tensor); parameter placements depend on the module's layout and the
+# options: tpplan.sharding.experts.expert_placements, read by lint/facts.py.
+_EXPERT_SEMANTICS = dict(runs_module=True, inputs="first_tensor", outputs="first", input_option="input_layouts")
+
+
+class ExpertTPSpec(_ExpertOptions):
+    """Shard every expert of a fused 3-D expert module (transformers' `experts`) on its
+    intermediate dim; the partial output is reduced to `output_layouts`."""
+
+    style: Literal["expert_tp"]
+    params: dict[str, Layout] | None = Field(
+        None,
+        description="Placement per own parameter, over the defaults: gate_up_proj packed_shard(1, 2) "
+        "([E, 2I, H]; shard(2) for gpt-oss's interleaved [E, H, 2I]), down_proj shard(2) ([E, H, I]; "
+        "shard(1) transposed), gate_up_proj_bias like its gate/up dim, down_proj_bias replicate.",
+    )
+    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertTensorParallel", **_EXPERT_SEMANTICS)
+
+
+class ExpertParallelSpec(_ExpertOptions):
+    """Whole experts per rank: shard(0) of the expert dim of every fused expert parameter."""
+
+    style: Literal["expert_parallel"]
+    dispatch: Literal["all_reduce"] = Field(
+        "all_reduce",
+        description="all_reduce: tokens replicated, each rank runs its experts on every token "
+        "(weight 0 where not routed), one all-reduce sums the ranks' outputs.",
+    )
+    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertParallel", **_EXPERT_SEMANTICS)
+
+
+class LocalParamsSpec(_InputOptions):
+    """A module inside a sharded region that computes on local tensors: its own parameters
+    laid out by `params` (default replicate, the gradient summed over the mesh, as
+    transformers' replicated_with_grad_allreduce); input layouts as prepare_module_input."""
+
+    style: Literal["local_params"]
+    params: dict[str, Layout] | None = Field(
+        None, description="Placement per own parameter (default replicate, gradient summed over the mesh)."
+    )
+    use_local_output: bool = False
+    # Its module's ops are followed by the lint (runs_module False), on local tensors.
+    semantics = StyleSemantics(torch_class="tpplan.sharding.params:LocalParams", inputs="layouts")
+
+
 STYLE_SPECS: dict[str, type[StyleSpec]] = {
     cls.model_fields["style"].annotation.__args__[0]: cls
     for cls in (
@@ -407,6 +502,9 @@ STYLE_SPECS: dict[str, type[StyleSpec]] = {
         PrepareModuleOutputSpec,
         PrepareModuleInputOutputSpec,
         NoParallelSpec,
+        ExpertTPSpec,
+        ExpertParallelSpec,
+        LocalParamsSpec,
     )
 }
 STYLE_NAMES = tuple(STYLE_SPECS)

@@ -2,7 +2,7 @@
 on q_norm/k_norm): Qwen3 normalizes [batch, seq, heads, head_dim] (heads at dim -2),
 Apertus and EXAONE 4 normalize after the transpose, [batch, heads, seq, head_dim]
 (heads at dim 1). The colwise q/k projections shard the heads, so the norm's
-no_parallel rule must declare the dim they are on; a wrong one is TP320 (and only
+local_params rule declares the dim they are on; a wrong one is TP320 (and only
 works by accident: the norm is elementwise over head_dim).
 
 Found by one forward of the model on fake tensors (no memory) with a sequence
@@ -42,7 +42,11 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
     return found
 
 
-def with_heads_dim(value: dict[str, Any], dim: int) -> dict[str, Any]:
-    """A no_parallel rule value of a per-head norm with its layouts on `dim`."""
+def with_heads_dim(value: Any, dim: int) -> dict[str, Any]:
+    """The local_params rule value of a per-head norm (`value`: "local_params" or its
+    mapping) declaring the dim its heads are on: its input is this rank's heads as a
+    plain tensor (the colwise projection's local output), the declared layout lets
+    the lint check it (TP320), and the replicated weight's gradient is summed (TP325)."""
     layout = f"shard({dim})"
-    return {**value, "input_layout": layout, "desired_input_layout": layout, "output_layout": layout}
+    base = {"style": value} if isinstance(value, str) else dict(value)
+    return {**base, "input_layouts": layout, "desired_input_layouts": layout, "use_local_output": True}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .render import group_siblings, render_plan
@@ -55,41 +55,46 @@ SOUND_STYLES: dict[str, Any] = {
         "output_layouts": "partial",
         "desired_output_layouts": "replicate",
     },
-    # A norm over the last dim of a head-sharded activation (Qwen3's q_norm/k_norm,
-    # input [batch, seq, heads, head_dim]): replicated weight whose gradient is
-    # partial, which is what a replicated DTensor fed a shard(-2) input gets.
-    "replicated_with_grad_allreduce": {
-        "style": "no_parallel",
-        "input_layout": "shard(-2)",
-        "desired_input_layout": "shard(-2)",
-        "output_layout": "shard(-2)",
-    },
+    # A module computing on head-sharded activations (Qwen3's q_norm/k_norm): its
+    # replicated parameters' gradients are summed over the mesh.
+    "replicated_with_grad_allreduce": "local_params",
+    # Fused 3-D experts: every expert sharded on its intermediate dim (the packed
+    # gate_up_proj and down_proj parameter entries are expert_tp's defaults).
+    "moe_tp_experts": "expert_tp",
+    # base_model_ep_plan (--ep): whole experts per rank, tokens replicated.
+    "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
+}
+
+# Parameter entries of an experts module that its module rule above already lays out
+# (expert_tp's and expert_parallel's defaults are these): folded in, not skipped.
+EXPERT_MODULE_STYLES = ("moe_tp_experts", "ep_dispatch_experts")
+EXPERT_PARAM_STYLES = {
+    "packed_colwise": "packed_shard of its gate/up dim (expert_tp's default)",
+    "rowwise": "shard of its input dim (expert_tp's default)",
+    "colwise": "shard of its output dim (expert_tp's default)",
+    "packed_rowwise": "packed shard of its input dim (expert_tp's default for a packed down projection)",
+    "grouped_gemm": "shard(0) of the expert dim (expert_parallel's default)",
 }
 
 # Full parameters on every rank: what tpplan does to any module no rule names.
 UNPLANNED_STYLES = {
     "replicate": "every rank keeps the full parameter, as for any module no rule names: no rule needed",
+    "ep_router": "the router stays whole on every rank (expert_parallel's all_reduce dispatch routes the "
+    "replicated tokens on every rank): no rule needed",
 }
 
 _LOCAL = "runs the module on local shards outside DTensor (transformers' own hook); no torch style does"
-_EXPERTS = (
-    "shards fused 3-D expert parameters ([experts, out, in]); torch's colwise/rowwise shard only "
-    "nn.Linear and nn.Embedding, and no_parallel fails in the experts' forward (DTensor has no rule "
-    "for nonzero): leave the experts whole on every rank"
-)
 UNSOUND_STYLES: dict[str, str] = {
-    "packed_colwise": "shards a fused [gate; up] weight with a strided shard (_StridedShard), "
-    "which no torch style can express",
-    "packed_rowwise": "shards a fused weight with a strided shard (_StridedShard), which no torch style can express",
-    "moe_tp_experts": _EXPERTS,
+    "packed_colwise": "shards a fused [gate; up] Linear weight (packed_shard) outside an experts module; "
+    "tpplan's colwise shards it contiguously, which would pair one rank's gate with another's up",
+    "packed_rowwise": "shards a fused Linear weight (packed_shard) outside an experts module, which colwise/rowwise cannot express",
     "moe_identity_expert": "divides an identity expert's input by the TP degree to undo moe_tp_experts' sum; "
     "only meaningful with moe_tp_experts",
     "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output; no torch style "
     "splits an output this way",
     "local_params": _LOCAL,
-    "grouped_gemm": "expert parallelism (experts sharded by expert index), not tensor parallelism",
-    "ep_dispatch_experts": "expert parallelism (token all-to-all dispatch), not tensor parallelism",
-    "ep_router": "expert parallelism (token all-to-all dispatch), not tensor parallelism",
+    "grouped_gemm": "shards an expert parameter by expert index; tpplan does that with expert_parallel on the "
+    "experts module (ep_dispatch_experts), not on a parameter alone",
     # Names of transformers 4.x, kept so that older plans are reported by name.
     "local_colwise": _LOCAL,
     "local_rowwise": _LOCAL,
@@ -162,6 +167,19 @@ def hf_tp_plan(config, model_cls) -> dict[str, str]:
     return plan
 
 
+def hf_ep_plan(config, model_cls) -> dict[str, str]:
+    """transformers' expert-parallel plan (`base_model_ep_plan`) over its TP plan: the
+    TP plan for the rest of the model, the EP entries for the experts."""
+    prefix = getattr(model_cls, "base_model_prefix", "") or ""
+    ep = {f"{prefix}.{key}" if prefix else key: style for key, style in (getattr(config, "base_model_ep_plan", None) or {}).items()}
+    plan = hf_tp_plan(config, model_cls)
+    experts = [key for key, style in ep.items() if style in EXPERT_MODULE_STYLES]
+    # The TP entries of modules that EP now owns (the experts and their parameters) give way.
+    plan = {key: style for key, style in plan.items() if not any(key == e or key.startswith(e + ".") for e in experts)}
+    plan.update(ep)
+    return plan
+
+
 def _tp_sizes(config) -> list[int]:
     dims = []
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -231,8 +249,10 @@ def import_hf(
     model_type_or_config_path: str | os.PathLike,
     *,
     minimal: bool = False,
+    ep: bool = False,
     check_model: bool = True,
     output: str | os.PathLike | None = None,
+    fix_partial_gradients: "Callable[[str, nn.Module], dict[str, Any]] | None" = None,
 ) -> ImportedPlan:
     """transformers' TP plan for a causal LM, as tpplan YAML, and what it leaves out.
 
@@ -243,7 +263,13 @@ def import_hf(
     only warns; tpplan's strict matching would reject the plan) are skipped and
     reported. `minimal` adds a `prepare_module_input` on each parent with two
     or more colwise children and no unplanned child holding parameters, so
-    backward costs one all-reduce per parent instead of one per colwise child.
+    backward costs one all-reduce per parent instead of one per colwise child,
+    and, given `fix_partial_gradients` (the lint's
+    `tpplan.lint.fixes.partial_gradient_rules`, which the CLI passes: this layer
+    does not import the lint), the rules it returns for the plan so far:
+    `local_params` on each module whose parameters compute on sharded activations
+    (TP325). `ep` imports
+    `base_model_ep_plan` (experts whole per rank) over the TP plan.
     `output`: where the plan will be written (None: standard output, i.e. the
     current directory), so that its `$schema` pointer resolves from there.
     """
@@ -253,7 +279,12 @@ def import_hf(
 
     config = load_config(model_type_or_config_path)
     model_cls = causal_lm_class(config)
-    hf_plan = hf_tp_plan(config, model_cls)
+    hf_plan = hf_ep_plan(config, model_cls) if ep else hf_tp_plan(config, model_cls)
+    if ep and not getattr(config, "base_model_ep_plan", None):
+        raise HfImportError(
+            f"transformers {transformers.__version__} defines no expert-parallel plan (base_model_ep_plan) "
+            f"for {type(config).__name__}: import without --ep"
+        )
     if not hf_plan:
         raise HfImportError(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
@@ -261,8 +292,13 @@ def import_hf(
         )
     rules: dict[str, Any] = {}
     skipped: list[Skipped] = []
+    added: list[tuple[str, str]] = []
+    expert_owners = {key for key, style in hf_plan.items() if style in EXPERT_MODULE_STYLES}
     for key, hf_style in hf_plan.items():
-        if hf_style in SOUND_STYLES:
+        owner = key.rpartition(".")[0]
+        if owner in expert_owners and hf_style in EXPERT_PARAM_STYLES:
+            added.append((owner, f"lays out {key.rpartition('.')[2]} ({hf_style}) as {EXPERT_PARAM_STYLES[hf_style]}"))
+        elif hf_style in SOUND_STYLES:
             rules[key] = SOUND_STYLES[hf_style]
         elif hf_style in UNPLANNED_STYLES:
             skipped.append(Skipped(key, hf_style, UNPLANNED_STYLES[hf_style]))
@@ -271,7 +307,6 @@ def import_hf(
             reason = UNSOUND_STYLES.get(hf_style, unknown)
             skipped.append(Skipped(key, hf_style, reason))
 
-    added: list[tuple[str, str]] = []
     if check_model or minimal:
         try:
             model = _meta_model(config, model_cls)
@@ -289,6 +324,12 @@ def import_hf(
             sharing = _parents_sharing_input(rules, model)
             rules = {**sharing, **rules}
             added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
+            summed = fix_partial_gradients(render_plan("probe", "", [2], rules, []), model) if fix_partial_gradients else {}
+            rules = {**rules, **summed}
+            added += [
+                (key, f"local_params: its parameters compute on sharded activations, their gradients are summed (TP325)")
+                for key in summed
+            ]
 
     header = [
         schema_comment(output),
@@ -301,7 +342,7 @@ def import_hf(
     if skipped:
         header.append("# Left out (no rule here; the modules stay whole on every rank):")
         header += [f"#   {s.key}: {s.hf_style} -- {s.reason}" for s in skipped]
-    name = f"{config.model_type.replace('_', '-')}-hf-tp" + ("-minimal" if minimal else "")
+    name = f"{config.model_type.replace('_', '-')}-hf-{'ep' if ep else 'tp'}" + ("-minimal" if minimal else "")
     description = (
         f"transformers' own TP plan for {model_cls.__name__}"
         + (", plus one shared replicated input per column-parallel parent" if minimal else "")
@@ -328,7 +369,7 @@ def _per_head_norms(rules: dict[str, Any], hf_plan: Mapping[str, str], model, co
         return rules
     out = dict(rules)
     for key, names in matched.items():
-        if names and dims.get(names[0], -2) != -2:
+        if names and names[0] in dims:
             out[key] = with_heads_dim(rules[key], dims[names[0]])
     return out
 

@@ -127,11 +127,12 @@ def parameter_placements(ctx: "LintContext") -> dict[str, Placed]:
         semantics = rule.spec.semantics if rule else None
         replicated_by[fqn] = rule if semantics is not None and semantics.replicates else inherited
         kind = module_kind(module) if semantics is not None and semantics.params else None
+        own = _own_placements(module, rule) if rule is not None and kind is None else None
         for key, param in module._parameters.items():
             if param is None:
                 continue
             name = f"{fqn}.{key}" if fqn else key
-            placement = semantics.placement(kind, key) if kind is not None else None
+            placement = semantics.placement(kind, key) if kind is not None else (own or {}).get(key)
             if placement is not None:
                 out[name] = Placed(placement, fqn, rule)
             elif replicated_by[fqn] is not None:
@@ -139,3 +140,20 @@ def parameter_placements(ctx: "LintContext") -> dict[str, Placed]:
             else:
                 out[name] = Placed("plain", fqn, None)
     return out
+
+
+def _own_placements(module: "nn.Module", rule: Rule) -> dict[str, str] | None:
+    """The placement of each own parameter under the styles whose placements depend on
+    the module and the options (the expert styles, local_params), as plan text."""
+    style = rule.spec.style
+    if style == "local_params":
+        given = rule.spec.params or {}
+        return {key: str(given.get(key, "replicate")) for key in module._parameters}
+    if style not in ("expert_tp", "expert_parallel"):
+        return None
+    from ..sharding.experts import expert_placements
+
+    try:
+        return expert_placements(module, style, rule.spec.params if style == "expert_tp" else None)
+    except ValueError:
+        return None  # not an experts module, or an unknown parameter name: TP305 says so

@@ -151,6 +151,8 @@ class OpSemantics:
                 return None if others else [sharded[0][1]] * len(out_shapes)
             return None
 
+        if name in ("max", "min") and len(op.inputs) > 1:
+            return self.elementwise(op, values, shapes, out_shapes)  # torch.min(x, other): per element
         if name in ELEMENTWISE or (name in ("softmax", "log_softmax", "layer_norm", "rms_norm") and self.keeps_dim(op, values, shapes)):
             return self.elementwise(op, values, shapes, out_shapes)
         if name in ("softmax", "log_softmax", "layer_norm", "rms_norm"):

@@ -85,7 +85,10 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
+        # The local ratio: under TP with replicated KV heads a rank holds n_heads / tp query
+        # heads and one KV head, not n_heads / n_kv_heads of them per KV head.
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
@@ -152,6 +155,23 @@ def llama3_8b() -> Transformer:
             n_kv_heads=8,
             vocab_size=128256,
             ffn_hidden=14336,
+            rope_theta=500000.0,
+            max_seq_len=8192,
+        )
+    )
+
+
+def llama3_70b() -> Transformer:
+    """Llama 3 70B shapes (about 7.1e10 parameters; 8 KV heads, so TP 16 replicates each
+    twice); build it on the meta device only."""
+    return Transformer(
+        LlamaConfig(
+            dim=8192,
+            n_layers=80,
+            n_heads=64,
+            n_kv_heads=8,
+            vocab_size=128256,
+            ffn_hidden=28672,
             rope_theta=500000.0,
             max_seq_len=8192,
         )

@@ -233,12 +233,28 @@ def replica_problems(result, plan: Plan, tp: int) -> list:
         if found.parameter in seen:
             continue
         seen.add(found.parameter)
-        message = f"at TP {tp}, {found.describe()}"
+        message = f"at TP {tp}, {found.describe()}" + _partial_gradient_fix(found, relation)
         if rule is None:
             problems.append(error("TP506", message, plan.file))
         else:
             problems.append(error("TP506", f"{message}; located at rule '{rule.pattern}' ({relation})", rule.file, rule.line, rule.column))
     return problems
+
+
+def _partial_gradient_fix(found, relation: str | None) -> str:
+    """The fix TP325 (validate --model) names for the same cause: a gradient that differs
+    while the forward matched, of a module no rule covers (its input was a rank's slice)."""
+    from ..core.globs import generalize
+
+    if found.kind != "gradient" or relation is None or not relation.endswith("the last planned module that ran before it"):
+        return ""
+    module = found.parameter.rpartition(".")[0]
+    if not module:
+        return ""
+    return (
+        f"; its module computes on this rank's slice only, so the gradient is this rank's share (TP325): "
+        f"add the rule '{generalize(module)}: local_params' (replicated parameters whose gradients are summed over the mesh)"
+    )
 
 
 def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):

@@ -14,24 +14,33 @@ if TYPE_CHECKING:
 
 
 def local_shapes(param: "torch.Tensor", tp: int) -> tuple[tuple[int, ...], ...]:
-    """What each rank of the (1-D) TP mesh holds of `param`, as torch chunks shards."""
+    """What each rank of the TP mesh holds of `param`, as torch chunks shards. A parameter
+    may live on a 2-D view of the TP mesh (replicated KV heads: (heads, replicas)), whose
+    ranks in order are the TP mesh's; a packed shard (`_StridedShard`) chunks each block."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(param, DTensor):
         return (tuple(param.shape),) * tp
-    if param.device_mesh.ndim != 1:
-        raise AssertionError("plans shard over one mesh axis; parameters live on the 1-D TP mesh")
-    size = param.device_mesh.size()
+    mesh_shape = tuple(param.device_mesh.mesh.shape)
     shapes = []
-    for rank in range(size):
+    for rank in range(param.device_mesh.size()):
         shape = list(param.shape)
-        for placement in param.placements:
-            if isinstance(placement, Shard):
+        coords, rest = [], rank
+        for extent in reversed(mesh_shape):
+            coords.append(rest % extent)
+            rest //= extent
+        coords.reverse()
+        for placement, extent, coord in zip(param.placements, mesh_shape, coords):
+            if isinstance(placement, _StridedShard):
                 dim = placement.dim % len(shape)
-                shape[dim] = Shard.local_shard_size_and_offset(shape[dim], size, rank)[0]
+                block = shape[dim] // placement.split_factor
+                shape[dim] = placement.split_factor * Shard.local_shard_size_and_offset(block, extent, coord)[0]
+            elif isinstance(placement, Shard):
+                dim = placement.dim % len(shape)
+                shape[dim] = Shard.local_shard_size_and_offset(shape[dim], extent, coord)[0]
         shapes.append(tuple(shape))
     return tuple(shapes)
-
 
 
 def param_layouts(model: "nn.Module", tp: int) -> list[ParamLayout]:

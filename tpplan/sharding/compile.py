@@ -22,7 +22,7 @@ def _to_torch(value: Any) -> Any:
 
 def compile_style(spec: StyleSpec, src_data_rank: int | None = 0) -> ParallelStyle:
     """A new style object for one module: styles hold per-module state, so never share one."""
-    options = {name: _to_torch(getattr(spec, name)) for name in type(spec).model_fields if name != "style"}
-    style = resolve(type(spec).semantics.torch_class)(**options)
+    options = {name: _to_torch(value) for name, value in spec.torch_options().items()}
+    style = resolve(spec.torch_class())(**options)
     style.src_data_rank = src_data_rank
     return style

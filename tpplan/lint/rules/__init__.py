@@ -10,9 +10,11 @@ from . import (
     arity,
     coverage,
     dry_run,
+    expert_divisibility,
     head_divisibility,
     layout_mismatch,
     mixed_dtensor,
+    replicated_partial_grad,
     sequence_parallel_nested,
     sequence_parallel_open,
     sequence_parallel_positionwise,
@@ -33,6 +35,7 @@ RULES = rule_table([
     sequence_parallel_positionwise.RULE,  # TP302
     arity.RULE,  # TP303
     unused_layout.RULE,  # TP304
+    expert_divisibility.RULE,  # TP305
     shard_divisibility.RULE,  # TP310
     head_divisibility.RULE,  # TP311
     layout_mismatch.RULE,  # TP320
@@ -40,6 +43,7 @@ RULES = rule_table([
     sequence_parallel_open.RULE,  # TP322
     mixed_dtensor.RULE,  # TP323
     uneven_handoff.RULE,  # TP324
+    replicated_partial_grad.RULE,  # TP325
     trace_unavailable.RULE,  # TP329
     dry_run.RULE,  # TP330
     shared_input_comms.RULE,  # TP340

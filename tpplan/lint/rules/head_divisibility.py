@@ -15,8 +15,10 @@ def check(ctx):
         if split is None:
             continue
         heads, counts, _ = split
+        replicates = getattr(rule.spec, "heads", None) is not None
         for tp in ctx.tp_sizes:
-            bad = [(name, count) for name, count in counts if count % tp]
+            # colwise with heads also takes a multiple of a KV-head count (those heads replicated)
+            bad = [(name, count) for name, count in counts if count % tp and not (replicates and _is_kv(name) and tp % count == 0)]
             if bad:
                 key = (id(rule), tp, heads.owner)
                 _, _, _, names, modules = found.setdefault(key, (rule, tp, heads, {}, []))
@@ -25,11 +27,23 @@ def check(ctx):
     for rule, tp, heads, names, modules in found.values():
         what = " and ".join(f"{name} ({count})" for name, count in names.items())
         shown = ", ".join(f"'{m}'" for m in modules)
+        all_counts = dict(heads.counts)
+        query = [count for name, count in all_counts.items() if not _is_kv(name)]
+        if not replicates and all(_is_kv(n) and tp % c == 0 for n, c in names.items()) and all(q % tp == 0 for q in query):
+            fix = (f"replicate the KV heads instead: give '{rule.pattern}' {{style: colwise, heads: auto}} (rank r then "
+                   f"holds KV head r // (tp / heads), whole, and their gradients are summed)")
+        else:
+            fix = f"degrees that work: {degrees_that_work(*all_counts.values())}"
+            if replicates:
+                fix += " (with heads, also the multiples of the KV heads that divide the query heads)"
         yield Finding(ctx.at(rule), (
             f"tp ({tp}) must divide {what} of '{heads.owner or '<root>'}' ({rule_ref(rule)}): {rule.spec.style} splits "
-            f"{shown} into heads of {heads.head_dim} and each rank needs whole heads; degrees that work: "
-            f"{degrees_that_work(*dict(heads.counts).values())}"
+            f"{shown} into heads of {heads.head_dim} and each rank needs whole heads; {fix}"
         ))
+
+
+def _is_kv(name: str) -> bool:
+    return "kv" in name or "key_value" in name
 
 
 RULE = LintRule(
@@ -44,7 +58,11 @@ RULE = LintRule(
         `n_kv_heads`, `num_key_value_heads`, `num_kv_heads`, with `head_dim`
         (or the hidden size divided by the head count). When the sharded
         features are exactly `count x head_dim`, the degree must divide that
-        count. The message lists the degrees that divide every head count.
+        count; for colwise with `heads` (KV heads replicated) the degree may
+        also be a multiple of the KV-head count. When only the KV heads fail and
+        the degree is a multiple of them, the fix is `{style: colwise, heads:
+        auto}`; otherwise the message lists the degrees that divide every head
+        count.
     """,
     why="""
         Attention views each rank's projection as `n_heads / tp` heads of

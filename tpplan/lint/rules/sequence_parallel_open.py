@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..registry import Finding, LintRule
 from ..text import generalize, shard_text
+from .replicated_partial_grad import claims
 from .shard_leak import leak_message
 
 
@@ -11,8 +12,8 @@ def check(ctx):
     if ctx.flow is None:
         return
     for leak in ctx.flow.leaks:
-        if not leak.sequence:
-            continue
+        if not leak.sequence or claims(ctx, leak):
+            continue  # TP321; TP325 (a colwise output's heads reaching a per-head module)
         src, ndim = leak.value.src, len(leak.shape)
         shard = shard_text(leak.value.dim, ndim)
         if leak.where == "module":

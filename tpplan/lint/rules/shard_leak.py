@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .replicated_partial_grad import claims
 from ..registry import Finding, LintRule
 from ..text import generalize, shard_text, styled
 
@@ -25,6 +26,8 @@ def check(ctx):
     for leak in ctx.flow.leaks:
         if leak.sequence:
             continue  # TP322
+        if claims(ctx, leak):
+            continue  # TP325: only the parameters' gradients are wrong
         src = leak.value.src
         if leak.where == "module":
             fix = (f"it computes on the whole tensor: add a rule for '{generalize(leak.fqn)}' (rowwise, or prepare_module_input with "

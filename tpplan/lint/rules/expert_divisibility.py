@@ -1,0 +1,106 @@
+"""TP305: expert styles on a module without fused experts, or a degree that does not
+divide what they shard (the experts for expert_parallel, their intermediate dim for expert_tp)."""
+
+from __future__ import annotations
+
+from ..registry import Finding, LintRule
+from ..text import degrees_that_work, rule_ref
+
+_EXPERT_STYLES = ("expert_tp", "expert_parallel")
+
+
+def _sharded_sizes(module, rule) -> list[tuple[str, int, int]]:
+    """(parameter, size of its sharded dim, blocks) under the rule's placements."""
+    from ...core.placements import parse_placement
+    from ...sharding.experts import expert_placements
+
+    out = []
+    placed = expert_placements(module, rule.spec.style, rule.spec.params if rule.spec.style == "expert_tp" else None)
+    for name, text in placed.items():
+        placement = parse_placement(text)
+        if placement.kind != "shard":
+            continue
+        param = module._parameters[name]
+        dim = placement.dim % param.dim() if -param.dim() <= placement.dim < param.dim() else None
+        out.append((name, param.shape[dim] if dim is not None else -1, placement.blocks))
+    return out
+
+
+def check(ctx):
+    from ...sharding.experts import is_experts_module
+
+    for fqn, rule in ctx.matched.items():
+        style = rule.spec.style
+        if style not in _EXPERT_STYLES:
+            continue
+        module = ctx.modules[fqn]
+        if not is_experts_module(module):
+            own = ", ".join(n for n, _ in module.named_parameters(recurse=False)) or "none"
+            yield Finding(ctx.at(rule), (
+                f"{style} shards a module with fused 3-D expert parameters (gate_up_proj or up_proj, and down_proj), "
+                f"but '{fqn or '<root>'}' ({type(module).__name__}; own parameters: {own}; {rule_ref(rule)}) has none: "
+                "put the rule on the experts module itself (transformers: mlp.experts)"
+            ))
+            continue
+        try:
+            sizes = _sharded_sizes(module, rule)
+        except ValueError as exc:
+            yield Finding(ctx.at(rule), f"{style} params on '{fqn}' ({rule_ref(rule)}): {exc}; name the module's own parameters")
+            continue
+        for tp in ctx.tp_sizes:
+            for name, size, blocks in sizes:
+                if size < 0:
+                    yield Finding(ctx.at(rule), f"{style} on '{fqn}' ({rule_ref(rule)}) shards '{name}' on a dim it does not have")
+                    break
+                if size % (blocks * tp) == 0:
+                    continue
+                if style == "expert_parallel":
+                    what = f"the {size} experts of '{fqn}'"
+                    fix = f"degrees that work: {degrees_that_work(size)}, or expert_tp (shards each expert instead)"
+                else:
+                    block = f" ({blocks} blocks of {size // blocks})" if blocks > 1 else ""
+                    what = f"dim of size {size}{block} that '{fqn}.{name}' is sharded on"
+                    fix = f"degrees that work: {degrees_that_work(size // blocks)}"
+                yield Finding(ctx.at(rule), (
+                    f"tp ({tp}) does not divide the {what} ({style}, {rule_ref(rule)}): every rank needs an equal "
+                    f"share; {fix}"
+                ))
+                break
+
+
+RULE = LintRule(
+    code="TP305",
+    name="expert-divisibility",
+    severity="error",
+    summary="expert_tp / expert_parallel on a module without fused experts, or a degree that does not divide them.",
+    what="""
+        For every rule with `expert_tp` or `expert_parallel`: the module must
+        hold fused 3-D expert parameters (transformers' `experts` modules:
+        `gate_up_proj` or `up_proj`, and `down_proj`). For every TP degree
+        checked, `expert_parallel` needs the degree to divide the number of
+        experts E (each rank holds E / tp whole experts); `expert_tp` needs it
+        to divide every dim it shards: the intermediate size I of each packed
+        gate/up block (`packed_shard(D, 2)` splits each of the 2 blocks) and of
+        `down_proj`. `params` must name the module's own parameters.
+    """,
+    why="""
+        The styles split these dims evenly, like colwise splits out_features:
+        uneven experts would leave a rank with fewer experts than the routing
+        assumes, and an uneven intermediate dim would pair one rank's gate rows
+        with another's up rows. torch finds out only when the plan is applied.
+    """,
+    model="tpplan.hf_models:mixtral",
+    failing="""
+        version: 1
+        mesh: {sizes: [3]}
+        rules:
+          model.layers.*.mlp.experts: expert_parallel
+    """,
+    passing="""
+        version: 1
+        mesh: {sizes: [2, 4]}
+        rules:
+          model.layers.*.mlp.experts: expert_parallel
+    """,
+    check=check,
+)

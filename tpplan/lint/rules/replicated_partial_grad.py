@@ -1,0 +1,115 @@
+"""TP325: a parameter left replicated that computes on sharded activations: its
+gradient on each rank is that rank's share only (partial)."""
+
+from __future__ import annotations
+
+from ..registry import Finding, LintRule
+from ..text import generalize, shard_text, styled
+
+
+def partial_grad_params(ctx, leak) -> list[str] | None:
+    """The parameters of the module a plain shard reaches (`leak`, where='module') when
+    the module can compute on the shard as it is (it is no Linear/Embedding, and every
+    parameter broadcasts over the sharded dim): then only their gradients are wrong,
+    and `local_params` on the module fixes it. None when the module needs the whole tensor."""
+    from torch import nn
+
+    if leak.where != "module" or leak.value.kind != "S":
+        return None
+    if leak.sequence and leak.value.src.rule.spec.style != "colwise":
+        return None  # a sequence shard (TP322): sequence_parallel is the fix there
+    module = ctx.modules.get(leak.fqn)
+    if module is None or isinstance(module, (nn.Linear, nn.Embedding)):
+        return None
+    params = list(module.named_parameters())
+    if not params:
+        return None
+    ndim, dim = len(leak.shape), leak.value.dim
+    for _, param in params:
+        # right-aligned broadcasting: the parameter's dim facing the sharded one must be absent or 1
+        offset = dim - (ndim - param.dim())
+        if param.dim() > ndim or (offset >= 0 and param.shape[offset] != 1):
+            return None
+    return [name for name, _ in params]
+
+
+def findings(ctx):
+    """(leak, parameter names) for every leak this rule reports (TP321 and TP322 skip them)."""
+    if ctx.flow is None:
+        return []
+    cached = ctx.__dict__.get("_partial_grad")
+    if cached is None:
+        cached = [(leak, names) for leak in ctx.flow.leaks if (names := partial_grad_params(ctx, leak)) is not None]
+        ctx.__dict__["_partial_grad"] = cached
+    return cached
+
+
+def claims(ctx, leak) -> bool:
+    return any(found is leak for found, _ in findings(ctx))
+
+
+def check(ctx):
+    for leak, names in findings(ctx):
+        src = leak.value.src
+        module = ctx.modules[leak.fqn]
+        shown = ", ".join(f"'{n}'" for n in names)
+        yield Finding(ctx.at(src.rule), (
+            f"the local {shard_text(leak.value.dim, len(leak.shape))} {leak.shape} that {styled(src.fqn, src.rule)} returns "
+            f"reaches '{leak.fqn}' ({type(module).__name__}), whose parameters {shown} no rule covers: they stay whole on "
+            f"every rank but compute on this rank's slice only, so each rank's gradient of them is its share (partial) and "
+            f"the ranks' copies drift apart in training; add the rule '{generalize(leak.fqn)}: local_params' (replicated "
+            f"parameters whose gradients are summed over the mesh)"
+        ))
+
+
+RULE = LintRule(
+    code="TP325",
+    name="replicated-partial-grad",
+    severity="error",
+    summary="A parameter left replicated computes on sharded activations, so its gradient is partial.",
+    what="""
+        Follows the layout flow to each module with parameters that no rule
+        covers and that receives a local shard (a colwise output, say), where
+        the module can compute on the shard as it is: it is no Linear or
+        Embedding and every parameter broadcasts over the sharded dim (a
+        learnable activation such as Apertus's xIELU with `alpha_p`/`alpha_n`
+        between a colwise and a rowwise projection, or Qwen3's per-head
+        `q_norm`/`k_norm` on head-sharded queries). It is reported at the rule
+        whose output reaches the module; the fix is `local_params` on the
+        module (transformers' `replicated_with_grad_allreduce`), which
+        `import-hf --minimal` adds.
+    """,
+    why="""
+        The forward is right, so nothing fails and outputs match one device.
+        But each rank sees only its slice of the activations, so the gradient
+        of the replicated parameter on each rank is that rank's share, not the
+        sum: the optimizer steps differ per rank, the copies drift apart, and
+        the model trains wrong (transformers' own Apertus plan, found only by
+        comparing gradients with `apply --check`).
+    """,
+    model="tpplan.hf_models:apertus",
+    failing="""
+        version: 1
+        mesh: {sizes: [2]}
+        rules:
+          model.layers.*.mlp:
+            style: prepare_module_input
+            input_layouts: replicate
+            desired_input_layouts: replicate
+          model.layers.*.mlp.up_proj: colwise
+          model.layers.*.mlp.down_proj: rowwise
+    """,
+    passing="""
+        version: 1
+        mesh: {sizes: [2]}
+        rules:
+          model.layers.*.mlp:
+            style: prepare_module_input
+            input_layouts: replicate
+            desired_input_layouts: replicate
+          model.layers.*.mlp.up_proj: colwise
+          model.layers.*.mlp.act_fn: local_params
+          model.layers.*.mlp.down_proj: rowwise
+    """,
+    check=check,
+)

@@ -1,0 +1,162 @@
+"""`HeadsColwiseParallel` (a plan's `{style: colwise, heads: auto}`): a
+column-parallel projection whose output is whole heads (a GQA model's k_proj /
+v_proj), that keeps working when the TP degree exceeds the head count by
+replicating heads.
+
+- otherwise (degree <= heads, or not a multiple of them, or the query
+  projection): exactly torch's `ColwiseParallel`.
+- degree > heads, a multiple of them: rank r holds head r // (degree / heads),
+  whole. The weight is a DTensor on the 2-D view (heads, replicas) of the TP mesh,
+  `(Shard(0), Replicate())`; each replica computes its head for its own query
+  heads, so the weight's gradient is partial over the replicas (summed there,
+  like a norm weight's under sequence parallelism) and the input's gradient
+  partial over the whole mesh (all-reduced, like any colwise input's).
+
+Attention code must repeat KV heads by the LOCAL ratio (query heads on the rank /
+KV heads on the rank): given the attention module (`bind_parent`, which
+`tpplan.plan.Plan.apply` calls before applying), the style sets transformers'
+`num_key_value_groups` on it, and reads the head count from its `head_dim` when
+`heads` is not given. Code that derives the ratio from tensor shapes
+(tpplan.models.llama) needs nothing more.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
+
+__all__ = ["HeadsColwiseParallel", "local_heads", "replicas"]
+
+_GLOBAL_GROUPS = "_tpplan_global_kv_groups"
+
+
+def local_heads(heads: int, degree: int) -> tuple[int, int]:
+    """(heads per rank, replicas per head) at `degree`; ValueError when neither divides the other."""
+    if degree <= heads:
+        if heads % degree:
+            raise ValueError(f"{heads} heads do not divide over TP degree {degree}")
+        return heads // degree, 1
+    if degree % heads:
+        raise ValueError(f"TP degree {degree} is not a multiple of the {heads} heads, so heads cannot be replicated evenly")
+    return 1, degree // heads
+
+
+def replicas(heads: int, degree: int) -> int:
+    """How many ranks hold each head at `degree`: 1 unless the degree is a multiple of `heads` above it."""
+    return degree // heads if degree > heads and degree % heads == 0 else 1
+
+
+def _query_heads(parent: nn.Module | None) -> int | None:
+    """The attention's query-head count, where it says (torchtitan's n_heads, transformers' config)."""
+    for value in (getattr(parent, "n_heads", None), getattr(getattr(parent, "config", None), "num_attention_heads", None)):
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _heads_mesh(mesh: DeviceMesh, heads: int, copies: int) -> DeviceMesh:
+    """The TP mesh viewed as (heads, replicas): rank r at (r // copies, r % copies). Built
+    outside any fake-tensor mode (a dry run's): the mesh's rank tensor must be real."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return mesh._unflatten(0, (heads, copies), ("kv_heads", "kv_replicas"))
+
+
+class HeadsColwiseParallel(ParallelStyle):
+    """Column-parallel over whole heads; heads replicated when the degree is a multiple of
+    their count above it (the query projection is never replicated: plain colwise).
+
+    Keyword Args:
+        heads (int, optional): number of heads in the projection's output; default
+            out_features / the attention module's `head_dim` (see `bind_parent`).
+        input_layouts (Placement, optional): layout of the input. Default Replicate.
+        use_local_output (bool, optional): return a local tensor (always, when heads
+            are replicated: the output is not a shard of any DTensor). Default True.
+    """
+
+    def __init__(self, *, heads: int | None = None, input_layouts: Placement | None = None, use_local_output: bool = True):
+        super().__init__()
+        if heads is not None and heads < 1:
+            raise ValueError(f"heads must be at least 1, not {heads}")
+        self.heads = heads
+        self._parent: nn.Module | None = None
+        self.input_layouts = input_layouts or Replicate()
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"colwise with heads shards an nn.Linear, not {type(module).__name__}")
+        heads = self._heads(module)
+        degree = device_mesh.size()
+        copies = replicas(heads, degree)
+        if copies > 1 and heads == _query_heads(self._parent):
+            copies = 1  # query heads are never replicated (o_proj needs them split): torch's colwise decides
+        if copies == 1:
+            colwise = ColwiseParallel(input_layouts=self.input_layouts, use_local_output=self.use_local_output)
+            colwise.src_data_rank = self.src_data_rank
+            return colwise._apply(module, device_mesh)
+        if self._parent is not None:
+            self._adjust_parent(self._parent, heads, degree)
+        heads_mesh = _heads_mesh(device_mesh, heads, copies)
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param.data, heads_mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module._tpplan_mesh = device_mesh
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward)
+        return module
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> tuple:
+        if not args or not isinstance(args[0], torch.Tensor):
+            raise TypeError(f"colwise with heads on {type(module).__name__} expects a tensor as the first positional input")
+        x = args[0]
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, module._tpplan_mesh, (self.input_layouts,), run_check=False)
+        if x.placements != (Replicate(),):
+            x = x.redistribute(placements=(Replicate(),))
+        for name, param in module.named_parameters(recurse=False):
+            module.__dict__[name] = param.to_local(grad_placements=(Shard(0), Partial()))
+        return (x.to_local(grad_placements=(Partial(),)), *args[1:])
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        for name, _ in module.named_parameters(recurse=False):
+            module.__dict__.pop(name, None)
+        return output
+
+    def bind_parent(self, parent: nn.Module) -> None:
+        """The attention module that holds this projection (before `_apply`)."""
+        self._parent = parent
+
+    def _heads(self, module: nn.Module) -> int:
+        heads = self.heads
+        if heads is None:
+            head_dim = getattr(self._parent, "head_dim", None)
+            if not isinstance(head_dim, int):
+                raise ValueError(
+                    "colwise with heads: auto needs the parent module's integer head_dim; give the head count (heads: N)"
+                )
+            heads = module.out_features // head_dim
+        if heads < 1 or module.out_features % heads:
+            raise ValueError(f"colwise with heads: {module.out_features} output features are not {heads} whole heads")
+        return heads
+
+    @staticmethod
+    def _adjust_parent(parent: nn.Module, heads: int, degree: int) -> None:
+        """Make transformers' attention repeat KV heads by the local ratio."""
+        groups = parent.__dict__.get(_GLOBAL_GROUPS, getattr(parent, "num_key_value_groups", None))
+        if not isinstance(groups, int):
+            return
+        parent.__dict__[_GLOBAL_GROUPS] = groups
+        query_heads = groups * heads
+        if query_heads % degree:
+            raise ValueError(f"{query_heads} query heads do not divide over TP degree {degree}")
+        parent.num_key_value_groups = query_heads // degree  # each rank: n_q / degree query heads, one KV head
+
+    def __repr__(self) -> str:
+        return f"HeadsColwiseParallel(heads={self.heads}, input_layouts={self.input_layouts!r}, use_local_output={self.use_local_output})"
