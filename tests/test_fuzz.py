@@ -255,8 +255,17 @@ def test_deep_nesting(depth, opener):
         ("\t\n", [("TP013", 1, 1)]),
         # a lone '\r' breaks a line for YAML: the control character is on line 2, not 1
         ("version: 1\r\x1b\n", [("TP010", 2, 1)]),
+        # JSON's escape of a character beyond U+FFFF (a surrogate pair) reached pydantic as two
+        # halves, which it reports under another key: IndexError in the loader
+        ('version: 1\nrules:\n  "\\ud800\\udc00": {}\n', [("TP102", 3, 19)]),
+        ('version: 1\nrules:\n  "\\udc00": colwise\n', [("TP012", 3, 3)]),  # a lone half is no character
     ],
 )
 def test_texts_that_once_crashed_now_report_located_problems(plan_error, text, expected):
     assert [(p.code, p.line, p.column) for p in plan_error(text).problems] == expected
     check_loads_or_reports(text)
+
+
+def test_a_surrogate_pair_escape_reads_as_its_character():
+    plan = load_plan(text='version: 1\nname: "\\ud83d\\ude00"\nrules: {}\n')
+    assert plan.name == "\U0001f600"

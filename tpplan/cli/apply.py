@@ -87,7 +87,8 @@ def apply(
             min=0,
             help="Also train N steps (--optimizer, default AdamW; cross-entropy on random next tokens for a token model, "
             "inside loss_parallel() when the plan sets it); report the losses and the median step time. "
-            "With --check: compare the losses and the final parameters with a single device (torchrun only).",
+            "With --check: compare the losses and the final parameters with a single device; in a dry run, "
+            "N AdamW steps on every simulated rank, each compared with one device, with the replicas checked after each.",
         ),
     ] = 0,
     inputs: Annotated[
@@ -228,7 +229,8 @@ _WORDING = {
     ("tp", "not-a-divisor"): "--tp ({tp}) must divide the world size ({world})",
     ("tp", "below-one"): "--tp ({tp}) must be at least 1",
     ("tp", "missing"): "--dry-run needs --tp N (the plan lists no mesh.sizes to pick from)",
-    ("steps", "needs-ranks"): "--steps trains on real ranks (torchrun); --dry-run runs on fake tensors without values",
+    ("steps", "needs-ranks"): "--steps trains on real ranks (torchrun), or in a dry run with --check (real per-rank values, "
+    "compared with one device); without --check --dry-run runs on fake tensors without values",
     ("save", "needs-ranks"): "--save writes real weights: run under torchrun (--dry-run has none)",
     ("fsdp", "not-a-divisor"): "--fsdp ({fsdp}) must divide the world size ({world})",
     ("fsdp", "world-mismatch"): "--fsdp ({fsdp}) x --tp ({tp}) must be the world size ({world})",

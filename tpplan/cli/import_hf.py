@@ -62,7 +62,7 @@ def import_hf(
     try:
         from ..lint.fixes import partial_gradient_rules
 
-        imported = run_import(source, minimal=minimal, ep=ep, fix_partial_gradients=partial_gradient_rules)
+        imported = run_import(source, minimal=minimal, ep=ep, fix_partial_gradients=partial_gradient_rules, output=output)
     except HfImportError as exc:
         usage_error(str(exc))
     if output is None:

@@ -192,6 +192,12 @@ def _did_you_mean(word: Any, choices: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _other_tools_name(style: str) -> str | None:
+    from .aliases import suggestion  # error path only
+
+    return suggestion(style)
+
+
 def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
     kind, loc = err["type"], err["loc"]
     path = _data_path(loc, data)
@@ -208,9 +214,11 @@ def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
     if kind == "union_tag_invalid":
         style = err["ctx"]["tag"]
         at = path + ("style",) if isinstance(data["rules"][path[1]], dict) else path
+        other_tool = _other_tools_name(style)
+        hint = f"; {other_tool}" if other_tool else _did_you_mean(style, list(STYLE_NAMES))
         return error(
             "TP103",
-            f"unknown style '{style}'{_where(path)}{_did_you_mean(style, list(STYLE_NAMES))} (styles: {', '.join(STYLE_NAMES)})",
+            f"unknown style '{style}'{_where(path)}{hint} (styles: {', '.join(STYLE_NAMES)})",
             file, *source.locate(at),
         )
     if kind == "union_tag_not_found":

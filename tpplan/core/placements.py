@@ -23,16 +23,22 @@ def _anycase(word: str) -> str:
     return "".join(f"[{c.upper()}{c}]" for c in word)
 
 
+# ASCII only, spelled out: `\s` and `\d` mean more in Python (Unicode digits and
+# spaces) than in the ECMA-262 regexes of JSON Schema, and the schema must accept
+# exactly what parse_placement accepts.
+_SPACE = r"[ \t\n\r\f\v]"
+_WHITESPACE = " \t\n\r\f\v"
+
 # For the JSON Schema, so that editors flag a bad placement as it is typed.
 PATTERN = (
-    rf"^\s*({_anycase('replicate')}|{_anycase('shard')}\(\s*-?\d+\s*\)"
-    rf"|{_anycase('packed_shard')}\(\s*-?\d+\s*,\s*\d+\s*\)"
-    rf"|{_anycase('partial')}(\(\s*({'|'.join(map(_anycase, REDUCE_OPS))})\s*\))?)\s*$"
+    rf"^{_SPACE}*({_anycase('replicate')}|{_anycase('shard')}\({_SPACE}*-?[0-9]+{_SPACE}*\)"
+    rf"|{_anycase('packed_shard')}\({_SPACE}*-?[0-9]+{_SPACE}*,{_SPACE}*0*[1-9][0-9]*{_SPACE}*\)"  # >= 1 block
+    rf"|{_anycase('partial')}(\({_SPACE}*({'|'.join(map(_anycase, REDUCE_OPS))}){_SPACE}*\))?){_SPACE}*$"
 )
 
-_SHARD = re.compile(r"shard\(\s*(-?\d+)\s*\)")
-_PACKED = re.compile(r"packed_shard\(\s*(-?\d+)\s*,\s*(\d+)\s*\)")
-_PARTIAL = re.compile(r"partial(?:\(\s*(\w+)\s*\))?")
+_SHARD = re.compile(rf"shard\({_SPACE}*(-?[0-9]+){_SPACE}*\)")
+_PACKED = re.compile(rf"packed_shard\({_SPACE}*(-?[0-9]+){_SPACE}*,{_SPACE}*([0-9]+){_SPACE}*\)")
+_PARTIAL = re.compile(rf"partial(?:\({_SPACE}*([a-z0-9_]+){_SPACE}*\))?")
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,8 @@ def parse_placement(value: object) -> PlacementSpec:
         return value
     if not isinstance(value, str):
         raise ValueError(f"a placement is a string ({GRAMMAR}), not {type(value).__name__} {value!r}")
-    text = value.strip().lower()
+    # isascii: str.lower() would turn e.g. the Kelvin sign into 'k'
+    text = value.strip(_WHITESPACE).lower() if value.isascii() else ""
     if text == "replicate":
         return PlacementSpec("replicate")
     if m := _SHARD.fullmatch(text):

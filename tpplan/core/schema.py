@@ -61,16 +61,7 @@ class PlanSpec(_Strict):
 
 
 def plan_json_schema() -> dict:
-    """JSON Schema of the plan format, with the style-name shorthand the models accept."""
-    MeshSpec.model_rebuild()  # its default is encoded with its own serializer, built lazily
-    schema = PlanSpec.model_json_schema()
-    rules = schema["properties"]["rules"]
-    rules["additionalProperties"] = {
-        "anyOf": [
-            {"type": "string", "enum": list(STYLE_NAMES), "description": "A style with its default options."},
-            rules["additionalProperties"],
-        ]
-    }
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["title"] = "tpplan plan (version 1)"
-    return schema
+    """JSON Schema of the plan format (built in json_schema.py)."""
+    from .json_schema import plan_json_schema as build
+
+    return build(PlanSpec, MeshSpec)

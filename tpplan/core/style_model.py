@@ -51,11 +51,12 @@ from pydantic import (
 
 from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
 
+PLACEMENT_SCHEMA = {"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR} (a parameter's also {PACKED_GRAMMAR})."}
 Layout = Annotated[
     PlacementSpec,
     PlainValidator(parse_placement),
     PlainSerializer(str),
-    WithJsonSchema({"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR} (a parameter's also {PACKED_GRAMMAR})."}),
+    WithJsonSchema(PLACEMENT_SCHEMA),
 ]
 
 
@@ -64,7 +65,19 @@ def _single_as_list(value: Any) -> Any:
 
 
 # One entry per positional argument (or output); null leaves that one alone.
-LayoutList = Annotated[list[Union[Layout, None]], BeforeValidator(_single_as_list)]
+# A single placement (or a single null) stands for a list of one, in the schema too.
+LayoutList = Annotated[
+    list[Union[Layout, None]],
+    BeforeValidator(_single_as_list),
+    WithJsonSchema({
+        "anyOf": [
+            PLACEMENT_SCHEMA,
+            {"type": "null"},
+            {"type": "array", "items": {"anyOf": [PLACEMENT_SCHEMA, {"type": "null"}]}},
+        ],
+        "description": "One layout per positional argument (null leaves that one alone); a single layout is a list of one.",
+    }),
+]
 KwargLayouts = dict[str, Layout]
 
 

@@ -90,7 +90,7 @@ class _Builder:
         # plain ValueError/KeyError. Calling the constructor directly (not
         # construct_object) keeps a failed node out of the loader's caches.
         try:
-            return self.loader.yaml_constructors[node.tag](self.loader, node)
+            value = self.loader.yaml_constructors[node.tag](self.loader, node)
         except (ValueError, KeyError, IndexError) as exc:  # IndexError: an empty `!!int`
             kind = node.tag.rsplit(":", 1)[-1]
             if "digits" in str(exc):
@@ -100,6 +100,7 @@ class _Builder:
                 message = f"{shown!r} cannot be read as {kind}: fix the value or remove the '!!{kind}' tag"
             self.problem("TP012", message, node)
             return None
+        return _whole_characters(value, node, self) if isinstance(value, str) else value
 
     def build_collection(self, node: MappingNode | SequenceNode, path: Path) -> Any:
         if isinstance(node, MappingNode):
@@ -140,6 +141,19 @@ class _Builder:
             "booleans, null, lists and mappings (plans never construct objects or run code)",
             node,
         )
+        return None
+
+
+def _whole_characters(value: str, node: ScalarNode, builder: _Builder) -> str | None:
+    """PyYAML decodes each `\\uD83D\\uDE00` escape on its own, leaving surrogate halves in the
+    string (JSON writes characters beyond U+FFFF so): join each pair into its character;
+    a lone half is no character at all."""
+    if not any("\ud800" <= c <= "\udfff" for c in value):
+        return value
+    try:
+        return value.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+    except UnicodeDecodeError:
+        builder.problem("TP012", "this string holds a lone UTF-16 surrogate escape (\\uD800-\\uDFFF), which is no character", node)
         return None
 
 

@@ -251,8 +251,8 @@ def import_hf(
     minimal: bool = False,
     ep: bool = False,
     check_model: bool = True,
+    output: str | os.PathLike | None = None,
     fix_partial_gradients: "Callable[[str, nn.Module], dict[str, Any]] | None" = None,
-    schema: str = "../../schemas/plan.schema.json",
 ) -> ImportedPlan:
     """transformers' TP plan for a causal LM, as tpplan YAML, and what it leaves out.
 
@@ -270,7 +270,11 @@ def import_hf(
     `local_params` on each module whose parameters compute on sharded activations
     (TP325). `ep` imports
     `base_model_ep_plan` (experts whole per rank) over the TP plan.
+    `output`: where the plan will be written (None: standard output, i.e. the
+    current directory), so that its `$schema` pointer resolves from there.
     """
+    from ..core.schema_file import schema_comment
+
     import transformers
 
     config = load_config(model_type_or_config_path)
@@ -312,6 +316,7 @@ def import_hf(
                 f"({type(exc).__name__}: {exc}); pass a complete config, or check_model=False"
             ) from exc
         rules = _keep_module_rules(rules, hf_plan, model, skipped)
+        rules = _per_head_norms(rules, hf_plan, model, config, model_cls)
         for key, value in _tied_embedding_rules(rules, model).items():
             rules = {key: value, **rules}
             added.append((key, "vocab-parallel, as the lm_head it is tied to (tie_word_embeddings): both shard(0)"))
@@ -327,7 +332,7 @@ def import_hf(
             ]
 
     header = [
-        f"# yaml-language-server: $schema={schema}",
+        schema_comment(output),
         f"# Imported by tpplan.hf.importer.import_hf from transformers {transformers.__version__}:",
         f"# {type(config).__name__}.base_model_tp_plan + {model_cls.__name__}._tp_plan.",
     ]
@@ -345,6 +350,28 @@ def import_hf(
     )
     text = render_plan(name, description, _tp_sizes(config), group_siblings(rules), header)
     return ImportedPlan(text, skipped, added)
+
+
+def _per_head_norms(rules: dict[str, Any], hf_plan: Mapping[str, str], model, config, model_cls) -> dict[str, Any]:
+    """The per-head norm rules (replicated_with_grad_allreduce) with the dim the heads are
+    really on (hf.head_norms): the mapping's shard(-2) fits [batch, seq, heads, head_dim] only."""
+    from ..core.globs import ModuleTree, compile_glob
+    from .head_norms import heads_dims, with_heads_dim
+
+    keys = [key for key in rules if hf_plan.get(key) == "replicated_with_grad_allreduce"]
+    if not keys:
+        return rules
+    tree = ModuleTree(name for name, _ in model.named_modules())
+    matched = {key: tree.match(compile_glob(key)) for key in keys}
+    try:
+        dims = heads_dims(config, model_cls, [names[0] for names in matched.values() if names])
+    except Exception:  # the model's forward on fake tensors: keep the mapping; validate --model checks it (TP320)
+        return rules
+    out = dict(rules)
+    for key, names in matched.items():
+        if names and names[0] in dims:
+            out[key] = with_heads_dim(rules[key], dims[names[0]])
+    return out
 
 
 def _keep_module_rules(

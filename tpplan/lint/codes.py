@@ -109,7 +109,15 @@ _RUNTIME_CODES = {
     "TP502": ("forward-failed", "The forward or backward of the parallelized model fails at this TP degree, typically a shape that the degree does not divide (heads, sequence)."),
     "TP503": ("ranks-disagree", "The ranks of a torchrun job disagree before sharding: different plans, different models, or errors on some ranks only."),
     "TP504": ("collective-failed", "A collective failed or timed out (--timeout): another rank died, hung or never started."),
-    "TP505": ("check-mismatch", "--check: the outputs or gradients of the parallelized model differ from the single-device reference."),
+    "TP505": ("check-mismatch", "--check: the outputs or gradients of the parallelized model differ from the single-device reference; "
+              "the message names the first differing tensor and the problem is located at the rule of its module "
+              "(or its closest planned ancestor)."),
+    "TP506": ("replicas-diverge", "A parameter replicated over the TP mesh (or its gradient) holds different values on different ranks "
+              "after backward or an optimizer step (--check; the dry run sees every rank's values): it computes on sharded "
+              "activations whose gradient is never reduced (e.g. a learnable scale between a colwise and a rowwise Linear, "
+              "or a norm inside a sequence-parallel region without sequence_parallel on it). Training would silently diverge: "
+              "shard the module, give it a rule that makes its input replicated (prepare_module_input), or move it out of "
+              "the sharded region."),
 }
 
 

@@ -41,8 +41,9 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     """Simulate `options.tp` ranks in this process; the report (with problems, if
     any) of applying the plan and running one forward and backward."""
     event = on_event or (lambda text: None)
-    if options.steps:
-        raise ApplyOptionsError("steps", "needs-ranks", "training steps need real ranks (torchrun); a dry run runs on fake tensors without values")
+    if options.steps and not options.check:
+        raise ApplyOptionsError("steps", "needs-ranks", "training steps need real ranks (torchrun), or real per-rank values "
+                                "(--check); a dry run runs on fake tensors without values")
     report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
     try:
         plan = load_plan(options.plan)
@@ -90,28 +91,37 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         # Fake tensors rather than bare meta ones: no memory either, and code that
         # checks for tracing (transformers' attention masks) skips the data-dependent
         # branches that meta tensors cannot run.
+        build_failure = None
         with fake_tensors():
             event("building the model on fake tensors")
-            model = build_model(options.model, "cpu", factory)
-            inputs = make_inputs(options.inputs, model, "cpu")
-            sharded = shard_with_progress(plan, model, mesh, event)
-            report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
-            report.params = param_layouts(model, tp)
-            if source is not None:  # the checkpoint's metadata against the sharded model
-                from ..checkpoint.run import inspect_into
+            try:
+                model = build_model(options.model, "cpu", factory)
+            except PlanError as exc:
+                build_failure = exc
+            if build_failure is None:
+                inputs = make_inputs(options.inputs, model, "cpu")
+                sharded = shard_with_progress(plan, model, mesh, event)
+                report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+                report.params = param_layouts(model, tp)
+                if source is not None:  # the checkpoint's metadata against the sharded model
+                    from ..checkpoint.run import inspect_into
 
-                report.checkpoint, found = inspect_into(model, source, options.allow_missing, tp)
-                report.problems += found
-            event("forward and backward on fake tensors")
-            locator = FailureLocator(plan, model, sharded.rules, tp)
-            with locator.tracking():
-                try:
-                    _, report.comms = forward_backward(model, inputs)
-                    return
-                except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
-                    if raised_by_tpplan(exc):
-                        raise  # tpplan's own code: a bug, shown as one
-                    failure, problem = exc, locator.problem(exc)
+                    report.checkpoint, found = inspect_into(model, source, options.allow_missing, tp)
+                    report.problems += found
+                event("forward and backward on fake tensors")
+                locator = FailureLocator(plan, model, sharded.rules, tp)
+                with locator.tracking():
+                    try:
+                        _, report.comms = forward_backward(model, inputs)
+                        return
+                    except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
+                        if raised_by_tpplan(exc):
+                            raise  # tpplan's own code: a bug, shown as one
+                        failure, problem = exc, locator.problem(exc)
+    if build_failure is not None:  # outside FakeTensorMode: try meta, then real values
+        if _built_with_values_instead(options, plan, factory, report, event, build_failure):
+            return
+        raise build_failure
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory.
     if report.total_bytes > VALUES_LIMIT_BYTES:
@@ -128,6 +138,42 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         f"fake tensors could not run the forward and backward ({first_line(failure)}); "
         f"the collectives were counted with real values of rank 0 ({human_bytes(report.total_bytes)} model)"
     )
+
+
+def _built_with_values_instead(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, failure: PlanError) -> bool:
+    """Some models cannot be built on fake tensors (their constructor reads a value, or
+    swaps parameters fake tensors cannot hold): when the factory fails only there (it
+    builds on the meta device) and the model is small, the shapes and collectives come
+    from one rank's real values instead. False when that does not apply."""
+    import torch
+
+    from .simulate import VALUES_LIMIT_BYTES, forward_backward, simulated_world, tp_mesh
+
+    if failure.problems[0].code != "TP500":
+        return False
+    try:
+        meta = build_model(options.model, "meta", factory)
+    except PlanError:
+        return False  # the factory fails anyway: its own problem stands
+    size = sum(p.numel() * p.element_size() for p in meta.parameters())
+    if size > VALUES_LIMIT_BYTES:
+        return False
+    tp = report.tp
+    event("building the model with real values (fake tensors cannot build it)")
+    with simulated_world(tp):
+        torch.manual_seed(options.seed)
+        model = build_model(options.model, "cpu", factory)
+        inputs = make_inputs(options.inputs, model, "cpu")
+        sharded = shard_with_progress(plan, model, tp_mesh(tp, plan.mesh_axis), event)
+        report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+        report.params = param_layouts(model, tp)
+        _, report.comms = run_located(FailureLocator(plan, model, sharded.rules, tp), lambda: forward_backward(model, inputs))
+    report.device = "cpu"
+    report.notes.append(
+        f"fake tensors could not build the model ({failure.problems[0].message}); the shapes and collectives "
+        f"come from real values of rank 0 ({human_bytes(size)} model)"
+    )
+    return True
 
 
 def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> dict:
@@ -154,7 +200,9 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         if options.checkpoint:
             result = _check_loaded(options, plan, factory, report.tp, inputs)
         else:
-            result = check_parity(lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed)
+            result = check_parity(
+                lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed, steps=options.steps
+            )
     except PlanError:
         raise
     except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
@@ -162,8 +210,59 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
             raise  # tpplan's own code: a bug, shown as one
         raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
     report.check = dataclasses.replace(result, problems=result.problems[:10], comms=None)
-    if not result.passed:
-        report.problems.append(error("TP505", f"--check failed at TP {report.tp}: {result.problems[0]}", plan.file))
+    report.notes += result.notes
+    located = result.located
+    forward_differs = located is not None and located.first.what.startswith(("the output", "the model"))
+    if result.replicas and not forward_differs:
+        # the forward matches one device: what differs starts at the diverging replicas
+        report.problems += replica_problems(result, plan, report.tp)
+    elif not result.passed:  # a wrong forward makes replicas downstream differ too: its first difference is the news
+        report.problems.append(check_failure(result, plan, f"--check failed at TP {report.tp}: {result.problems[0]}"))
+
+
+def check_failure(result, plan: Plan, message: str):
+    """TP505 for a failed check: `message`, then the first differing tensor, located at
+    the rule that shards its module (or its closest planned ancestor)."""
+    located = result.located
+    if located is None:
+        return error("TP505", message, plan.file)
+    message += f"; {located.first.describe()}"
+    if located.rule is None:
+        return error("TP505", message, plan.file)
+    rule = located.rule
+    return error("TP505", f"{message}; located at rule '{rule.pattern}' ({located.relation})", rule.file, rule.line, rule.column)
+
+
+def replica_problems(result, plan: Plan, tp: int) -> list:
+    """TP506 for each replicated parameter whose value or gradient differs between ranks
+    (its first difference), at the rule of its module, closest planned ancestor or first planned child."""
+    problems, seen = [], set()
+    for found, rule, relation in result.replicas:
+        if found.parameter in seen:
+            continue
+        seen.add(found.parameter)
+        message = f"at TP {tp}, {found.describe()}" + _partial_gradient_fix(found, relation)
+        if rule is None:
+            problems.append(error("TP506", message, plan.file))
+        else:
+            problems.append(error("TP506", f"{message}; located at rule '{rule.pattern}' ({relation})", rule.file, rule.line, rule.column))
+    return problems
+
+
+def _partial_gradient_fix(found, relation: str | None) -> str:
+    """The fix TP325 (validate --model) names for the same cause: a gradient that differs
+    while the forward matched, of a module no rule covers (its input was a rank's slice)."""
+    from ..core.globs import generalize
+
+    if found.kind != "gradient" or relation is None or not relation.endswith("the last planned module that ran before it"):
+        return ""
+    module = found.parameter.rpartition(".")[0]
+    if not module:
+        return ""
+    return (
+        f"; its module computes on this rank's slice only, so the gradient is this rank's share (TP325): "
+        f"add the rule '{generalize(module)}: local_params' (replicated parameters whose gradients are summed over the mesh)"
+    )
 
 
 def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
@@ -177,16 +276,21 @@ def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
     from .simulate import default_inputs, forward_backward, scalar_loss
     from .verify import _with_problems, compare, run_pairs
 
+    from .dropout import for_check
+
     reference = build_model(options.model, "meta", factory)
     load_checkpoint(reference, options.checkpoint, allow_missing=options.allow_missing, device="cpu")
+    note = for_check(reference)  # eval mode on both sides, as check_parity
     if inputs is None:
         inputs = (default_inputs(reference, generator=torch.Generator().manual_seed(options.seed)),)
     ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
     with simulated_load(factory, plan, tp, options.checkpoint, allow_missing=options.allow_missing) as sim:
+        sim.model.eval()
         out, comms = forward_backward(sim.model, inputs)
         grads = {name: p.grad for name, p in sim.model.named_parameters()}
         problems, pairs = run_pairs(out, ref_out, grads, reference, output_name=lambda i: "output")
         result = _with_problems(problems, compare(pairs))
     result.comms = comms
+    result.notes = [note] if note else []
     return result

@@ -59,6 +59,9 @@ class CheckResult:
     problems: list[str] = field(default_factory=list)  # why it did not pass, in comparison order
     diffs: dict[str, float] = field(default_factory=dict)  # compared tensor -> max abs diff
     comms: dict[str, dict[str, int]] | None = None  # collectives of the compared run, when counted
+    notes: list[str] = field(default_factory=list)  # what the check did to make the runs comparable (dropout off)
+    located: Any = None  # first_difference.Located of a failed check: the first differing tensor and its rule
+    replicas: list = field(default_factory=list)  # replicas.ReplicaDifference: replicated values that differ by rank
 
     @property
     def first_difference(self) -> str | None:

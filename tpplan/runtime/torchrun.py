@@ -74,6 +74,7 @@ class _Ran:
     checkpoint: dict | None = None
     saved: dict | None = None
     problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
@@ -115,6 +116,7 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     ran = _apply_and_run(ctx, options, loaded.plan, loaded.model, loaded.mesh, event)
     report.tp, report.dp = ran.tp, ran.dp
     report.notes += unpromised_tp_note(loaded.plan, ran.tp)
+    report.notes += ran.notes
     if ran.sharded is not None:
         report.modules, report.rule_of, report.rule_where = ran.sharded.modules, ran.sharded.rule_of, ran.sharded.rule_where
     report.params, report.comms, report.step_time_s = ran.params, ran.comms, ran.step_time_s
@@ -176,11 +178,17 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     ran = _Ran(tp=shape[-1], dp=shape[0] if len(shape) == 2 else 1)
     try:
+        if options.check:  # both sides in eval mode: dropout would draw different masks on each
+            from .dropout import for_check
+
+            ran.notes += [note] if (note := for_check(model)) else []
         reference = copy.deepcopy(model) if options.check and not options.checkpoint else None
 
         ran.sharded = shard_with_progress(plan, model, mesh, event)
         if options.checkpoint:
             reference = _load_checkpoint(ctx, options, model, ran, event)
+            if reference is not None:
+                reference.eval()  # as the sharded side (for_check above)
         ran.params = param_layouts(model, ran.tp)  # after a load: the checkpoint's dtypes
         if _data_parallel(options, ran):  # FSDP2 after the plan (and a load)
             from .fsdp import shard_data_parallel

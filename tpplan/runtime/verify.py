@@ -161,6 +161,7 @@ def check_parity(
     seed: int = 0,
     rtol: float | None = None,
     atol: float | None = None,
+    steps: int = 0,
 ) -> CheckResult:
     """Run `plan` at TP degree `tp` with real per-rank values (`LocalTensorMode`,
     under the fake process group) and compare with one device.
@@ -173,7 +174,17 @@ def check_parity(
     gradient, gathered to full size on every rank, must be within
     `atol + rtol * max|reference|` of the reference (defaults by `dtype`).
     The result's `comms` are the TP run's collectives.
+
+    Both sides run in eval mode (dropout off: `dropout.for_check`, said in the result's
+    notes). A failed check is `located` at its first differing tensor and the rule to
+    blame (`first_difference`). Every replicated parameter and its gradient must be
+    identical on all ranks (`replicas`, TP506). `steps`: then that many AdamW steps,
+    each followed by a forward and backward compared the same way.
     """
+    from .dropout import for_check
+    from .first_difference import claims, locate, owning_rule, recording
+    from .replicas import differences
+
     default_rtol, default_atol = tolerance(dtype)
     rtol = default_rtol if rtol is None else rtol
     atol = default_atol if atol is None else atol
@@ -181,21 +192,108 @@ def check_parity(
     with torch.random.fork_rng(devices=[]):  # seed the build without touching the caller's RNG
         torch.manual_seed(seed)
         reference = build_model().to(dtype)
+    dropout_note = for_check(reference)  # eval mode on both sides: the copy below inherits it
     model = copy.deepcopy(reference)
     if inputs is None:
         inputs = default_inputs(reference, generator=torch.Generator().manual_seed(seed))
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-    ref_out = reference(*inputs)
+    with recording(reference) as want_records:
+        ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
+    reference_steps = _adamw_steps(_with_grads(reference), inputs, steps) if steps else []
 
     from torch.distributed._local_tensor import LocalTensorMode
 
+    def values(t):
+        return [value for _, value in _rank_values(t)]
+
     with simulated_world(tp), LocalTensorMode(tp):
         _apply(plan, model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
-        out, comms = forward_backward(model, inputs)
+        with recording(model) as got_records:
+            out, comms = forward_backward(model, inputs)
         grads = {name: p.grad for name, p in model.named_parameters()}
         problems, pairs = run_pairs(out, ref_out, grads, reference, output_name=lambda i: "output")
         result = _with_problems(problems, compare(pairs, rtol=rtol, atol=atol))
+        if not result.passed:
+            result.located = locate(plan, model, reference, got_records, want_records, values,
+                                    lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
+        replicas = differences(model, "after backward")
+        if reference_steps:
+            _one_copy_per_rank(model, tp)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=_STEP_LR)
+            for step, (want_outputs, want_grads) in enumerate(reference_steps, start=1):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                out = model(*inputs)
+                scalar_loss(out).backward()
+                pairs = [Pair(f"after step {step}: output", g, w) for g, w in zip(output_tensors(out), want_outputs)]
+                pairs += [Pair(f"after step {step}: {name} grad", p.grad, want_grads.get(name)) for name, p in model.named_parameters()]
+                stepped = compare(pairs, rtol=rtol, atol=atol)
+                result = CheckResult(result.passed and stepped.passed, max(result.max_abs_diff, stepped.max_abs_diff),
+                                     result.problems + stepped.problems, {**result.diffs, **stepped.diffs}, located=result.located)
+                replicas += differences(model, f"after step {step}")
+        if replicas:
+            claimed, call_order = claims(plan, model, want_records)
+            result.replicas = [
+                (found, *owning_rule(claimed, found.parameter.rpartition(".")[0], list(call_order))) for found in replicas
+            ]
+            if result.passed:
+                result = CheckResult(False, result.max_abs_diff, [replicas[0].describe()], result.diffs, located=result.located,
+                                     replicas=result.replicas)
     result.comms = comms
+    result.notes = [dropout_note] if dropout_note else []
     return result
+
+
+def _tolerances(want: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[float, float]:
+    default_rtol, default_atol = tolerance(want.dtype)
+    return (default_rtol if rtol is None else rtol, default_atol if atol is None else atol)
+
+
+def _one_copy_per_rank(model: nn.Module, tp: int) -> None:
+    """Give each replicated parameter one storage per simulated rank. A replicated
+    DTensor's local value (and a plain parameter) is one tensor that LocalTensorMode
+    shares between the ranks, so an optimizer's in-place update would be applied once
+    per rank to it; real ranks each hold their own copy."""
+    from torch.distributed._local_tensor import LocalTensor
+
+    replaced: dict[int, nn.Parameter] = {}  # a tied parameter is replaced once, everywhere
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module.named_parameters(recurse=False)):
+                if isinstance(param, DTensor):
+                    if not isinstance(param._local_tensor, LocalTensor):
+                        param._local_tensor = LocalTensor({rank: param._local_tensor.clone() for rank in range(tp)})
+                elif not isinstance(param, LocalTensor):
+                    if id(param) not in replaced:
+                        twin = nn.Parameter(LocalTensor({rank: param.detach().clone() for rank in range(tp)}), param.requires_grad)
+                        twin.grad = param.grad
+                        replaced[id(param)] = twin
+                    setattr(module, name, replaced[id(param)])
+
+
+def _with_grads(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` with its parameters' gradients (deepcopy drops them)."""
+    twin = copy.deepcopy(module)
+    for (_, param), (_, copied) in zip(module.named_parameters(), twin.named_parameters()):
+        copied.grad = None if param.grad is None else param.grad.detach().clone()
+    return twin
+
+
+_STEP_LR = 1e-3  # AdamW's first steps move each weight by about lr, whatever its gradient's size
+
+
+def _adamw_steps(reference: nn.Module, inputs: tuple, steps: int) -> list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]]:
+    """The single-device side of `steps` AdamW steps: (outputs, {name: grad}) of the
+    forward and backward after each step."""
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=_STEP_LR)
+    results = []
+    for _ in range(steps):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out = reference(*inputs)
+        scalar_loss(out).backward()
+        grads = {name: p.grad.detach().clone() for name, p in reference.named_parameters() if p.grad is not None}
+        results.append(([t.detach().clone() for t in output_tensors(out)], grads))
+    return results

@@ -1,0 +1,100 @@
+"""Style names of other tools, and what a tpplan plan writes instead: the
+"did you mean" of an unknown style (TP103) for a user coming from torch's
+`parallelize_module` (class names) or from transformers' `tp_plan` (strings).
+
+The transformers entries say what tpplan.hf.importer does with each string
+(tests/test_did_you_mean.py holds the two tables to each other); kept here
+because the plan core cannot import the hf layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# torch.distributed.tensor.parallel's classes (and tpplan's NoParallel) -> tpplan style name
+TORCH_CLASSES = {
+    "ColwiseParallel": "colwise",
+    "RowwiseParallel": "rowwise",
+    "SequenceParallel": "sequence_parallel",
+    "PrepareModuleInput": "prepare_module_input",
+    "PrepareModuleOutput": "prepare_module_output",
+    "PrepareModuleInputOutput": "prepare_module_input_output",
+    "NoParallel": "no_parallel",
+}
+
+# transformers' tp_plan strings with a tpplan equivalent -> the rule value to write
+TRANSFORMERS_EQUIVALENTS: dict[str, Any] = {
+    "colwise_rep": {"style": "colwise", "output_layouts": "replicate"},
+    "colwise_gather_output": {"style": "colwise", "output_layouts": "replicate"},
+    "rowwise_rep": {"style": "rowwise", "input_layouts": "replicate"},
+    "rowwise_split_input": {"style": "rowwise", "input_layouts": "replicate"},
+    "embedding_rowwise": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
+    "embedding_colwise": {"style": "colwise", "output_layouts": "replicate"},
+    "all_reduce": {"style": "prepare_module_output", "output_layouts": "partial", "desired_output_layouts": "replicate"},
+    # a module on head-sharded activations: replicated parameters, their gradients summed
+    # (import-hf also declares the dim its heads are on: input_layouts shard(-2) or shard(1))
+    "replicated_with_grad_allreduce": "local_params",
+    "moe_tp_experts": "expert_tp",
+    "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
+}
+
+_LOCAL = "it runs the module on local shards outside DTensor, which no torch style does"
+_EP = "it is expert parallelism, not tensor parallelism"
+# transformers' tp_plan strings without one -> why (what the user does instead follows in the message)
+TRANSFORMERS_WITHOUT_EQUIVALENT = {
+    "packed_colwise": "it shards a fused [gate; up] weight with a strided shard, which no torch style expresses",
+    "packed_rowwise": "it shards a fused weight with a strided shard, which no torch style expresses",
+    "moe_identity_expert": "it only undoes moe_tp_experts' sum",
+    "mla_kv_a_proj": "it all-reduces the gradient of only the rotary slice of the output",
+    "local_params": _LOCAL,
+    "local_colwise": _LOCAL + " (the closest is colwise: DTensor parameters, a local output)",
+    "local_rowwise": _LOCAL + " (the closest is rowwise: DTensor parameters, a local output)",
+    "local": _LOCAL,
+    "local_packed_rowwise": _LOCAL,
+    "replicated_with_grad_allreduce_local": _LOCAL,
+    "gather": "it gathers a local output outside DTensor (the closest is a colwise rule with output_layouts: replicate)",
+    "grouped_gemm": "it shards one expert parameter by expert index: write expert_parallel on the experts module",
+    "isolated": _EP,
+}
+
+
+# transformers' strings for what tpplan does to a module no rule names
+TRANSFORMERS_NO_RULE = {
+    "replicate": "full parameters on every rank, which every module no rule names keeps: delete this rule "
+    "(or write no_parallel for replicated DTensor parameters)",
+    "ep_router": "a router left whole on every rank (expert_parallel's all_reduce dispatch routes the "
+    "replicated tokens on every rank), as every module no rule names keeps: delete this rule",
+}
+
+
+def flow(value: Any) -> str:
+    """A rule value as YAML flow text: `colwise`, `{style: colwise, output_layouts: replicate}`."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key}: {flow(item)}" for key, item in value.items()) + "}"
+    return str(value)
+
+
+def _normal(name: str) -> str:
+    return name.replace("_", "").replace("-", "").lower()
+
+
+_TORCH_BY_NORMAL = {_normal(name): (name, style) for name, style in TORCH_CLASSES.items()}
+
+
+def suggestion(style: str) -> str | None:
+    """What to write instead of the unknown style `style`, when another tool names it so."""
+    torch_name = _TORCH_BY_NORMAL.get(_normal(style))
+    if torch_name is not None:
+        name, ours = torch_name
+        return f"did you mean '{ours}'? ('{name}' is torch's class name for it)"
+    if style in TRANSFORMERS_EQUIVALENTS:
+        value = TRANSFORMERS_EQUIVALENTS[style]
+        if isinstance(value, str):
+            return f"'{style}' is transformers' name for tpplan's {value}: write {value}"
+        options = ", ".join(f"{key}: {flow(item)}" for key, item in value.items() if key != "style")
+        return f"'{style}' is transformers' name for {value['style']} with {options}: write {flow(value)}"
+    if style in TRANSFORMERS_NO_RULE:
+        return f"'{style}' is transformers' style for {TRANSFORMERS_NO_RULE[style]}"
+    if style in TRANSFORMERS_WITHOUT_EQUIVALENT:
+        return f"'{style}' is a transformers style with no tpplan equivalent: {TRANSFORMERS_WITHOUT_EQUIVALENT[style]}"
+    return None

@@ -1,0 +1,157 @@
+"""Where a failing `--check` starts to differ: the first module (in forward order)
+whose output differs from the single-device run, and the rule to blame for it
+(the rule that shards that module or its closest ancestor; for a module no rule
+reaches, the last planned module that ran before it, which produced its input).
+
+Every module's output is recorded on both sides while they run; recording holds
+references only, and the sharded side's DTensors are gathered after the run, so
+the collectives a check counts are not changed. A sharded output held as a local
+shard (a colwise Linear's `use_local_output`) has another shape than the
+reference's and is not comparable; it is skipped, and the next comparable
+tensor downstream names the difference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Difference:
+    what: str  # "the output of 'model.layers.0.mlp'" or "the gradient of 'model.norm.weight'"
+    module: str  # the module whose output (or parameter) differs
+    rank: int
+    diff: float
+    allowed: float
+
+    def describe(self) -> str:
+        return f"{self.what} is the first tensor that differs (rank {self.rank}: by up to {self.diff:.3g}, allowed {self.allowed:.3g})"
+
+
+@contextlib.contextmanager
+def recording(model: nn.Module) -> Iterator[list[tuple[str, Any]]]:
+    """(module path, first tensor of its output) for each module call, in call order."""
+    records: list[tuple[str, Any]] = []
+    handles = []
+    for name, module in model.named_modules():
+        def hook(_module, _args, output, name=name):
+            tensor = _first_tensor(output)
+            if tensor is not None:
+                records.append((name, tensor.detach()))
+        handles.append(module.register_forward_hook(hook))
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)):
+        return next((t for t in map(_first_tensor, output) if t is not None), None)
+    if isinstance(output, dict) or hasattr(output, "values"):
+        try:
+            values = list(output.values())
+        except TypeError:
+            return None
+        return next((t for t in map(_first_tensor, values) if t is not None), None)
+    return None
+
+
+def first_output_difference(got: list[tuple[str, Any]], want: list[tuple[str, Any]], rank_values, allowed) -> Difference | None:
+    """The first module call whose output differs beyond tolerance, matching calls by
+    (module, n-th call of it); `rank_values(t)` gives each rank's full value."""
+    seen: dict[str, int] = {}
+    sharded = {}
+    for name, tensor in got:
+        sharded[(name, seen.get(name, 0))] = tensor
+        seen[name] = seen.get(name, 0) + 1
+    seen.clear()
+    for name, reference in want:
+        key = (name, seen.get(name, 0))
+        seen[name] = key[1] + 1
+        tensor = sharded.get(key)
+        if tensor is None or not reference.is_floating_point():
+            continue
+        limit = allowed(reference)
+        for rank, value in enumerate(rank_values(tensor)):
+            if value.shape != reference.shape:
+                break  # a local shard: not comparable
+            diff = (value.to(reference.dtype) - reference).abs().max().item() if reference.numel() else 0.0
+            if not diff <= limit:
+                return Difference(f"the output of '{name}'" if name else "the model's output", name, rank, math.inf if math.isnan(diff) else diff, limit)
+    return None
+
+
+def owning_rule(claimed: dict[str, Any], module: str, call_order: list[str]) -> tuple[Any, str] | tuple[None, None]:
+    """(rule, how it relates to `module`) for the rule that shards `module` or its closest
+    ancestor; else the first planned module inside it; else the last planned module
+    called before it."""
+    parts = module.split(".") if module else []
+    for depth in range(len(parts), -1, -1):
+        path = ".".join(parts[:depth])
+        if path in claimed:
+            return claimed[path], "its rule" if depth == len(parts) else f"the rule of its closest planned ancestor '{path}'"
+    inside = [name for name in call_order if name in claimed and name.startswith(module + ".")] if module else []
+    if inside:  # a container's own parameter computes on what its planned children give it
+        return claimed[inside[0]], f"the rule of '{inside[0]}', the first planned module inside '{module}'"
+    if module in call_order:
+        for name in reversed(call_order[: call_order.index(module)]):
+            if name in claimed:
+                return claimed[name], f"the rule of '{name}', the last planned module that ran before it"
+    return None, None
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a failed check starts: the first differing tensor, and the plan rule to blame."""
+
+    first: Difference
+    rule: Any = None  # core.plan.Rule, or None when no rule reaches the module
+    relation: str | None = None  # how the rule relates to the module ("its rule", ...)
+    claimed: Any = None  # {module path: Rule} of the plan on the model
+    call_order: tuple = ()  # module paths in the order their forwards finished
+
+
+def locate(plan: Any, model: nn.Module, reference: nn.Module, got, want, rank_values, allowed) -> Located | None:
+    """The first differing tensor of a failed check (a module output in forward order; when
+    every comparable output agrees, the first parameter gradient) and the rule to blame."""
+    first = first_output_difference(got, want, rank_values, allowed)
+    if first is None:
+        params = dict(model.named_parameters())
+        for name, ref_param in reference.named_parameters():
+            grad = params[name].grad
+            if ref_param.grad is None or grad is None:
+                continue
+            limit = allowed(ref_param.grad)
+            for rank, value in enumerate(rank_values(grad)):
+                if value.shape != ref_param.grad.shape:
+                    continue
+                diff = (value.to(ref_param.grad.dtype) - ref_param.grad).abs().max().item()
+                if not diff <= limit:
+                    first = Difference(f"the gradient of '{name}'", name.rpartition(".")[0], rank, math.inf if math.isnan(diff) else diff, limit)
+                    break
+            if first is not None:
+                break
+    if first is None:
+        return None
+    return blame(first, plan, model, want)
+
+
+def claims(plan: Any, model: nn.Module, want) -> tuple[dict, tuple]:
+    """({module path: Rule} of a tpplan plan on `model`, module paths in forward order)."""
+    return (plan.match(model) if hasattr(plan, "match") else {}), tuple(dict.fromkeys(name for name, _ in want))
+
+
+def blame(first: Difference, plan: Any, model: nn.Module, want) -> Located:
+    claimed, call_order = claims(plan, model, want)
+    rule, relation = owning_rule(claimed, first.module, list(call_order))
+    return Located(first, rule, relation, claimed, call_order)
