@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointError, fail, quiet, some
+from .experts import part_targets
 from .inspect import Match, match
 from .source import locate, read_metadata
 
@@ -102,7 +103,7 @@ def load_checkpoint(
     return LoadResult(
         path=str(path),
         format=source.format,
-        loaded=list(state),
+        loaded=list(state),  # this rank's keys (expert parallel: its experts' only)
         initialized=[e.names[0] for e in found.allowed_missing],
         read_bytes=_rank_bytes(found, rank),
         recomputed_buffers=recomputed,
@@ -191,6 +192,9 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
     for key, exp in found.loads.items():
         for name in exp.names:
             ckpt_dtype[name] = found.source.tensors[key].properties.dtype
+    for exp, parts in found.fused.values():
+        for name in exp.names:
+            ckpt_dtype[name] = found.source.tensors[parts[0].key].properties.dtype
     floating = Counter(d for d in ckpt_dtype.values() if d.is_floating_point)
     usual = floating.most_common(1)[0][0] if floating else None
 
@@ -225,6 +229,8 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
                     replaced[id(buffer)] = buffer if new is None else new
                 module._buffers[key] = replaced[id(buffer)]
     state = {key: _tensor(model, exp.names[0]) for key, exp in found.loads.items()}
+    for name, (_, parts) in found.fused.items():  # per-expert keys: views into the fused local shard
+        state.update(part_targets(_tensor(model, name), parts, found.source.where))
     return state, found.allowed_missing
 
 

@@ -1,0 +1,153 @@
+"""Per-expert checkpoint keys into fused 3-D expert parameters.
+
+transformers 5 holds routed experts fused (`experts.gate_up_proj [E, 2I, H]` =
+[gate; up] per expert, `experts.down_proj [E, H, I]`), but its `save_pretrained`
+converts them back to the per-expert keys of the original checkpoints (its
+conversion mapping; `from_pretrained` fuses them again):
+
+- Qwen3-MoE / Qwen2-MoE / OLMoE: `experts.{e}.gate_proj.weight [I, H]`,
+  `experts.{e}.up_proj.weight`, `experts.{e}.down_proj.weight [H, I]`;
+- Mixtral: `block_sparse_moe.experts.{e}.w1.weight` (gate), `.w3` (up), `.w2` (down)
+  (the module is `mlp.experts` in the model);
+- gpt-oss is written fused, as the model holds it (nothing to map).
+
+`fused_parts` says which checkpoint keys fill a fused parameter and where; the
+loader then gives torch's reader one target per key: a view into this rank's
+local shard, a `Shard` DTensor when the key is split over the mesh (expert TP:
+each rank reads its rows of every expert's gate, up and down), a plain tensor
+when the rank holds that expert whole (expert parallel; the other ranks' experts
+are not read at all). A packed `_StridedShard` gate/up shard is thereby read as
+two plain-sharded halves, which torch's load planner handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+@dataclass(frozen=True)
+class Part:
+    """Checkpoint `key` holds fused[expert, block * size:(block + 1) * size] (dim 1)."""
+
+    key: str
+    expert: int
+    block: int
+    blocks: int
+
+
+@dataclass
+class Conversions:
+    """What transformers' conversion mapping for a model says about checkpoint keys:
+    renamings (Mixtral's `.block_sparse_moe.` -> `.mlp.`) and per-expert merges
+    (`.experts.*.w1.weight` + `.experts.*.w3.weight` -> `.experts.gate_up_proj`)."""
+
+    renamings: list = field(default_factory=list)
+    merges: list[tuple[str, list[str]]] = field(default_factory=list)  # (target suffix, source patterns with *)
+
+    def model_key(self, key: str) -> str:
+        for renaming in self.renamings:
+            key = renaming.rename_source_key(key)[0]
+        return key
+
+
+def conversions(model: "nn.Module") -> Conversions:
+    """transformers' conversion mapping of `model` (none for other models), keeping only
+    what this loader does exactly: renamings, and per-expert stacks along a new expert
+    dim 0 optionally concatenated on dim 1 (anything else stays unmapped, and its keys
+    are reported missing/unexpected)."""
+    if not (hasattr(model, "config") and type(model).__module__.startswith("transformers.")):
+        return Conversions()
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+    except ImportError:  # a transformers without conversion mappings: keys are taken as they are
+        return Conversions()
+    out = Conversions()
+    for transform in get_model_conversion_mapping(model):
+        if type(transform) is WeightRenaming:
+            out.renamings.append(transform)
+        elif type(transform) is WeightConverter and len(transform.target_patterns) == 1:
+            ops = list(transform.operations)
+            merge = len(ops) >= 1 and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+            concat = len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)
+            sources = list(transform.source_patterns)
+            if merge and concat and all(src.count("*") == 1 for src in sources) and (len(ops) == 2 or len(sources) == 1):
+                out.merges.append((transform.target_patterns[0], sources))
+    return out
+
+
+def fused_parts(name: str, shape: tuple[int, ...], keys: dict[str, str], conv: Conversions) -> list[Part] | None:
+    """The checkpoint keys that together hold the fused expert parameter `name`
+    (shape [E, N, M]), or None when the checkpoint does not hold it per expert.
+    `keys`: {the checkpoint key as the model names it: the checkpoint key}."""
+    if len(shape) != 3:
+        return None
+    for target, sources in conv.merges:
+        target, sources = target.lstrip("."), [src.lstrip(".") for src in sources]
+        if name != target and not name.endswith("." + target):
+            continue
+        prefix = name[: len(name) - len(target)]
+        renamed = [[prefix + src.replace("*", str(e)) for src in sources] for e in range(shape[0])]
+        if all(k in keys for per in renamed for k in per):
+            return [Part(keys[k], e, b, len(sources)) for e, per in enumerate(renamed) for b, k in enumerate(per)]
+    return None
+
+
+def part_shape(shape: tuple[int, ...], part: Part) -> tuple[int, ...]:
+    """The checkpoint shape of one part of a fused [E, N, M] parameter: [N / blocks, M]."""
+    return (shape[1] // part.blocks, shape[2])
+
+
+def part_targets(t: "torch.Tensor", parts: list[Part], where: str) -> dict[str, "torch.Tensor"]:
+    """{checkpoint key: tensor to fill} for this rank: views into `t`'s local storage."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from .errors import fail
+
+    shape = tuple(t.shape)
+    if not isinstance(t, DTensor):
+        return {p.key: _block(t[p.expert], p, shape[1] // p.blocks) for p in parts}
+    if t.device_mesh.ndim != 1:
+        raise fail("TP603", f"per-expert checkpoint keys into a {t.device_mesh.ndim}-D mesh are not supported yet", where)
+    placement, mesh = t.placements[0], t.device_mesh
+    local = t.to_local()
+    n, rank = mesh.size(), mesh.get_local_rank()
+    out = {}
+    if isinstance(placement, Replicate):
+        return {p.key: _block(local[p.expert], p, shape[1] // p.blocks) for p in parts}
+    if isinstance(placement, _StridedShard) or (isinstance(placement, Shard) and placement.dim % 3 != 0):
+        dim = placement.dim % 3
+        strided = isinstance(placement, _StridedShard)
+        for p in parts:
+            full = list(part_shape(shape, p))
+            if dim == 1 and p.blocks > 1 and not (strided and placement.split_factor == p.blocks):
+                raise fail("TP603", f"{p.key}: a plain shard of a packed gate/up dim cannot be read per expert", where)
+            if shape[dim] % (n * (p.blocks if dim == 1 else 1)):
+                raise fail("TP603", f"{p.key}: dim {dim} of size {shape[dim]} does not split evenly over {n} ranks", where)
+            piece = local[p.expert]
+            if dim == 1:  # rank's rows of block b: local rows [b * rows, (b + 1) * rows)
+                piece = _block(piece, p, shape[1] // (p.blocks * n))
+            else:
+                piece = _block(piece, p, shape[1] // p.blocks)
+            out[p.key] = DTensor.from_local(
+                piece, mesh, [Shard(dim - 1)], run_check=False, shape=tuple(full), stride=(full[1], 1)
+            )
+        return out
+    if isinstance(placement, Shard):  # the expert dim: whole experts on this rank
+        per = shape[0] // n
+        if shape[0] % n:
+            raise fail("TP603", f"{shape[0]} experts do not divide over {n} ranks", where)
+        for p in parts:
+            if rank * per <= p.expert < (rank + 1) * per:
+                out[p.key] = _block(local[p.expert - rank * per], p, shape[1] // p.blocks)
+        return out
+    raise fail("TP603", f"per-expert checkpoint keys into placement {placement} are not supported", where)
+
+
+def _block(t: "torch.Tensor", part: Part, rows: int) -> "torch.Tensor":
+    return t[part.block * rows:(part.block + 1) * rows]
