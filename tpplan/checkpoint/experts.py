@@ -151,3 +151,115 @@ def part_targets(t: "torch.Tensor", parts: list[Part], where: str) -> dict[str, 
 
 def _block(t: "torch.Tensor", part: Part, rows: int) -> "torch.Tensor":
     return t[part.block * rows:(part.block + 1) * rows]
+
+
+class PackedShardState:
+    """A packed `_StridedShard(d, split_factor=s)` DTensor as torch.distributed.checkpoint
+    sees it: `s` plain chunks per rank (rank r holds rows [b * size/s + r * c, + c) of
+    dim d for each block b, c = size / (s * n)) instead of the one chunk torch 2.13's
+    `compute_local_shape_and_global_offset` gives it (which overlaps the other ranks'
+    and makes a DCP save fail). Save and load both use it, so the fused tensor is
+    written whole and reads back at any degree or layout. 1-D meshes only."""
+
+    def __init__(self, tensor: "torch.Tensor"):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        placement = tensor.placements[0]
+        if tensor.device_mesh.ndim != 1 or not isinstance(placement, _StridedShard):
+            raise ValueError("PackedShardState needs a DTensor on a 1-D mesh with a _StridedShard placement")
+        self.tensor = tensor
+        self.dim = placement.dim % tensor.dim()
+        self.blocks = placement.split_factor
+        n, self.rank = tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
+        self.block_size = tensor.shape[self.dim] // self.blocks
+        self.chunk = self.block_size // n
+        self.local = tensor.to_local()
+
+    def size(self) -> "torch.Size":
+        return self.tensor.size()
+
+    def _offsets(self, block: int) -> "torch.Size":
+        import torch
+
+        offsets = [0] * self.tensor.dim()
+        offsets[self.dim] = block * self.block_size + self.rank * self.chunk
+        return torch.Size(offsets)
+
+    def _piece(self, block: int) -> "torch.Tensor":
+        return self.local.narrow(self.dim, block * self.chunk, self.chunk)
+
+    def __create_chunk_list__(self):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=self._offsets(b), sizes=self._piece(b).size()) for b in range(self.blocks)]
+
+    def __create_write_items__(self, fqn: str, obj):
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        items = []
+        for b in range(self.blocks):
+            offsets, piece = self._offsets(b), self._piece(b)
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=piece.size()),
+                    properties=TensorProperties.create_from_tensor(self.local),
+                    size=self.tensor.size(),
+                ),
+            ))
+        return items
+
+    def __get_tensor_shard__(self, index) -> "torch.Tensor":
+        for b in range(self.blocks):
+            if index.offset is None or self._offsets(b) == index.offset:
+                return self._piece(b)
+        raise ValueError(f"{index.fqn}: no packed chunk of this rank at offset {tuple(index.offset)}")
+
+
+def checkpoint_view(t: "torch.Tensor"):
+    """What torch.distributed.checkpoint is given for `t`: a PackedShardState for a packed
+    shard, `t` itself otherwise."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements):
+        return PackedShardState(t)
+    return t
+
+
+def _lookup(state: dict, index, default):
+    obj = state.get(index.fqn)
+    if isinstance(obj, PackedShardState):  # torch's lookup takes only tensors by offset
+        return obj.__get_tensor_shard__(index)
+    return default(index)
+
+
+def save_planner():
+    """torch's DefaultSavePlanner, finding a PackedShardState's chunks."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class PackedSavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index):
+            return _lookup(self.state_dict, index, super().lookup_object)
+
+    return PackedSavePlanner()
+
+
+def load_planner(**kwargs):
+    """torch's DefaultLoadPlanner, reading into a PackedShardState's chunks."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class PackedLoadPlanner(DefaultLoadPlanner):
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            # torch's _init_state_dict replaces objects it does not know with None: keep ours
+            packed = {k: v for k, v in state_dict.items() if isinstance(v, PackedShardState)}
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            state_dict.update(packed)
+            self.state_dict.update(packed)
+
+        def lookup_tensor(self, index):
+            return _lookup(self.state_dict, index, super().lookup_tensor)
+
+    return PackedLoadPlanner(**kwargs)
