@@ -122,3 +122,27 @@ def match_unsharded(family, source) -> int:
     found = match(model, source)
     assert not found.problems
     return found.rank_bytes(1)[0]
+
+
+@pytest.mark.parametrize("family,style,tp", [("qwen3_moe", "tp", 2), ("mixtral", "ep", 2), ("gpt_oss", "tp", 4)])
+def test_apply_dry_run_checkpoint_on_a_moe_checkpoint(saved, family, style, tp):
+    """`apply --dry-run --checkpoint`: no missing or unexpected key, each rank reads its shards'
+    bytes (the experts' 1/TP), and --check (the simulated load) equals one device."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+
+    # gpt-oss by its factory: `--model hf:` builds it with sdpa, which its transformers class refuses
+    model = f"tpplan.hf_models:{family}" if family == "gpt_oss" else f"hf:{saved[family]}"
+    result = CliRunner().invoke(app, [
+        "apply", "--dry-run", "--tp", str(tp), "--model", model, "--plan", str(ROOT / f"plans/hf/{family}_{style}.yaml"),
+        "--checkpoint", str(saved[family]), "--check", "--format", "json",
+    ])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    ckpt = report["checkpoint"]
+    assert (ckpt["missing"], ckpt["unexpected"]) == ([], [])
+    assert ckpt["rank_read_bytes"] == [report["params"]["per_rank_bytes"]] * tp
+    assert report["check"]["passed"] is True
