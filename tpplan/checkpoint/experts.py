@@ -11,6 +11,9 @@ conversion mapping; `from_pretrained` fuses them again):
   (the module is `mlp.experts` in the model);
 - gpt-oss is written fused, as the model holds it (nothing to map).
 
+The mapping is read from transformers' own conversion mapping for the model
+(`conversions`: its renamings, and its per-expert merges that stack on a new
+expert dim and concatenate gate/up on dim 1), not a table of our own.
 `fused_parts` says which checkpoint keys fill a fused parameter and where; the
 loader then gives torch's reader one target per key: a view into this rank's
 local shard, a `Shard` DTensor when the key is split over the mesh (expert TP:
@@ -18,6 +21,11 @@ each rank reads its rows of every expert's gate, up and down), a plain tensor
 when the rank holds that expert whole (expert parallel; the other ranks' experts
 are not read at all). A packed `_StridedShard` gate/up shard is thereby read as
 two plain-sharded halves, which torch's load planner handles.
+
+A fused packed shard read or written as one key (a DCP checkpoint of an
+`expert_tp` model) goes through `PackedShardState` and the two planners below:
+torch 2.13 computes one contiguous chunk per rank for a `_StridedShard` DTensor,
+which overlaps the other ranks' (its DCP save failed with TP608).
 """
 
 from __future__ import annotations
