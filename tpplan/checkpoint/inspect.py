@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..core.problems import Problem, error
 from .errors import some
+from .experts import conversions, fused_parts, part_shape
 from .source import Source
 
 if TYPE_CHECKING:
@@ -46,6 +47,8 @@ class Match:
     missing: list[Expected] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    # fused expert parameter -> (the tensor it is, the per-expert checkpoint keys filling it)
+    fused: dict[str, tuple[Expected, list]] = field(default_factory=dict)
 
     def rank_bytes(self, ranks: int) -> list[int]:
         """Bytes of checkpoint data each rank reads (its shards, in the checkpoint's dtype)."""
@@ -55,6 +58,9 @@ class Match:
             for key, exp in self.loads.items():
                 shape = exp.local_shapes[rank] if len(exp.local_shapes) > rank else exp.local_shapes[0]
                 total += math.prod(shape) * _itemsize(self.source.tensors[key].properties.dtype)
+            for exp, parts in self.fused.values():  # a rank reads exactly its shard's elements of the parts
+                shape = exp.local_shapes[rank] if len(exp.local_shapes) > rank else exp.local_shapes[0]
+                total += math.prod(shape) * _itemsize(self.source.tensors[parts[0].key].properties.dtype)
             out.append(total)
         return out
 
@@ -69,7 +75,7 @@ class Match:
             "format": self.source.format,
             "files": len(self.source.files),
             "tensors": len(self.source.tensors),
-            "loaded": len(self.loads),
+            "loaded": len(self.loads) + sum(len(parts) for _, parts in self.fused.values()),
             "missing": [e.names[0] for e in self.missing],
             "allowed_missing": [e.names[0] for e in self.allowed_missing],
             "unexpected": list(self.unexpected),
@@ -88,6 +94,7 @@ def _itemsize(dtype: "torch.dtype") -> int:
 def local_shapes(t: "torch.Tensor") -> list[tuple[int, ...]]:
     """What each rank of `t`'s mesh holds of it, as torch chunks shards."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if not isinstance(t, DTensor):
         return [tuple(t.shape)]
@@ -97,7 +104,10 @@ def local_shapes(t: "torch.Tensor") -> list[tuple[int, ...]]:
     for coord in coords:
         shape = list(t.shape)
         for mesh_dim, placement in enumerate(t.placements):
-            if isinstance(placement, Shard):
+            if isinstance(placement, _StridedShard):  # packed: every block split evenly (distribute_param checks)
+                dim = placement.dim % len(shape)
+                shape[dim] = shape[dim] // mesh.shape[mesh_dim]
+            elif isinstance(placement, Shard):
                 dim = placement.dim % len(shape)
                 shape[dim] = Shard.local_shard_size_and_offset(shape[dim], mesh.shape[mesh_dim], coord[mesh_dim])[0]
         shapes.append(tuple(shape))
@@ -148,15 +158,26 @@ def match(model: "nn.Module", source: Source, allow_missing: Iterable[str] = ())
     keys = set(source.tensors)
     expected = expected_tensors(model)
     claimed: set[str] = set()
+    names = {n for exp in expected for n in exp.names}
+    conv = conversions(model)
+    # checkpoint keys as the model names them (transformers' renamings), for keys it does not name
+    alias = {key: key for key in keys}
+    for key in keys - names:
+        alias.setdefault(conv.model_key(key), key)
     for exp in expected:
-        key = next((n for n in exp.names if n in keys), None)
+        key = next((alias[n] for n in exp.names if n in alias), None)
+        parts = fused_parts(exp.names[0], exp.shape, alias, conv) if key is None else None
+        if parts is not None:  # transformers' per-expert keys of a fused expert parameter
+            claimed.update(p.key for p in parts)
+            result.fused[exp.names[0]] = (exp, parts)
+            continue
         if key is None:
             if any(fnmatch.fnmatchcase(n, pattern) for n in exp.names for pattern in allow):
                 result.allowed_missing.append(exp)
             else:
                 result.missing.append(exp)
             continue
-        claimed.update(n for n in exp.names if n in keys)
+        claimed.update(alias[n] for n in exp.names if n in alias)
         result.loads[key] = exp
     ignored = _ignored_unexpected(model)
     result.unexpected = sorted(k for k in keys - claimed if not any(p.search(k) for p in ignored))
@@ -194,6 +215,16 @@ def _problems(m: Match, n_expected: int) -> list[Problem]:
             f"{len(m.unexpected)} tensors of {src.path} are not in the model: {', '.join(hints)}{more}",
             src.file_for(m.unexpected[0]),
         ))
+    for exp, parts in m.fused.values():
+        for part in parts:
+            md, want = src.tensors[part.key], part_shape(exp.shape, part)
+            if tuple(md.size) != want:
+                problems.append(error(
+                    "TP603",
+                    f"{part.key} has shape {tuple(md.size)} in {src.file_for(part.key)}; as expert {part.expert} of "
+                    f"{exp.names[0]} {exp.shape} it must be {want}",
+                    src.file_for(part.key),
+                ))
     for key, exp in m.loads.items():
         md = src.tensors[key]
         if tuple(md.size) != exp.shape:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointError, fail, quiet, some
+from .experts import checkpoint_view, load_planner, part_targets
 from .inspect import Match, match
 from .source import locate, read_metadata
 
@@ -72,7 +73,6 @@ def load_checkpoint(
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     source = locate(path)
     read_metadata(source)
@@ -87,7 +87,7 @@ def load_checkpoint(
             dcp.load(
                 state,
                 storage_reader=source.reader(),
-                planner=DefaultLoadPlanner(allow_partial_load=False),
+                planner=load_planner(allow_partial_load=False),
                 no_dist=_no_dist(state),
             )
     except (Exception, CheckpointException) as exc:  # safetensors, pickle, OS errors (DCP's is a BaseException)
@@ -102,7 +102,7 @@ def load_checkpoint(
     return LoadResult(
         path=str(path),
         format=source.format,
-        loaded=list(state),
+        loaded=list(state),  # this rank's keys (expert parallel: its experts' only)
         initialized=[e.names[0] for e in found.allowed_missing],
         read_bytes=_rank_bytes(found, rank),
         recomputed_buffers=recomputed,
@@ -139,7 +139,7 @@ def _no_dist(state: dict) -> bool:
         return True
     if dist.get_backend() == "fake":
         return True
-    return not any(isinstance(t, DTensor) for t in state.values())
+    return not any(isinstance(t, DTensor) or hasattr(t, "__create_chunk_list__") for t in state.values())
 
 
 def _rank_in_meshes(model: "nn.Module") -> int:
@@ -191,6 +191,9 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
     for key, exp in found.loads.items():
         for name in exp.names:
             ckpt_dtype[name] = found.source.tensors[key].properties.dtype
+    for exp, parts in found.fused.values():
+        for name in exp.names:
+            ckpt_dtype[name] = found.source.tensors[parts[0].key].properties.dtype
     floating = Counter(d for d in ckpt_dtype.values() if d.is_floating_point)
     usual = floating.most_common(1)[0][0] if floating else None
 
@@ -224,7 +227,9 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
                         new.fill_(float("nan"))  # recompute_buffers must overwrite it
                     replaced[id(buffer)] = buffer if new is None else new
                 module._buffers[key] = replaced[id(buffer)]
-    state = {key: _tensor(model, exp.names[0]) for key, exp in found.loads.items()}
+    state = {key: checkpoint_view(_tensor(model, exp.names[0])) for key, exp in found.loads.items()}
+    for name, (_, parts) in found.fused.items():  # per-expert keys: views into the fused local shard
+        state.update(part_targets(_tensor(model, name), parts, found.source.where))
     return state, found.allowed_missing
 
 

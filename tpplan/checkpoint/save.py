@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import fail, quiet
+from .experts import checkpoint_view, save_planner
 from .inspect import expected_tensors
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ def state_to_save(model: "nn.Module", dtype: "torch.dtype | None" = None) -> dic
             raise fail("TP608", f"cannot save {exp.names[0]}: it is on the meta device (load or initialise the model first)", exp.names[0])
         if dtype is not None and t.is_floating_point() and t.dtype != dtype:
             t = t.to(dtype)
-        state[exp.names[0]] = t
+        state[exp.names[0]] = checkpoint_view(t)  # a packed gate/up shard: its plain chunks
     return state
 
 
@@ -58,7 +59,7 @@ def save_checkpoint(model: "nn.Module", path: str | os.PathLike, *, format: str 
     target = os.fspath(path)
     state = state_to_save(model, dtype)
     real_group = dist.is_initialized() and dist.get_backend() != "fake"
-    sharded = any(isinstance(t, DTensor) for t in state.values())
+    sharded = any(isinstance(t, DTensor) or hasattr(t, "__create_chunk_list__") for t in state.values())
     if dist.is_initialized() and not real_group and sharded:
         raise ValueError("save_checkpoint needs real ranks (torchrun): the fake process group of a simulation cannot gather the shards")
     distributed = real_group and sharded  # every rank writes its shards
@@ -89,13 +90,13 @@ def _write(model: "nn.Module", state: dict, target: str, format: str, distribute
         from torch.distributed.checkpoint import FileSystemWriter
 
         with quiet():
-            dcp.save(state, storage_writer=FileSystemWriter(target, overwrite=True), no_dist=not distributed)
+            dcp.save(state, storage_writer=FileSystemWriter(target, overwrite=True), planner=save_planner(), no_dist=not distributed)
         return
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
     writer = HuggingFaceStorageWriter(target, save_distributed=distributed, enable_consolidation=distributed)
     with quiet():
-        dcp.save(state, storage_writer=writer, no_dist=not distributed)
+        dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not distributed)
     if distributed:
         dist.barrier()  # the coordinator consolidated every rank's shards
     if rank == 0:
