@@ -5,7 +5,7 @@ layers) and TP degree, one forward and one backward are run in one process
 under torch's fake process group, and the collectives are counted:
 
 - `transformers`: transformers' plan on transformers' own runtime
-  (`tpplan.hf.importer.apply_transformers_plan`), as `from_pretrained(tp_plan="auto")`;
+  (`tpplan.hf.transformers_runtime.apply_transformers_plan`), as `from_pretrained(tp_plan="auto")`;
 - `hf->tpplan`: the same plan imported with `tpplan.hf.importer.import_hf`;
 - `ours`: plans/hf/<family>_tp.yaml (and `ours SP`: <family>_tp_sp.yaml).
 
@@ -57,7 +57,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from tpplan import load_plan
-    from tpplan.hf.importer import apply_transformers_plan, import_hf
+    from tpplan.hf.importer import import_hf
+    from tpplan.hf.transformers_runtime import apply_transformers_plan
 
     columns = ["transformers", "hf->tpplan", "ours", "ours SP"]
     print(f"collectives per step (forward / backward), {hf_models.TINY['num_hidden_layers']} layers")

@@ -23,9 +23,9 @@ from tpplan.hf.importer import (  # noqa: E402
     UNPLANNED_STYLES,
     UNSOUND_STYLES,
     Skipped,
-    apply_transformers_plan,
     import_hf,
 )
+from tpplan.hf.transformers_runtime import apply_transformers_plan  # noqa: E402
 from tpplan.runtime.verify import check_parity  # noqa: E402
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"

@@ -26,15 +26,14 @@ YAML rendering is in `hf/render.py`.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .render import group_siblings, render_plan
+from .sharing import parents_sharing_input
 
 if TYPE_CHECKING:
     from torch import nn
-    from torch.distributed.device_mesh import DeviceMesh
 
 # transformers style string -> tpplan rule value. transformers' styles with these
 # names do what torch's do with these options (checked by tests/test_hf.py).
@@ -198,53 +197,6 @@ def _meta_model(config, model_cls):
         return model_cls(config)
 
 
-def _parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
-    """prepare_module_input rules that make a parent's input one replicated DTensor
-    for its column-parallel children, so backward all-reduces it once, not once per child.
-
-    Only for parents with two or more plain colwise children and no unplanned child
-    holding parameters (a MoE router, say, could not take a DTensor input).
-    transformers' decoder layers call attention by keyword (`hidden_states=`) and
-    MLPs positionally; tests/test_hf.py checks both by parity.
-    """
-    from ..core.globs import ModuleTree, compile_glob, generalize
-
-    modules = dict(model.named_modules())
-    tree = ModuleTree(modules)
-    matched = {pattern: tree.match(compile_glob(pattern)) for pattern in rules}
-    planned = {name for names in matched.values() for name in names}
-    colwise_children: dict[str, list[str]] = defaultdict(list)
-    for pattern, names in matched.items():
-        if rules[pattern] == "colwise":
-            for name in names:
-                colwise_children[name.rpartition(".")[0]].append(name)
-    qualifying = {}
-    for parent, children in colwise_children.items():
-        module = modules[parent]
-        unplanned = [
-            name
-            for name, child in module.named_children()
-            if f"{parent}.{name}" not in planned and any(True for _ in child.parameters())
-        ]
-        if len(children) >= 2 and not unplanned:
-            qualifying[parent] = module
-    added: dict[str, dict] = {}
-    for parent, module in qualifying.items():
-        # One glob for all layers, unless it would also reach a parent that does not
-        # qualify (a sparse MoE block beside dense MLPs): then this layer's own path.
-        general = generalize(parent)
-        key = general if set(tree.match(compile_glob(general))) <= set(qualifying) else parent
-        if type(module).__name__.endswith("Attention"):
-            added[key] = {
-                "style": "prepare_module_input",
-                "input_kwarg_layouts": {"hidden_states": "replicate"},
-                "desired_input_kwarg_layouts": {"hidden_states": "replicate"},
-            }
-        else:
-            added[key] = {"style": "prepare_module_input", "input_layouts": "replicate", "desired_input_layouts": "replicate"}
-    return added
-
-
 def import_hf(
     model_type_or_config_path: str | os.PathLike,
     *,
@@ -321,7 +273,7 @@ def import_hf(
             rules = {key: value, **rules}
             added.append((key, "vocab-parallel, as the lm_head it is tied to (tie_word_embeddings): both shard(0)"))
         if minimal:
-            sharing = _parents_sharing_input(rules, model)
+            sharing = parents_sharing_input(rules, model)
             rules = {**sharing, **rules}
             added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
             summed = fix_partial_gradients(render_plan("probe", "", [2], rules, []), model) if fix_partial_gradients else {}
@@ -423,34 +375,3 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
             if sharded_as_vocab and fqn not in planned and isinstance(model.get_submodule(fqn), nn.Embedding):
                 added[generalize(fqn)] = SOUND_STYLES["embedding_rowwise"]
     return added
-
-
-# -- transformers' own runtime, for comparison ---------------------------------------
-
-
-def apply_transformers_plan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Shard `model` with transformers' own TP runtime and its own plan, as
-    `from_pretrained(tp_plan="auto")` does, but on an already built model: each
-    planned parameter is sharded by its style, then each planned module gets the
-    style's forward hooks. For benchmarks (bench/bench_hf_comms.py); uses
-    transformers internals, so it may need updating with transformers.
-    """
-    import transformers.distributed.tensor_parallel  # noqa: F401  (registers the styles)
-    from transformers.distributed.parallel_utils import (
-        ALL_PARALLEL_STYLES,
-        _get_parameter_plan,
-        replace_layer_number_by_wildcard,
-    )
-
-    plan = hf_tp_plan(model.config, type(model))
-    modules = dict(model.named_modules())
-    for name, _ in list(model.named_parameters()):
-        style = _get_parameter_plan(name, plan)
-        if style is not None:
-            owner, _, pname = name.rpartition(".")
-            ALL_PARALLEL_STYLES[style].shard_param(modules[owner], pname, mesh)
-    for name, module in modules.items():
-        style = plan.get(replace_layer_number_by_wildcard(name)) if name else None
-        if style is not None:
-            ALL_PARALLEL_STYLES[style].install_forward(module, mesh)
-    return model
