@@ -232,7 +232,9 @@ def checkpoint_view(t: "torch.Tensor"):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    if isinstance(t, DTensor) and any(isinstance(p, _StridedShard) for p in t.placements):
+    # Only a plan's packed shard (1-D TP mesh); FSDP2 on a (dp, tp) mesh also writes
+    # _StridedShard placements, which torch's own planner saves as they are.
+    if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and isinstance(t.placements[0], _StridedShard):
         return PackedShardState(t)
     return t
 
