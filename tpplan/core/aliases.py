@@ -28,13 +28,18 @@ TRANSFORMERS_EQUIVALENTS: dict[str, Any] = {
     "colwise_gather_output": {"style": "colwise", "output_layouts": "replicate"},
     "rowwise_rep": {"style": "rowwise", "input_layouts": "replicate"},
     "rowwise_split_input": {"style": "rowwise", "input_layouts": "replicate"},
+    # Vocab-parallel: torch's rowwise on an Embedding shards the vocabulary.
     "embedding_rowwise": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
     "embedding_colwise": {"style": "colwise", "output_layouts": "replicate"},
+    # Sum the ranks' partial outputs forward, identity backward.
     "all_reduce": {"style": "prepare_module_output", "output_layouts": "partial", "desired_output_layouts": "replicate"},
     # a module on head-sharded activations: replicated parameters, their gradients summed
     # (import-hf also declares the dim its heads are on: input_layouts shard(-2) or shard(1))
     "replicated_with_grad_allreduce": "local_params",
+    # Fused 3-D experts: every expert sharded on its intermediate dim (the packed
+    # gate_up_proj and down_proj parameter entries are expert_tp's defaults).
     "moe_tp_experts": "expert_tp",
+    # base_model_ep_plan (--ep): whole experts per rank, tokens replicated.
     "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
 }
 

@@ -29,6 +29,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ..core.aliases import TRANSFORMERS_EQUIVALENTS
 from .render import group_siblings, render_plan
 from .sharing import parents_sharing_input
 
@@ -40,28 +41,9 @@ if TYPE_CHECKING:
 SOUND_STYLES: dict[str, Any] = {
     "colwise": "colwise",
     "rowwise": "rowwise",
-    "colwise_rep": {"style": "colwise", "output_layouts": "replicate"},
-    "colwise_gather_output": {"style": "colwise", "output_layouts": "replicate"},
-    "rowwise_rep": {"style": "rowwise", "input_layouts": "replicate"},
-    "rowwise_split_input": {"style": "rowwise", "input_layouts": "replicate"},
-    # Vocab-parallel: torch's rowwise on an Embedding shards the vocabulary.
-    "embedding_rowwise": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
-    "embedding_colwise": {"style": "colwise", "output_layouts": "replicate"},
     "sequence_parallel": {"style": "sequence_parallel", "use_local_output": True},
-    # Sum the ranks' partial outputs forward, identity backward.
-    "all_reduce": {
-        "style": "prepare_module_output",
-        "output_layouts": "partial",
-        "desired_output_layouts": "replicate",
-    },
-    # A module computing on head-sharded activations (Qwen3's q_norm/k_norm): its
-    # replicated parameters' gradients are summed over the mesh.
-    "replicated_with_grad_allreduce": "local_params",
-    # Fused 3-D experts: every expert sharded on its intermediate dim (the packed
-    # gate_up_proj and down_proj parameter entries are expert_tp's defaults).
-    "moe_tp_experts": "expert_tp",
-    # base_model_ep_plan (--ep): whole experts per rank, tokens replicated.
-    "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
+    # the strings that name no tpplan style: one table, which "did you mean" reads too
+    **TRANSFORMERS_EQUIVALENTS,
 }
 
 # Parameter entries of an experts module that its module rule above already lays out
