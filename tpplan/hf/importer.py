@@ -261,7 +261,7 @@ def import_hf(
             summed = fix_partial_gradients(render_plan("probe", "", [2], rules, []), model) if fix_partial_gradients else {}
             rules = {**rules, **summed}
             added += [
-                (key, f"local_params: its parameters compute on sharded activations, their gradients are summed (TP325)")
+                (key, "local_params: its parameters compute on sharded activations, their gradients are summed (TP325)")
                 for key in summed
             ]
 
