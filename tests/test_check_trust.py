@@ -139,3 +139,110 @@ def test_tp506_is_in_the_codes_catalog():
 
     entry = find("TP506")
     assert entry.name == "replicas-diverge" and "learnable scale between a colwise and a rowwise Linear" in entry.doc
+
+
+# -- the same under real torchrun gloo ranks ------------------------------------------------------------
+
+
+def _torchrun_check(tmp_path, plan_text: str, model: str, *extra: str) -> dict:
+    import json
+
+    from test_torchrun import torchrun
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(plan_text)
+    result = torchrun(2, "-m", "tpplan", "apply", "--model", model, "--plan", str(plan), "--check", "--format", "json", *extra,
+                      pythonpath=Path(__file__).parent, timeout=240)
+    assert result.returncode in (0, 1), result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def test_under_torchrun_a_failed_check_names_the_first_differing_tensor_at_its_rule(tmp_path):
+    broken = (PLANS / "mlp_tp.yaml").read_text().replace("blocks.*.out_proj: rowwise", "blocks.*.out_proj: {style: rowwise, output_layouts: partial}")
+    report = _torchrun_check(tmp_path, broken, "tpplan.models.mlp:tiny")
+    [problem] = report["problems"]
+    assert (problem["code"], problem["file"], problem["line"], problem["column"]) == ("TP505", str(tmp_path / "plan.yaml"), 15, 3)
+    assert problem["message"].startswith("--check failed: rank 0: output 0 differs by up to ")
+    # every rank gathered every module's output: blocks.0.in_proj's is a local shard, blocks.0.out_proj's differs first
+    assert "; the output of 'blocks.0.out_proj' is the first tensor that differs (rank 0: by up to " in problem["message"]
+    assert problem["message"].endswith("; located at rule 'blocks.*.out_proj' (its rule)")
+
+
+def test_under_torchrun_diverging_replicas_are_found_by_checksum_after_backward_and_each_step(tmp_path):
+    report = _torchrun_check(tmp_path, SCALED_PLAN, "test_check_trust:scaled_mlp", "--steps", "2", "--optimizer", "sgd")
+    assert report["ok"] is False and report["check"]["passed"] is False
+    assert {(p["code"], p["line"], p["column"]) for p in report["problems"]} == {("TP506", 3, 3)}
+    messages = [p["message"] for p in report["problems"]]
+    assert len(messages) == 2  # each parameter once, at its first difference
+    for message, block in zip(messages, ("0", "1")):
+        assert message.startswith(
+            f"at TP 2, replicated parameter '{block}.scale': its gradient differs between ranks after backward (rank 1 from rank 0 by up to "
+        )
+        assert message.endswith(f"; located at rule '*.in_proj' (the rule of '{block}.in_proj', the first planned module inside '{block}')")
+
+
+def test_under_torchrun_a_model_with_dropout_passes_check_with_dropout_off_and_says_so(tmp_path):
+    pytest.importorskip("transformers")
+    from tpplan.hf.importer import import_hf
+    from tpplan.hf.tiny import tiny_config
+
+    tiny_config("seed_oss").save_pretrained(tmp_path)  # attention_dropout and residual_dropout 0.1
+    report = _torchrun_check(tmp_path, import_hf(tmp_path).text, "tpplan.hf.tiny:seed_oss", "--steps", "1")
+    assert report["ok"] is True and report["problems"] == [], report["problems"]
+    assert report["check"]["passed"] is True and report["check"]["max_abs_diff"] < 1e-4
+    assert ("--check ran both sides in eval mode, so dropout is off (it draws different masks on each side): "
+            "attention_dropout=0.1, residual_dropout=0.1") in report["notes"]
+
+
+def test_replica_digests_are_compared_within_each_tp_group_of_a_dp_x_tp_world():
+    """Four ranks as threads (dp 2 x tp 2), `gather` an all-gather between them: rank 1's
+    gradient and rank 3's value differ from their TP group's first rank, each by 0.5."""
+    import threading
+
+    import torch
+
+    from tpplan.runtime.replicas import differences_across_ranks
+
+    world, tp = 4, 2
+    models = [torch.nn.Linear(3, 2) for _ in range(world)]
+    for model in models:
+        torch.nn.init.constant_(model.weight, 1.0)
+        torch.nn.init.constant_(model.bias, 0.25)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+    with torch.no_grad():
+        models[1].bias.grad[1] += 0.5
+        models[3].weight[0, 2] -= 0.5
+    slots, barrier, found = [None] * world, threading.Barrier(world), [None] * world
+
+    def rank(r):
+        def gather(value):
+            slots[r] = value
+            barrier.wait()
+            everyone = list(slots)
+            barrier.wait()
+            return everyone
+
+        found[r] = differences_across_ranks(models[r], "after step 1", gather, tp)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(f == found[0] for f in found)  # every rank made the same calls and got the same answer
+    assert [(d.parameter, d.kind, d.rank, d.base, d.diff) for d in found[0]] == [
+        ("bias", "gradient", 1, 0, 0.5), ("weight", "value", 3, 2, 0.5)]
+    assert found[0][1].describe() == (
+        "replicated parameter 'weight': its value differs between ranks after step 1 (rank 3 from rank 2 by up to 0.5)")
+
+
+def test_train_steps_hands_each_steps_gradients_to_after_step_then_clears_them():
+    import torch
+
+    from tpplan.runtime.training import train_steps
+
+    model = torch.nn.Linear(4, 4)
+    seen = []
+    train_steps(model, (torch.randn(2, 4),), 3, "sgd", after_step=lambda step: seen.append((step, model.weight.grad is not None)))
+    assert seen == [(1, True), (2, True), (3, True)] and model.weight.grad is None

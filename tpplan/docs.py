@@ -40,7 +40,8 @@ JSON_OUTPUT = """\
   beyond those: `mode`, `plan`, `model`, `tp`, `dp`, `device`, `backend`, `rank_bytes`,
   `parameters`, `step_time_s` and `steps`; with `--checkpoint`, `"checkpoint": {"path", "format": "hf"|"dcp",
   "files", "tensors", "loaded", "missing", "allowed_missing", "unexpected", "checkpoint_bytes",
-  "rank_read_bytes": [int per rank], "dtypes"}` (else null), and with `--save`, `"saved": {"path", "format"}`."""
+  "rank_read_bytes": [int per rank], "dtypes"}` (else null), with `--save`, `"saved": {"path", "format"}`,
+  and `"notes": [str]`, what the run chose or changed for the user (a default `--tp`, dropout off for `--check`)."""
 
 
 def cli_markdown(app: Any = None) -> str:

@@ -19,6 +19,7 @@ from ..core.loader import load_plan
 from ..core.plan import Plan
 from ..core.problems import PlanError, error, first_line
 from .report import ApplyReport, human_bytes
+from .check_problems import check_problems
 from .layouts import param_layouts
 from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
 from .modelref import build_model, load_callable, make_inputs
@@ -211,58 +212,8 @@ def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
     report.check = dataclasses.replace(result, problems=result.problems[:10], comms=None)
     report.notes += result.notes
-    located = result.located
-    forward_differs = located is not None and located.first.what.startswith(("the output", "the model"))
-    if result.replicas and not forward_differs:
-        # the forward matches one device: what differs starts at the diverging replicas
-        report.problems += replica_problems(result, plan, report.tp)
-    elif not result.passed:  # a wrong forward makes replicas downstream differ too: its first difference is the news
-        report.problems.append(check_failure(result, plan, f"--check failed at TP {report.tp}: {result.problems[0]}"))
-
-
-def check_failure(result, plan: Plan, message: str):
-    """TP505 for a failed check: `message`, then the first differing tensor, located at
-    the rule that shards its module (or its closest planned ancestor)."""
-    located = result.located
-    if located is None:
-        return error("TP505", message, plan.file)
-    message += f"; {located.first.describe()}"
-    if located.rule is None:
-        return error("TP505", message, plan.file)
-    rule = located.rule
-    return error("TP505", f"{message}; located at rule '{rule.pattern}' ({located.relation})", rule.file, rule.line, rule.column)
-
-
-def replica_problems(result, plan: Plan, tp: int) -> list:
-    """TP506 for each replicated parameter whose value or gradient differs between ranks
-    (its first difference), at the rule of its module, closest planned ancestor or first planned child."""
-    problems, seen = [], set()
-    for found, rule, relation in result.replicas:
-        if found.parameter in seen:
-            continue
-        seen.add(found.parameter)
-        message = f"at TP {tp}, {found.describe()}" + _partial_gradient_fix(found, relation)
-        if rule is None:
-            problems.append(error("TP506", message, plan.file))
-        else:
-            problems.append(error("TP506", f"{message}; located at rule '{rule.pattern}' ({relation})", rule.file, rule.line, rule.column))
-    return problems
-
-
-def _partial_gradient_fix(found, relation: str | None) -> str:
-    """The fix TP325 (validate --model) names for the same cause: a gradient that differs
-    while the forward matched, of a module no rule covers (its input was a rank's slice)."""
-    from ..core.globs import generalize
-
-    if found.kind != "gradient" or relation is None or not relation.endswith("the last planned module that ran before it"):
-        return ""
-    module = found.parameter.rpartition(".")[0]
-    if not module:
-        return ""
-    return (
-        f"; its module computes on this rank's slice only, so the gradient is this rank's share (TP325): "
-        f"add the rule '{generalize(module)}: local_params' (replicated parameters whose gradients are summed over the mesh)"
-    )
+    if not result.passed:
+        report.problems += check_problems(result, plan, report.tp, f"--check failed at TP {report.tp}: {result.problems[0]}")
 
 
 def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):

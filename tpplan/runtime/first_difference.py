@@ -14,6 +14,7 @@ tensor downstream names the difference.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -29,21 +30,23 @@ class Difference:
     rank: int
     diff: float
     allowed: float
+    index: int = 0  # its place among the module calls (or gradients) compared: across ranks the first wins
 
     def describe(self) -> str:
         return f"{self.what} is the first tensor that differs (rank {self.rank}: by up to {self.diff:.3g}, allowed {self.allowed:.3g})"
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module) -> Iterator[list[tuple[str, Any]]]:
-    """(module path, first tensor of its output) for each module call, in call order."""
+def recording(model: nn.Module, tensors: bool = True) -> Iterator[list[tuple[str, Any]]]:
+    """(module path, first tensor of its output) for each module call, in call order;
+    `tensors=False`: (module path, None), the call order alone, holding nothing."""
     records: list[tuple[str, Any]] = []
     handles = []
     for name, module in model.named_modules():
         def hook(_module, _args, output, name=name):
             tensor = _first_tensor(output)
             if tensor is not None:
-                records.append((name, tensor.detach()))
+                records.append((name, tensor.detach() if tensors else None))
         handles.append(module.register_forward_hook(hook))
     try:
         yield records
@@ -75,7 +78,7 @@ def first_output_difference(got: list[tuple[str, Any]], want: list[tuple[str, An
         sharded[(name, seen.get(name, 0))] = tensor
         seen[name] = seen.get(name, 0) + 1
     seen.clear()
-    for name, reference in want:
+    for index, (name, reference) in enumerate(want):
         key = (name, seen.get(name, 0))
         seen[name] = key[1] + 1
         tensor = sharded.get(key)
@@ -87,8 +90,27 @@ def first_output_difference(got: list[tuple[str, Any]], want: list[tuple[str, An
                 break  # a local shard: not comparable
             diff = (value.to(reference.dtype) - reference).abs().max().item() if reference.numel() else 0.0
             if not diff <= limit:
-                return Difference(f"the output of '{name}'" if name else "the model's output", name, rank, math.inf if math.isnan(diff) else diff, limit)
+                return Difference(f"the output of '{name}'" if name else "the model's output", name, rank, math.inf if math.isnan(diff) else diff, limit, index)
     return None
+
+
+def first_gradient_difference(grads: dict[str, Any], reference: nn.Module, rank_values, allowed, exhaustive: bool = False) -> Difference | None:
+    """The first parameter gradient (in the reference's order) beyond tolerance; `grads`:
+    {name: gradient} of the sharded run. `exhaustive`: look at every gradient even after
+    a difference, so that ranks gathering each one (collectives) all make the same calls."""
+    first = None
+    for index, (name, ref_param) in enumerate(reference.named_parameters()):
+        grad = grads.get(name)
+        if ref_param.grad is None or grad is None or (first is not None and not exhaustive):
+            continue
+        limit = allowed(ref_param.grad)
+        for rank, value in enumerate(rank_values(grad)):
+            if first is not None or value.shape != ref_param.grad.shape:
+                continue
+            diff = (value.to(ref_param.grad.dtype) - ref_param.grad).abs().max().item()
+            if not diff <= limit:
+                first = Difference(f"the gradient of '{name}'", name.rpartition(".")[0], rank, math.inf if math.isnan(diff) else diff, limit, index)
+    return first
 
 
 def owning_rule(claimed: dict[str, Any], module: str, call_order: list[str]) -> tuple[Any, str] | tuple[None, None]:
@@ -126,21 +148,8 @@ def locate(plan: Any, model: nn.Module, reference: nn.Module, got, want, rank_va
     every comparable output agrees, the first parameter gradient) and the rule to blame."""
     first = first_output_difference(got, want, rank_values, allowed)
     if first is None:
-        params = dict(model.named_parameters())
-        for name, ref_param in reference.named_parameters():
-            grad = params[name].grad
-            if ref_param.grad is None or grad is None:
-                continue
-            limit = allowed(ref_param.grad)
-            for rank, value in enumerate(rank_values(grad)):
-                if value.shape != ref_param.grad.shape:
-                    continue
-                diff = (value.to(ref_param.grad.dtype) - ref_param.grad).abs().max().item()
-                if not diff <= limit:
-                    first = Difference(f"the gradient of '{name}'", name.rpartition(".")[0], rank, math.inf if math.isnan(diff) else diff, limit)
-                    break
-            if first is not None:
-                break
+        grads = {name: param.grad for name, param in model.named_parameters()}
+        first = first_gradient_difference(grads, reference, rank_values, allowed)
     if first is None:
         return None
     return blame(first, plan, model, want)
@@ -155,3 +164,36 @@ def blame(first: Difference, plan: Any, model: nn.Module, want) -> Located:
     claimed, call_order = claims(plan, model, want)
     rule, relation = owning_rule(claimed, first.module, list(call_order))
     return Located(first, rule, relation, claimed, call_order)
+
+
+def locate_across_ranks(plan: Any, model: nn.Module, reference: nn.Module, inputs: tuple, grads: dict[str, Any], gather, rank: int) -> Located | None:
+    """Under torchrun, where a failed check starts: both sides run once more recording each
+    module's output; every rank gathers every sharded output to full size (the same
+    collectives in the same order on each rank) and compares it, and the ranks' first
+    differences are gathered (`gather(obj)`: every rank's obj): the earliest wins. When
+    no output differs, the gradients (`grads` of the sharded run) are compared the same way."""
+    from torch.distributed.tensor import DTensor
+
+    from .simulate import allowed_diff, tolerance
+
+    def full(t):
+        return t.full_tensor() if isinstance(t, DTensor) else t
+
+    def allowed(want):
+        return allowed_diff(want, *tolerance(want.dtype))
+
+    def earliest(found: Difference | None) -> Difference | None:
+        everyone = [d for d in gather(found and dataclasses.replace(found, rank=rank)) if d is not None]
+        return min(everyone, key=lambda d: (d.index, d.rank), default=None)
+
+    with torch.no_grad():
+        with recording(model) as got:
+            model(*inputs)
+        got = [(name, full(t)) for name, t in got]
+        with recording(reference) as want:
+            reference(*inputs)
+    first = earliest(first_output_difference(got, want, lambda t: [t], allowed))
+    if first is None:  # decided alike on every rank: each then gathers every gradient
+        first = earliest(first_gradient_difference(grads, reference, lambda t: [full(t)], allowed, exhaustive=True))
+    return None if first is None else blame(first, plan, model, want)
+

@@ -165,6 +165,7 @@ class ApplyReport:
             "steps": self.steps.to_json() if self.steps else None,
             "checkpoint": self.checkpoint,
             "saved": self.saved,
+            "notes": list(self.notes),  # what the run chose or changed for the user (e.g. dropout off for --check)
             **self._memory_json(),
         }
 

@@ -25,6 +25,7 @@ from ..core.problems import PlanError, Problem, error, first_line
 from .report import ApplyReport, CheckResult, ParamLayout, StepsResult
 from .comm import CommFailure, comm_problem, is_comm_failure
 from .consensus import disagreements, gather_states, rank_state, usage_errors
+from .check_problems import check_problems
 from .fsdp import fsdp_tp
 from .devices import init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env
 from .layouts import param_layouts
@@ -123,7 +124,7 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     report.check, report.steps = ran.check, ran.steps
     report.checkpoint, report.saved = ran.checkpoint, ran.saved
     if ran.check is not None and not ran.check.passed:
-        report.problems.append(error("TP505", f"--check failed: {ran.check.problems[0]}", loaded.plan.file))
+        report.problems += check_problems(ran.check, loaded.plan, ran.tp, f"--check failed: {ran.check.problems[0]}")
     if _data_parallel(options, ran):
         report.notes.append(f"FSDP2 (fully_shard per block and root) over the dp dim of {ran.dp}, after the plan")
     if ran.problems:
@@ -200,19 +201,25 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
         locator = FailureLocator(plan, model, ran.sharded.rules, ran.tp)
 
         event("forward and backward")
-        output, ran.comms = run_located(locator, lambda: forward_backward(model, inputs))
+        from .first_difference import recording
+
+        with recording(model, tensors=False) as order:  # the call order, for the rule to blame
+            output, ran.comms = run_located(locator, lambda: forward_backward(model, inputs))
         grads = {name: p.grad for name, p in model.named_parameters()}
         model.zero_grad(set_to_none=True)
         ran.step_time_s = _timed_step(ctx, locator, model, inputs)
 
         if reference is not None:
             event("checking against a single device")
-            ran.check = _check(ctx, plan, model, reference, inputs, output, grads, copy_weights=not options.checkpoint)
+            ran.check = _check(ctx, plan, model, reference, inputs, output, grads, order, ran.tp, copy_weights=not options.checkpoint)
         if options.steps:
-            ran.steps, trained = _train(ctx, options, plan, locator, model, reference, inputs, event)
+            ran.steps, trained, replicas = _train(ctx, options, plan, locator, model, reference, inputs, ran.tp, event)
             if trained is not None:
                 # The verdict covers the steps; max_abs_diff stays the forward and backward's (SPEC §4).
                 ran.check = dataclasses.replace(ran.check, passed=ran.check.passed and trained.passed, problems=ran.check.problems + trained.problems)
+                from .replicas import add_to
+
+                ran.check = add_to(ran.check, replicas, plan, model, order)
                 ran.steps = dataclasses.replace(ran.steps, max_abs_diff=trained.max_abs_diff)
         if options.save:
             from ..checkpoint.run import save_from
@@ -230,23 +237,31 @@ def _data_parallel(options: ApplyOptions, ran: _Ran) -> bool:
     return bool(options.train.fsdp) and ran.dp > 1
 
 
-def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocator, model, reference, inputs: tuple, event):
+def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocator, model, reference, inputs: tuple, tp: int, event):
     """--steps: train (AdamW unless --optimizer says), inside loss_parallel() when the
-    plan asks; with --check, the same steps on one device compared (merged over ranks)."""
+    plan asks; with --check, the same steps on one device compared (merged over ranks),
+    and the replicas compared across ranks after each step."""
+    from .replicas import differences_across_ranks
     from .training import OPTIMIZER_NAMES, compare_training, train_steps
 
     name = options.train.optimizer_name
     event(f"{options.steps} {OPTIMIZER_NAMES[name]} steps")
+    replicas: list = []
+
+    def compare_replicas(step: int) -> None:
+        replicas.extend(differences_across_ranks(model, f"after step {step}", lambda value: _gather(ctx, value, plan, "comparing the replicas"), tp))
+
     losses, times = run_located(locator, lambda: train_steps(
-        model, inputs, options.steps, name, plan.loss_parallel, options.seed, lambda: synchronize(ctx.device)
+        model, inputs, options.steps, name, plan.loss_parallel, options.seed, lambda: synchronize(ctx.device),
+        after_step=compare_replicas if reference is not None else None,
     ))
     if reference is None:
-        return StepsResult(losses, times, OPTIMIZER_NAMES[name]), None
+        return StepsResult(losses, times, OPTIMIZER_NAMES[name]), None, replicas
     event(f"checking {options.steps} steps against a single device")
     from .verify import merge_ranks
 
     trained = merge_ranks(_gather(ctx, compare_training(model, reference, inputs, losses, name, options.seed), plan, "comparing the training"))
-    return StepsResult(losses, times, OPTIMIZER_NAMES[name]), trained
+    return StepsResult(losses, times, OPTIMIZER_NAMES[name]), trained, replicas
 
 
 def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran: _Ran, event) -> "nn.Module | None":
@@ -276,8 +291,13 @@ def _timed_step(ctx: _Rank, locator: FailureLocator, model: "nn.Module", inputs:
     return time.perf_counter() - start
 
 
-def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict, copy_weights: bool = True) -> CheckResult:
-    """This rank's comparison with a single device, merged over the ranks."""
+def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict,
+           order: list, tp: int, copy_weights: bool = True) -> CheckResult:
+    """This rank's comparison with a single device, merged over the ranks; a failure
+    located at its first differing tensor, and the replicas compared across ranks
+    (`order`: the module calls of the run, for the rule to blame)."""
+    from .first_difference import locate_across_ranks
+    from .replicas import add_to, differences_across_ranks
     from .verify import compare_with_reference, merge_ranks
 
     try:
@@ -288,7 +308,14 @@ def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", i
         if is_comm_failure(exc):
             raise CommFailure(comm_problem(plan, "gathering the weights for --check", exc)) from None
         raise PlanError([error("TP502", f"--check: the single-device reference run fails: {first_line(exc)}", plan.file)]) from None
-    return merge_ranks(_gather(ctx, local, plan, "comparing the check results"))
+    result = merge_ranks(_gather(ctx, local, plan, "comparing the check results"))
+
+    def gather(value):
+        return _gather(ctx, value, plan, "locating the check's differences")
+
+    if not result.passed:
+        result.located = locate_across_ranks(plan, model, reference, inputs, grads, gather, ctx.rank)
+    return add_to(result, differences_across_ranks(model, "after backward", gather, tp, grads), plan, model, order)
 
 
 def _assert_held(ctx: _Rank, model: "nn.Module", report: ApplyReport) -> None:

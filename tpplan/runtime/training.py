@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -192,9 +192,11 @@ def train_step(
     optimizer: "torch.optim.Optimizer | None",
     loss_parallel: bool = False,
     seed: int = 0,
+    zero_grad: bool = True,
 ) -> "torch.Tensor":
     """Forward, loss, backward and optimizer step; returns the (detached) loss.
-    MSE targets are drawn from `seed`, the same in every step."""
+    MSE targets are drawn from `seed`, the same in every step. `zero_grad=False`
+    keeps the step's gradients for the caller to look at (and clear)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -203,7 +205,8 @@ def train_step(
         loss.backward()
     if optimizer is not None:
         optimizer.step()
-    model.zero_grad(set_to_none=True)
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
     return loss.detach()
 
 
@@ -226,21 +229,26 @@ def train_steps(
     seed: int = 0,
     synchronize=lambda: None,
     lr: float = LEARNING_RATE,
+    after_step: "Callable[[int], None] | None" = None,
 ) -> tuple[list[float], list[float]]:
-    """`steps` training steps on fixed inputs and targets; (losses, step seconds)."""
+    """`steps` training steps on fixed inputs and targets; (losses, step seconds).
+    `after_step(n)` runs after step n (untimed), before its gradients are cleared."""
     import torch
 
     optimizer = make_optimizer(optimizer_name, model, lr)
     targets = make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
     model.zero_grad(set_to_none=True)  # gradients of an earlier pass must not reach the first step
     losses, times = [], []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         synchronize()
         start = time.perf_counter()
-        loss = train_step(model, inputs, targets, optimizer, loss_parallel, seed + 3)
+        loss = train_step(model, inputs, targets, optimizer, loss_parallel, seed + 3, zero_grad=after_step is None)
         synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss_value(loss))
+        if after_step is not None:
+            after_step(step)
+            model.zero_grad(set_to_none=True)
     return losses, times
 
 

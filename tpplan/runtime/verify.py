@@ -182,8 +182,8 @@ def check_parity(
     each followed by a forward and backward compared the same way.
     """
     from .dropout import for_check
-    from .first_difference import claims, locate, owning_rule, recording
-    from .replicas import differences
+    from .first_difference import locate, recording
+    from .replicas import add_to, differences
 
     default_rtol, default_atol = tolerance(dtype)
     rtol = default_rtol if rtol is None else rtol
@@ -233,14 +233,7 @@ def check_parity(
                 result = CheckResult(result.passed and stepped.passed, max(result.max_abs_diff, stepped.max_abs_diff),
                                      result.problems + stepped.problems, {**result.diffs, **stepped.diffs}, located=result.located)
                 replicas += differences(model, f"after step {step}")
-        if replicas:
-            claimed, call_order = claims(plan, model, want_records)
-            result.replicas = [
-                (found, *owning_rule(claimed, found.parameter.rpartition(".")[0], list(call_order))) for found in replicas
-            ]
-            if result.passed:
-                result = CheckResult(False, result.max_abs_diff, [replicas[0].describe()], result.diffs, located=result.located,
-                                     replicas=result.replicas)
+        result = add_to(result, replicas, plan, model, want_records)
     result.comms = comms
     result.notes = [dropout_note] if dropout_note else []
     return result
