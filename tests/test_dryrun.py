@@ -260,3 +260,37 @@ def test_huggingface_model_runs_on_fake_tensors():
     # transformers skips its data-dependent mask checks on fake tensors: no retry needed.
     assert (report.device, report.notes) == ("fake", [])
     assert report.comms["forward"]["all_reduce"] > 0
+
+
+BROKEN = '''\
+from torch import nn
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(self.up(x))
+
+
+def build():
+    return Broken()
+'''
+
+
+def test_a_model_that_fails_on_one_device_too_is_its_own_problem_not_the_plans(tmp_path, monkeypatch):
+    # up (16 -> 64) feeds down (32 -> 16): at TP 2 down's local shard takes 16 of 32 and
+    # the sharded forward fails, but so does the model on one device
+    (tmp_path / "broken.py").write_text(BROKEN)
+    (tmp_path / "broken.yaml").write_text(GATED_PLAN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    report = dry_run(ApplyOptions(plan=str(tmp_path / "broken.yaml"), model="broken:build", tp=2))
+    (problem,) = report.problems
+    assert (problem.code, problem.file, problem.line) == ("TP500", str(tmp_path / "broken.py"), 11)
+    assert problem.message.startswith(
+        "the model fails on one device too, so the plan is not the cause: without the plan, one forward and backward "
+        "on one device (broken:build) failed: RuntimeError: mat1 and mat2 shapes cannot be multiplied"
+    )

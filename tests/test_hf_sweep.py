@@ -79,6 +79,8 @@ def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
             report = dry_run(ApplyOptions(plan=str(path), model=f"tpplan.hf.tiny:{model_type.replace('-', '_')}", tp=2, check=True))
         except ModelRefError as exc:  # a multimodal model's first module is no Embedding: a usage error, true
             return ("needs --inputs", None), str(exc)
+        if report.problems and report.problems[0].code == "TP500":  # the tiny model fails on one device: not a plan to judge
+            return ("does not run", None), str(report.problems[0])
         if report.problems:
             return ("dry-run", report.problems[0].code), "\n".join(map(str, report.problems))
         assert report.check is not None and report.check.passed
@@ -98,7 +100,7 @@ def test_family_passes_or_gets_its_true_problem(model_type, tmp_path):
         warnings.simplefilter("ignore")
         found, text = sweep(model_type, tmp_path)
     expected = OUTCOMES.get(model_type, PASS)
-    if found[0] in ("does not build", "no TP plan", "needs --inputs") and model_type not in OUTCOMES:
+    if found[0] in ("does not build", "does not run", "no TP plan", "needs --inputs") and model_type not in OUTCOMES:
         pytest.skip(f"{model_type}: {found[0]} ({text[:200]})")
     assert found == expected, text
 

@@ -104,7 +104,9 @@ def _plain(code: str, name: str, text: str, severity: str = "error") -> Entry:
 
 # code -> (name, what it means): the problems found while applying and running a plan (tpplan.runtime).
 _RUNTIME_CODES = {
-    "TP500": ("model-factory", "The model (or inputs) factory named by --model / --inputs raised, or returned something else than an nn.Module (or tensors)."),
+    "TP500": ("model-factory", "The model (or inputs) factory named by --model / --inputs raised, or returned something else than an nn.Module (or tensors), "
+              "or the model fails on one device without the plan (the dry run looks before blaming a rule for a failing forward); "
+              "located at the line of the model's code that raised."),
     "TP501": ("apply-failed", "Applying a rule's style to a module raised (e.g. colwise on a module that is not a Linear or Embedding)."),
     "TP502": ("forward-failed", "The forward or backward of the parallelized model fails at this TP degree, typically a shape that the degree does not divide (heads, sequence)."),
     "TP503": ("ranks-disagree", "The ranks of a torchrun job disagree before sharding: different plans, different models, or errors on some ranks only."),

@@ -22,7 +22,7 @@ from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
 from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import build_model, load_callable, make_inputs
+from .modelref import build_model, load_callable, make_inputs, model_failure
 from .options import ApplyOptions, ApplyOptionsError
 
 
@@ -123,6 +123,9 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         if _built_with_values_instead(options, plan, factory, report, event, build_failure):
             return
         raise build_failure
+    if report.total_bytes <= VALUES_LIMIT_BYTES:
+        event("forward and backward without the plan")
+        _raise_if_unsharded_fails(options, factory)
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory.
     if report.total_bytes > VALUES_LIMIT_BYTES:
@@ -139,6 +142,27 @@ def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyRe
         f"fake tensors could not run the forward and backward ({first_line(failure)}); "
         f"the collectives were counted with real values of rank 0 ({human_bytes(report.total_bytes)} model)"
     )
+
+
+def _raise_if_unsharded_fails(options: ApplyOptions, factory) -> None:
+    """A forward that fails sharded is the plan's only if the model runs without it: the
+    same model and inputs on one device, with real values (a small model: fake tensors
+    may fail where values would not), and a failure there is the model's TP500, at the
+    line of its code that raised."""
+    import torch
+
+    from .simulate import forward_backward
+
+    torch.manual_seed(options.seed)
+    model = build_model(options.model, "cpu", factory)
+    inputs = make_inputs(options.inputs, model, "cpu")
+    try:
+        forward_backward(model, inputs)
+    except Exception as exc:  # the user's model on one device: its own problem, never the plan's
+        if raised_by_tpplan(exc):
+            raise
+        raise model_failure(options.model, "without the plan, one forward and backward on one device", exc,
+                            "the model fails on one device too, so the plan is not the cause: ") from None
 
 
 def _built_with_values_instead(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, failure: PlanError) -> bool:

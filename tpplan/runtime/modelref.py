@@ -13,6 +13,8 @@ import hashlib
 import importlib
 import inspect
 import json
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -76,10 +78,16 @@ def _raised_at(exc: BaseException) -> str:
     return f"{first_line(exc, with_type=True)}{where}"
 
 
-def _failure(ref: str, what: str, exc: BaseException) -> PlanError:
+def model_failure(ref: str, what: str, exc: BaseException, lead: str = "") -> PlanError:
+    """TP500 for the user's model (or factory) raising `exc` while doing `what`, located at
+    the line that raised."""
     frames = traceback.extract_tb(exc.__traceback__)
-    file, line = (frames[-1].filename, frames[-1].lineno or 1) if frames else (ref, 1)
-    return PlanError([error("TP500", f"{what} ({ref}) failed: {first_line(exc, with_type=True)}", file, line)])
+    torch = sys.modules.get("torch")
+    inside_torch = os.path.dirname(torch.__file__) + os.sep if torch is not None and torch.__file__ else None
+    # the last line of the user's (or transformers') code that ran, not torch's own kernels
+    ours = [f for f in frames if inside_torch is None or not f.filename.startswith(inside_torch)] or frames
+    file, line = (ours[-1].filename, ours[-1].lineno or 1) if ours else (ref, 1)
+    return PlanError([error("TP500", f"{lead}{what} ({ref}) failed: {first_line(exc, with_type=True)}", file, line)])
 
 
 def _definition(fn: Callable[..., Any], ref: str) -> tuple[str, int]:
@@ -101,7 +109,7 @@ def build_model(ref: str, device: "torch.device | str", factory: Callable[[], An
         with torch.device(device):
             model = factory()
     except Exception as exc:  # the user's factory: report where it raised, not a traceback
-        raise _failure(ref, "building the model", exc) from None
+        raise model_failure(ref, "building the model", exc) from None
     if not isinstance(model, nn.Module):
         raise PlanError([error("TP500", f"--model {ref} returned a {type(model).__name__}, not a torch.nn.Module", *_definition(factory, ref))])
     return model
@@ -125,7 +133,7 @@ def make_inputs(ref: str | None, model: "nn.Module | None", device: "torch.devic
         with torch.device(device):
             inputs = factory()
     except Exception as exc:  # the user's inputs factory: located, not a traceback
-        raise _failure(ref, "making the inputs", exc) from None
+        raise model_failure(ref, "making the inputs", exc) from None
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     if not args or not all(isinstance(a, torch.Tensor) for a in args):
         kinds = ", ".join(type(a).__name__ for a in args) or "an empty tuple"
