@@ -81,12 +81,13 @@ def _raised_at(exc: BaseException) -> str:
 def model_failure(ref: str, what: str, exc: BaseException, lead: str = "") -> PlanError:
     """TP500 for the user's model (or factory) raising `exc` while doing `what`, located at
     the line that raised."""
-    frames = traceback.extract_tb(exc.__traceback__)
     torch = sys.modules.get("torch")
-    inside_torch = os.path.dirname(torch.__file__) + os.sep if torch is not None and torch.__file__ else None
-    # the last line of the user's (or transformers') code that ran, not torch's own kernels
-    ours = [f for f in frames if inside_torch is None or not f.filename.startswith(inside_torch)] or frames
-    file, line = (ours[-1].filename, ours[-1].lineno or 1) if ours else (ref, 1)
+    here = os.path.dirname(os.path.abspath(__file__))
+    engines = (here + os.sep, os.path.join(os.path.dirname(here), "sharding") + os.sep) + (
+        (os.path.dirname(torch.__file__) + os.sep,) if torch is not None and torch.__file__ else ())
+    # the last line of the user's (or transformers') code that ran, not torch's kernels or tpplan's runtime
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(engines)]
+    file, line = (frames[-1].filename, frames[-1].lineno or 1) if frames else (ref, 1)
     return PlanError([error("TP500", f"{lead}{what} ({ref}) failed: {first_line(exc, with_type=True)}", file, line)])
 
 
