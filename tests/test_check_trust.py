@@ -153,7 +153,7 @@ def _torchrun_check(tmp_path, plan_text: str, model: str, *extra: str) -> dict:
     plan.write_text(plan_text)
     result = torchrun(2, "-m", "tpplan", "apply", "--model", model, "--plan", str(plan), "--check", "--format", "json", *extra,
                       pythonpath=Path(__file__).parent, timeout=240)
-    assert result.returncode in (0, 1), result.stderr[-3000:]
+    assert result.returncode in (0, 1) and result.stdout, result.stderr[-3000:]
     return json.loads(result.stdout)
 
 
