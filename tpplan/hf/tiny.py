@@ -26,7 +26,7 @@ SIZES: dict[str, Any] = {
     "num_key_value_heads": 4, "n_kv_heads": 4, "num_kv_heads": 4, "multi_query_group_num": 4,
     "head_dim": 8, "kv_channels": 8, "attention_head_dim": 8,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2,
     "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
     "max_position_embeddings": 64, "n_positions": 64,
