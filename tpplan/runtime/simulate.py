@@ -205,8 +205,13 @@ def count_collectives(model: nn.Module, inputs: Any) -> dict[str, dict[str, int]
 
 
 def _first_leaf(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first module with parameters of its own that takes the inputs: an Embedding or
+    a Linear even with children (Inkling's embedding holds its RMSNorm), else a leaf
+    (a container's own parameters, a learned position table, are not where inputs go)."""
     for name, module in model.named_modules():
-        if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        if isinstance(module, (nn.Embedding, nn.Linear)) or next(module.children(), None) is None:
             return name, module
     return None
 
