@@ -21,7 +21,7 @@ SIZES: dict[str, Any] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128, "mlp_dim": 128,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "num_layers_per_stack": 2,
     "num_attention_heads": 8, "n_head": 8, "n_heads": 8, "num_heads": 8,
     "num_key_value_heads": 4, "n_kv_heads": 4, "num_kv_heads": 4, "multi_query_group_num": 4,
     "head_dim": 8, "kv_channels": 8, "attention_head_dim": 8,
