@@ -15,6 +15,7 @@ import inspect
 import json
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.problems import PlanError, error, first_line
@@ -76,9 +77,18 @@ def _raised_at(exc: BaseException) -> str:
     return f"{first_line(exc, with_type=True)}{where}"
 
 
+def _in_torch(filename: str) -> bool:
+    import torch
+
+    return Path(filename).resolve().is_relative_to(Path(torch.__file__).resolve().parent)
+
+
 def _failure(ref: str, what: str, exc: BaseException) -> PlanError:
+    # at the innermost line of the model's code, not of torch's (a kernel that
+    # fails, a check in torch.nn.init): that line is where the model asked for it
     frames = traceback.extract_tb(exc.__traceback__)
-    file, line = (frames[-1].filename, frames[-1].lineno or 1) if frames else (ref, 1)
+    outside = [f for f in frames if not _in_torch(f.filename)] or frames
+    file, line = (outside[-1].filename, outside[-1].lineno or 1) if outside else (ref, 1)
     return PlanError([error("TP500", f"{what} ({ref}) failed: {first_line(exc, with_type=True)}", file, line)])
 
 
