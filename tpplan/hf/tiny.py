@@ -57,6 +57,11 @@ def _shrink(config) -> None:
     sub = getattr(config, "text_config", None)
     if sub is not None and sub is not config and hasattr(sub, "to_dict"):
         _shrink(sub)
+    for name in ("vision_config", "audio_config"):  # encoders a text forward never runs: only fewer layers
+        encoder = getattr(config, name, None)
+        for depth in ("num_hidden_layers", "num_blocks"):
+            if encoder is not None and isinstance(vars(encoder).get(depth), int) and vars(encoder)[depth] > 2:
+                setattr(encoder, depth, 2)
 
 
 def tiny_config(model_type: str):
