@@ -45,6 +45,7 @@ _COLLECTIVE_NAMES = {
 }
 
 # Not collectives: point-to-point ops, barriers, and the wait on an async result.
+_COALESCED = ("allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_", "allreduce_coalesced_")
 _NOT_COUNTED = ("isend", "irecv", "send", "recv", "recv_any_source", "batch_p2p_ops", "barrier", "monitored_barrier", "wait_tensor")
 
 
@@ -125,7 +126,9 @@ def collective_counter(on_collective: Callable[[str, tuple, Any], None]) -> Torc
     from torch.distributed._tools.fake_collectives import collective_ops
     from torch.distributed.tensor import DTensor
 
-    names = {op: collective_name(op._overloadpacket) for op in collective_ops}
+    # and the coalesced c10d ops (FSDP2's) that torch's fake collectives leave out but CommDebugMode counts
+    coalesced = [getattr(torch.ops.c10d, op).default for op in _COALESCED]
+    names = {op: collective_name(op._overloadpacket) for op in (*collective_ops, *coalesced)}
     names = {op: name for op, name in names.items() if name not in _NOT_COUNTED}
 
     class CollectiveCounter(TorchDispatchMode):
