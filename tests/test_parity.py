@@ -148,6 +148,29 @@ def test_default_inputs_follow_the_model_onto_meta():
     assert default_inputs(model).is_meta
 
 
+class _NormedEmbedding(torch.nn.Embedding):
+    """Inkling's embedding: an Embedding holding its RMSNorm as a child."""
+
+    def __init__(self, num, dim):
+        super().__init__(num, dim)
+        self.embed_norm = torch.nn.RMSNorm(dim)
+
+    def forward(self, ids):
+        return self.embed_norm(super().forward(ids))
+
+
+def test_default_inputs_are_token_ids_for_an_embedding_with_children():
+    model = torch.nn.Sequential(_NormedEmbedding(100, 4), torch.nn.Linear(4, 4))
+    tokens = default_inputs(model, batch=3, seq=5)
+    assert tokens.shape == (3, 5) and tokens.dtype == torch.long and tokens.max() < 100
+
+
+def test_default_inputs_pass_over_a_container_s_own_parameters_to_its_first_leaf():
+    model = torch.nn.Sequential(torch.nn.Embedding(100, 4))
+    model.position = torch.nn.Parameter(torch.zeros(8, 4))  # a learned table on the root: not where the inputs go
+    assert default_inputs(model).dtype == torch.long
+
+
 def test_default_inputs_name_the_first_module_they_cannot_feed():
     model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"but '0' is a LayerNorm; pass the inputs explicitly"):

@@ -91,6 +91,20 @@ def test_factory_that_raises_is_tp500_at_the_line_that_raised(user_module):
     assert problem.message == "building the model (usermod:build) failed: ValueError: n_heads (12) must divide dim (128)"
 
 
+def test_a_factory_failing_inside_torch_is_tp500_at_its_own_line_not_torchs(user_module):
+    path = user_module("""\
+        import torch
+
+        def build():
+            return torch.nn.Linear(4, -1)
+    """)
+    with pytest.raises(PlanError) as caught:
+        build_model("usermod:build", "meta")
+    (problem,) = caught.value.problems
+    assert (problem.code, problem.file, problem.line) == ("TP500", str(path), 4)
+    assert "negative dimension" in problem.message
+
+
 def test_factory_returning_a_non_module_is_tp500_at_its_definition(user_module):
     path = user_module("""\
         import torch

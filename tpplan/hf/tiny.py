@@ -21,12 +21,12 @@ SIZES: dict[str, Any] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128, "mlp_dim": 128,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
-    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "num_layers_per_stack": 2,
     "num_attention_heads": 8, "n_head": 8, "n_heads": 8, "num_heads": 8,
     "num_key_value_heads": 4, "n_kv_heads": 4, "num_kv_heads": 4, "multi_query_group_num": 4,
     "head_dim": 8, "kv_channels": 8, "attention_head_dim": 8,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2,
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2,
     "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
     "max_position_embeddings": 64, "n_positions": 64,
@@ -57,6 +57,11 @@ def _shrink(config) -> None:
     sub = getattr(config, "text_config", None)
     if sub is not None and sub is not config and hasattr(sub, "to_dict"):
         _shrink(sub)
+    for name in ("vision_config", "audio_config"):  # encoders a text forward never runs: only fewer layers
+        encoder = getattr(config, name, None)
+        for depth in ("num_hidden_layers", "num_blocks"):
+            if encoder is not None and isinstance(vars(encoder).get(depth), int) and vars(encoder)[depth] > 2:
+                setattr(encoder, depth, 2)
 
 
 def tiny_config(model_type: str):

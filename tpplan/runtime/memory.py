@@ -86,38 +86,21 @@ def collective_bytes(args: tuple, result: Any) -> int:
     return max(_tensor_bytes(v) for v in (*args, *results))
 
 
-def _counter_mode(counts: Counter, sizes: Counter):
-    """A dispatch mode that counts the collectives that reach torch's dispatcher
-    (the ops torch's fake collectives know, named as SPEC §4) and adds up their
-    bytes. Not CommDebugMode: its module tracker and per-op log cost more than
-    the model at 126 layers; the counts are the same (tests compare them)."""
-    from torch.distributed._tools.fake_collectives import collective_ops
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from .simulate import _COLLECTIVE_NAMES, collective_name
-
-    spec_names = set(_COLLECTIVE_NAMES.values())
-    names = {op: collective_name(op._overloadpacket) for op in collective_ops}
-
-    class CollectiveCounter(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t is DTensor for t in types):
-                return NotImplemented  # let DTensor turn itself into local ops and collectives first
-            out = func(*args, **(kwargs or {}))
-            name = names.get(func)
-            if name in spec_names:
-                counts[name] += 1
-                sizes[name] += collective_bytes(args, out)
-            return out
-
-    return CollectiveCounter()
-
-
 @contextlib.contextmanager
 def counting(counts: Counter, sizes: Counter) -> Iterator[None]:
-    """Collectives (counts and bytes, SPEC names) of the body."""
-    with _counter_mode(counts, sizes):
+    """Collectives (counts and bytes, SPEC names) of the body. Not CommDebugMode: its
+    module tracker and per-op log cost more than the model at 126 layers; the counts
+    are the same (tests compare them)."""
+    from .simulate import _COLLECTIVE_NAMES, collective_counter
+
+    spec_names = set(_COLLECTIVE_NAMES.values())
+
+    def counted(name: str, args: tuple, out: Any) -> None:
+        if name in spec_names:
+            counts[name] += 1
+            sizes[name] += collective_bytes(args, out)
+
+    with collective_counter(counted):
         yield
 
 

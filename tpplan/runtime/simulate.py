@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.problems import ModelError
 
@@ -45,13 +44,9 @@ _COLLECTIVE_NAMES = {
     "broadcast": "broadcast",
 }
 
-# CommDebugMode's module tracker hooks every module's backward, and torch warns for
-# each module whose inputs need no grad (an Embedding fed token ids) and each whose
-# output is not a tensor (transformers' ModelOutput): noise from the counting itself.
-_TRACKER_WARNINGS = (
-    "Full backward hook is firing when gradients are computed with respect to module outputs",
-    "For backward hooks to be called",
-)
+# Not collectives: point-to-point ops, barriers, and the wait on an async result.
+_COALESCED = ("allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced_", "allreduce_coalesced_")
+_NOT_COUNTED = ("isend", "irecv", "send", "recv", "recv_any_source", "batch_p2p_ops", "barrier", "monitored_barrier", "wait_tensor")
 
 
 # Real values cost real memory: a dry run (`apply --dry-run`, the lint's TP330)
@@ -118,16 +113,45 @@ def collective_name(op: object) -> str:
     return name.strip("_")
 
 
+def collective_counter(on_collective: Callable[[str, tuple, Any], None]) -> TorchDispatchMode:
+    """A dispatch mode that calls `on_collective(name, args, result)` for each collective
+    reaching torch's dispatcher (the ops torch's fake collectives know, named as SPEC §4
+    where they have a name there).
+
+    Not CommDebugMode: its module tracker registers a forward hook each time a module is
+    called and pops its stack in each of them, so a module called twice in one forward (a
+    shared dropout, a recurrent block) fails with "list index out of range"; and its global
+    full backward hooks wrap every module's output in a view that the model's in-place ops
+    then fail on. Neither is the model's problem, and counting needs no module tracking."""
+    from torch.distributed._tools.fake_collectives import collective_ops
+    from torch.distributed.tensor import DTensor
+
+    # and the coalesced c10d ops (FSDP2's) that torch's fake collectives leave out but CommDebugMode counts
+    coalesced = [getattr(torch.ops.c10d, op).default for op in _COALESCED]
+    names = {op: collective_name(op._overloadpacket) for op in (*collective_ops, *coalesced)}
+    names = {op: name for op, name in names.items() if name not in _NOT_COUNTED}
+
+    class CollectiveCounter(TorchDispatchMode):
+        supports_higher_order_operators = True
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if isinstance(func, torch._ops.HigherOrderOperator):  # not a collective (DTensor's rng op): run it
+                return func(*args, **(kwargs or {}))
+            if any(t is DTensor for t in types):
+                return NotImplemented  # let DTensor turn itself into local ops and collectives first
+            out = func(*args, **(kwargs or {}))
+            name = names.get(func)
+            if name is not None:
+                on_collective(name, args, out)
+            return out
+
+    return CollectiveCounter()
+
+
 @contextlib.contextmanager
 def _counting(into: Counter) -> Iterator[None]:
-    with warnings.catch_warnings():
-        for message in _TRACKER_WARNINGS:
-            warnings.filterwarnings("ignore", message=message)
-        with CommDebugMode() as mode:
-            yield
-    for op, n in mode.get_comm_counts().items():  # functional and c10d ops can share a name: add them up
-        if n:
-            into[collective_name(op)] += n
+    with collective_counter(lambda name, args, out: into.update([name])):
+        yield
 
 
 def _as_args(inputs: Any) -> tuple:
@@ -184,8 +208,13 @@ def count_collectives(model: nn.Module, inputs: Any) -> dict[str, dict[str, int]
 
 
 def _first_leaf(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first module with parameters of its own that takes the inputs: an Embedding or
+    a Linear even with children (Inkling's embedding holds its RMSNorm), else a leaf
+    (a container's own parameters, a learned position table, are not where inputs go)."""
     for name, module in model.named_modules():
-        if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
+        if next(module.parameters(recurse=False), None) is None:
+            continue
+        if isinstance(module, (nn.Embedding, nn.Linear)) or next(module.children(), None) is None:
             return name, module
     return None
 
