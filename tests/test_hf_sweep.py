@@ -33,8 +33,12 @@ OUTCOMES: dict[str, tuple[str, str | None]] = {
     # can compute on the shard; the dry run's replica check: TP506, naming the same fix)
     "apertus": ("validate", "TP325"),
     "apertus1p5_text": ("validate", "TP325"),
+    # per-head q_norm/k_norm (RMSNorm over head_dim) after the colwise q/k projections, absent from
+    # transformers' plan: each rank's gradient of their weights covers its own heads only (TP325, fix named)
+    "doge": ("validate", "TP325"),
     # transformers shards InklingSharedExperts' raw gate/up/down_proj parameters and all-reduces its output: its own runtime fails there (bmm of a plain input with DTensor weights); the parameter entries left out (tpplan styles modules), the all-reduce sums a replicated output (TP320)
     "inkling_text": ("validate", "TP320"),
+    "sarvam_moe": ("validate", "TP325"),  # as doge: q_norm/k_norm after colwise q/k, not in transformers' plan
 }
 FAST = ["llama", "seed_oss", "qwen3", "gpt2"]  # and apertus, in its own test below
 
