@@ -48,13 +48,13 @@ def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
     from tpplan.runtime.modelref import ModelRefError
     from tpplan.runtime.torchrun import ApplyOptions
 
-    try:
+    try:  # transformers' own config checks and constructor on a shrunk config: not tpplan's to judge
         config = tiny_config(model_type)
         with torch.device("meta"):
             build(model_type)
-    except Exception as exc:  # transformers' own constructor on a shrunk config: not tpplan's to judge
+        config.save_pretrained(workdir)
+    except Exception as exc:
         return ("does not build", None), f"{type(exc).__name__}: {exc}"
-    config.save_pretrained(workdir)
     bodies = {}
     for minimal in (False, True):
         path = workdir / f"{'minimal' if minimal else 'hf'}.yaml"
