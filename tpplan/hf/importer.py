@@ -137,6 +137,15 @@ def causal_lm_class(config):
         raise HfImportError(f"transformers has no causal-LM model for model type {config.model_type!r}") from None
 
 
+def causal_lm_config(config, model_cls):
+    """The config `model_cls` is built from: a composite config's text part when the causal
+    LM takes that (Llama4Config -> Llama4TextConfig), as AutoModelForCausalLM.from_config picks it."""
+    text_config_class = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if text_config_class is not None and getattr(model_cls, "config_class", None) is text_config_class:
+        return config.get_text_config()
+    return config
+
+
 def hf_tp_plan(config, model_cls) -> dict[str, str]:
     """transformers' TP plan for `model_cls` with keys relative to the model:
     the config's base-model plan under the base model's attribute (`model.`),
@@ -211,8 +220,9 @@ def import_hf(
 
     import transformers
 
-    config = load_config(model_type_or_config_path)
-    model_cls = causal_lm_class(config)
+    outer = load_config(model_type_or_config_path)
+    model_cls = causal_lm_class(outer)
+    config = causal_lm_config(outer, model_cls)
     hf_plan = hf_ep_plan(config, model_cls) if ep else hf_tp_plan(config, model_cls)
     if ep and not getattr(config, "base_model_ep_plan", None):
         raise HfImportError(
@@ -222,7 +232,7 @@ def import_hf(
     if not hf_plan:
         raise HfImportError(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
-            f"(model type {config.model_type!r}): nothing to import; write the plan by hand"
+            f"(model type {outer.model_type!r}): nothing to import; write the plan by hand"
         )
     rules: dict[str, Any] = {}
     skipped: list[Skipped] = []
@@ -276,7 +286,7 @@ def import_hf(
     if skipped:
         header.append("# Left out (no rule here; the modules stay whole on every rank):")
         header += [f"#   {s.key}: {s.hf_style} -- {s.reason}" for s in skipped]
-    name = f"{config.model_type.replace('_', '-')}-hf-{'ep' if ep else 'tp'}" + ("-minimal" if minimal else "")
+    name = f"{outer.model_type.replace('_', '-')}-hf-{'ep' if ep else 'tp'}" + ("-minimal" if minimal else "")
     description = (
         f"transformers' own TP plan for {model_cls.__name__}"
         + (", plus one shared replicated input per column-parallel parent" if minimal else "")
