@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import warnings
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -31,7 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops  # the c10d ops CommDebugMode counts
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.problems import ModelError
 
@@ -45,13 +47,34 @@ _COLLECTIVE_NAMES = {
     "broadcast": "broadcast",
 }
 
-# CommDebugMode's module tracker hooks every module's backward, and torch warns for
-# each module whose inputs need no grad (an Embedding fed token ids) and each whose
-# output is not a tensor (transformers' ModelOutput): noise from the counting itself.
-_TRACKER_WARNINGS = (
-    "Full backward hook is firing when gradients are computed with respect to module outputs",
-    "For backward hooks to be called",
-)
+
+
+class _CollectiveCounter(CommDebugMode):
+    """CommDebugMode's collective counts (the same ops: functional, c10d, DTensor's), without
+    its per-module tracker. The tracker hooks every module, and that changes the model it
+    measures: its global backward hook returns each module's output as a view, so a model
+    adding into a submodule's output in place (Llama 4's MoE: `out.add_(...)` on the shared
+    expert's) fails, and its forward hooks keep a stack of module names that a module called
+    again or from another module's hook empties (IndexError)."""
+
+    def __enter__(self):
+        self.comm_counts.clear()
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args):
+        TorchDispatchMode.__exit__(self, *args)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor desugars into collectives first, counted here then
+        out = func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        if packet in self.comm_registry or packet in c10d_collective_ops:
+            self.comm_counts[packet] += 1
+        return out
 
 
 # Real values cost real memory: a dry run (`apply --dry-run`, the lint's TP330)
@@ -120,11 +143,8 @@ def collective_name(op: object) -> str:
 
 @contextlib.contextmanager
 def _counting(into: Counter) -> Iterator[None]:
-    with warnings.catch_warnings():
-        for message in _TRACKER_WARNINGS:
-            warnings.filterwarnings("ignore", message=message)
-        with CommDebugMode() as mode:
-            yield
+    with _CollectiveCounter() as mode:
+        yield
     for op, n in mode.get_comm_counts().items():  # functional and c10d ops can share a name: add them up
         if n:
             into[collective_name(op)] += n
