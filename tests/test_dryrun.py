@@ -260,3 +260,38 @@ def test_huggingface_model_runs_on_fake_tensors():
     # transformers skips its data-dependent mask checks on fake tensors: no retry needed.
     assert (report.device, report.notes) == ("fake", [])
     assert report.comms["forward"]["all_reduce"] > 0
+
+
+DRAFTER = '''\
+from torch import nn
+
+
+class Drafter(nn.Module):  # as transformers' Gemma 4 assistant: token ids alone do not run it
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.up = nn.Linear(16, 64)
+
+    def forward(self, ids, target_states=None):
+        if target_states is None:
+            raise ValueError("target_states cannot be None")
+        return self.up(self.embed(ids) + target_states)
+
+
+def build():
+    return Drafter()
+'''
+
+
+def test_a_model_the_default_inputs_cannot_run_without_a_plan_either_needs_inputs_not_the_plan(tmp_path, monkeypatch):
+    from tpplan.runtime.modelref import ModelRefError
+
+    (tmp_path / "drafter.py").write_text(DRAFTER)
+    (tmp_path / "drafter.yaml").write_text("version: 1\nrules:\n  up: colwise\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ModelRefError) as raised:
+        dry_run(ApplyOptions(plan=str(tmp_path / "drafter.yaml"), model="drafter:build", tp=2))
+    assert str(raised.value) == (
+        "the forward of Drafter fails on the default inputs (token ids (2, 8)) without any plan too: "
+        "target_states cannot be None; pass --inputs MOD:FN"
+    )

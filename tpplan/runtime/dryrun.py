@@ -22,7 +22,7 @@ from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
 from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import build_model, load_callable, make_inputs
+from .modelref import ModelRefError, build_model, load_callable, make_inputs
 from .options import ApplyOptions, ApplyOptionsError
 
 
@@ -189,8 +189,36 @@ def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> d
         model = build_model(options.model, "cpu", factory)
         inputs = make_inputs(options.inputs, model, "cpu")
         rules = apply_plan(plan, model, tp_mesh(tp, plan.mesh_axis))
-        _, comms = run_located(FailureLocator(plan, model, rules, tp), lambda: forward_backward(model, inputs))
+        try:
+            _, comms = run_located(FailureLocator(plan, model, rules, tp), lambda: forward_backward(model, inputs))
+        except PlanError:
+            if options.inputs is None:
+                _run_unsharded_on_default_inputs(options, factory)
+            raise
     return comms
+
+
+def _run_unsharded_on_default_inputs(options: ApplyOptions, factory) -> None:
+    """Raises ModelRefError (a usage error: pass --inputs) when the model without any plan
+    fails on the default inputs too: a model that needs more than token ids (a drafter
+    reading its target's KV states) is not the plan's fault."""
+    import torch
+
+    from .simulate import forward_backward
+
+    torch.manual_seed(options.seed)
+    model = build_model(options.model, "cpu", factory)
+    inputs = make_inputs(None, model, "cpu")
+    try:
+        forward_backward(model, inputs)
+    except Exception as exc:  # the model's own forward, unsharded
+        if raised_by_tpplan(exc):
+            raise
+        shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+        raise ModelRefError(
+            f"the forward of {type(model).__name__} fails on the default inputs (token ids {shapes}) without any plan too: "
+            f"{first_line(exc)}; pass --inputs MOD:FN"
+        ) from None
 
 
 def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyReport) -> None:
