@@ -31,7 +31,7 @@ SIZES: dict[str, Any] = {
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2,
     "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1,
     "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-    "mamba_n_heads": 16, "mamba_d_head": 8, "mamba_d_state": 16,  # mamba_expand (2) * hidden = heads * head
+    "mamba_n_heads": 16, "mamba_d_head": 8, "mamba_d_state": 16, "mamba_d_ssm": 128,  # heads * head = 2 * hidden
     "max_position_embeddings": 64, "n_positions": 64,
     "initializer_range": 0.2,  # 0.02 makes activations so small that any parity check passes
     "use_cache": False,
@@ -49,10 +49,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
 
 
-def _kept_layers(layer_types: Any, before: int, layers: int) -> list[int]:
-    """The layers the tiny model keeps: the first of each layer type (so that a hybrid keeps its
-    kinds: sliding and full attention, linear and full), then the first others, in order."""
-    if not isinstance(layer_types, (list, tuple)) or len(layer_types) != before:
+def _kept_layers(layer_types: Any, before: int, layers: int, each_kind: bool) -> list[int]:
+    """The layers the tiny model keeps: the first ones, or with `each_kind` the first of each
+    layer type (a hybrid that needs both kinds: linear and full attention), then the first others."""
+    if not each_kind or not isinstance(layer_types, (list, tuple)) or len(layer_types) != before:
         return list(range(layers))
     firsts = sorted({t: i for i, t in reversed(list(enumerate(layer_types)))}.values())
     if len(firsts) > layers:
@@ -61,7 +61,7 @@ def _kept_layers(layer_types: Any, before: int, layers: int) -> list[int]:
     return sorted(firsts + rest[: layers - len(firsts)])
 
 
-def _shrink(config) -> None:
+def _shrink(config, each_kind: bool = False) -> None:
     fields = vars(config)
     before = fields.get("num_hidden_layers")
     for name, value in SIZES.items():
@@ -73,7 +73,7 @@ def _shrink(config) -> None:
     if "is_decoder" in fields and not fields.get("is_encoder_decoder"):
         config.is_decoder = True  # a causal LM decodes (bert-like families refuse, or attend both ways)
     layers = fields.get("num_hidden_layers")
-    keep = _kept_layers(fields.get("layer_types"), before, layers) if before and layers and layers < before else None
+    keep = _kept_layers(fields.get("layer_types"), before, layers, each_kind) if before and layers and layers < before else None
     for name, value in list(fields.items()):
         # per-layer lists (layer_types, ...) follow the kept layers; a count of them (kv-shared layers) too
         if keep and isinstance(value, (list, tuple)) and len(value) == before:
@@ -96,19 +96,28 @@ def _shrink(config) -> None:
             setattr(config, name, 4)
     sub = getattr(config, "text_config", None)
     if sub is not None and sub is not config and hasattr(sub, "to_dict"):
-        _shrink(sub)
+        _shrink(sub, each_kind)
 
 
 def tiny_config(model_type: str):
     """The default config of `model_type`, shrunk. Raises what transformers raises."""
+    config = _tiny(model_type, each_kind=False)
+    try:  # the checks save_pretrained makes (strict dataclass validators), failing here
+        config.validate()
+    except Exception:  # whatever transformers' validator raises: once more keeping each kind of layer
+        config = _tiny(model_type, each_kind=True)  # (OLMo hybrid wants an attention layer)
+        config.validate()
+    return config
+
+
+def _tiny(model_type: str, each_kind: bool):
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
-    _shrink(config)
+    _shrink(config, each_kind)
     for name, value in FAMILIES.get(model_type, {}).items():
         setattr(config, name, value)
     config._attn_implementation = "eager"  # every family has it; sdpa/flex are not universal
-    config.validate()  # the checks save_pretrained makes (strict dataclass validators), failing here
     return config
 
 
