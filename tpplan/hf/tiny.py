@@ -7,8 +7,9 @@ sharded dim. Nothing is downloaded.
     --model tpplan.hf.tiny:gemma     # MOD:FN: the model (module attributes are model types)
 
 For the sweep over transformers' causal-LM families (tests/test_hf_sweep.py);
-the shrinking is generic (by attribute name), so a family whose config needs
-more than that may fail to build: `tiny_config` then raises what transformers said.
+the shrinking is generic (by attribute name; FAMILIES adds what a few default
+configs lack), so a family whose config needs more than that may fail to build:
+`tiny_config` then raises what transformers said (its config validators included).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"expand": 1},  # hidden * expand = num_heads * head_dim
+    "reformer": {"axial_pos_embds_dim": (32, 32)},  # they sum to hidden_size
 }
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
 
