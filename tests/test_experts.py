@@ -299,3 +299,33 @@ def test_import_ep_takes_the_expert_parallel_plan_over_the_tp_plan():
     assert [s.key for s in imported.skipped if "experts" in s.key] == []
     with pytest.raises(ValueError, match="no expert-parallel plan"):
         import_hf("llama", ep=True)
+
+
+def test_expert_tp_tells_undecorated_transposed_experts_by_their_shapes():
+    # Llama 4's experts ([E, H, 2I] and [E, I, H]) carry no `is_transposed`: sharding them as
+    # [E, 2I, H] split the hidden dim and broke the forward (import-hf's plan for llama4)
+    import copy
+
+    import torch
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from tpplan.hf.tiny import tiny_config
+    from tpplan.sharding.experts import ExpertTensorParallel, expert_tp_defaults
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    torch.manual_seed(0)
+    experts = Llama4TextExperts(tiny_config("llama4_text"))  # gate_up (4, 64, 256), down (4, 128, 64)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p)
+    placements = expert_tp_defaults(experts)
+    assert (placements["gate_up_proj"].dim, placements["gate_up_proj"].split_factor) == (2, 2)
+    assert placements["down_proj"] == Shard(1)
+    tokens = torch.randn(4 * 3, 64)  # 3 tokens per expert, sorted by expert
+    expected = experts(tokens)
+    with simulated_world(2), LocalTensorMode(2):
+        sharded = copy.deepcopy(experts)
+        parallelize_module(sharded, tp_mesh(2), ExpertTensorParallel(output_layouts=Replicate()))
+        out = sharded(tokens)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)

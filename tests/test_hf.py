@@ -327,3 +327,17 @@ def test_an_unreadable_config_is_the_users_error(tmp_path):
     result = CliRunner().invoke(app, ["import-hf", str(tmp_path)])
     assert result.exit_code == 2
     assert result.output.startswith("Error: ")
+
+
+def test_a_composite_config_imports_the_plan_of_the_text_config_its_causal_lm_is_built_from(tmp_path):
+    # a Llama 4 checkpoint's config.json is a Llama4Config (text and vision); Llama4ForCausalLM
+    # takes its text_config, as AutoModelForCausalLM.from_config picks it
+    from tpplan.hf.tiny import tiny_config
+
+    tiny_config("llama4").save_pretrained(tmp_path)
+    text = import_hf(tmp_path).text
+    assert "# Llama4TextConfig.base_model_tp_plan + Llama4ForCausalLM._tp_plan.\n" in text
+    assert "# (Llama4TextConfig: the text_config of Llama4Config, which Llama4ForCausalLM is built from.)\n" in text
+    assert "\nname: llama4-hf-tp\n" in text
+    assert "  model.layers.*.self_attn.{q_proj,k_proj,v_proj}: colwise\n" in text
+    assert "  lm_head: " in text

@@ -204,3 +204,27 @@ def test_output_tensors_unwrap_tuples_dicts_and_model_outputs():
 
     assert output_tensors((a, {"x": b, "ids": torch.ones(1, dtype=torch.long)})) == [a, b]
     assert output_tensors(Output()) == [a]
+
+
+def test_counting_leaves_a_model_that_adds_into_a_submodule_output_in_place_working():
+    # CommDebugMode's module tracker returns every module output as a view of a backward
+    # hook's custom Function: an in-place add into one (Llama 4's MoE does) raised there
+    from torch import nn
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class AddsInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+            self.shared = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            out = self.shared(x)
+            out.add_(self.down(self.up(x)))
+            return out
+
+    with simulated_world(2):
+        model = AddsInPlace()
+        parallelize_module(model, tp_mesh(2), {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        comms = count_collectives(model, torch.randn(2, 8, requires_grad=True))
+    assert comms == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}

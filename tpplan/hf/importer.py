@@ -137,23 +137,45 @@ def causal_lm_class(config):
         raise HfImportError(f"transformers has no causal-LM model for model type {config.model_type!r}") from None
 
 
-def hf_tp_plan(config, model_cls) -> dict[str, str]:
+def causal_lm_config(config, model_cls):
+    """The config `model_cls` is built from: a composite config's text part when the causal
+    LM takes that (Llama4Config -> Llama4TextConfig), as AutoModelForCausalLM.from_config picks it."""
+    text_config_class = (getattr(config, "sub_configs", None) or {}).get("text_config")
+    if text_config_class is not None and getattr(model_cls, "config_class", None) is text_config_class:
+        return config.get_text_config()
+    return config
+
+
+def base_model_attr(model) -> str:
+    """The attribute of a built causal LM that holds its base model, under which transformers
+    merges the base model's plan (a child's plan under the child's name): the class's
+    base_model_prefix, unless the instance has no such child (Llama4ForCausalLM names
+    'language_model', the prefix of its composite checkpoints, and keeps its model at 'model')."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    children = dict(model.named_children())
+    if not prefix or prefix in children:
+        return prefix
+    bases = [name for name, child in children.items() if getattr(child, "config", None) is model.config and getattr(child, "base_model", None) is child]
+    return bases[0] if len(bases) == 1 else prefix
+
+
+def hf_tp_plan(config, model_cls, prefix: str | None = None) -> dict[str, str]:
     """transformers' TP plan for `model_cls` with keys relative to the model:
-    the config's base-model plan under the base model's attribute (`model.`),
-    then the class's own `_tp_plan` (`lm_head`)."""
-    prefix = getattr(model_cls, "base_model_prefix", "") or ""
+    the config's base-model plan under the base model's attribute (`model.`; `prefix`,
+    else the class's base_model_prefix), then the class's own `_tp_plan` (`lm_head`)."""
+    prefix = (getattr(model_cls, "base_model_prefix", "") or "") if prefix is None else prefix
     base = getattr(config, "base_model_tp_plan", None) or {}
     plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
     plan.update(getattr(model_cls, "_tp_plan", None) or {})
     return plan
 
 
-def hf_ep_plan(config, model_cls) -> dict[str, str]:
+def hf_ep_plan(config, model_cls, prefix: str | None = None) -> dict[str, str]:
     """transformers' expert-parallel plan (`base_model_ep_plan`) over its TP plan: the
     TP plan for the rest of the model, the EP entries for the experts."""
-    prefix = getattr(model_cls, "base_model_prefix", "") or ""
+    prefix = (getattr(model_cls, "base_model_prefix", "") or "") if prefix is None else prefix
     ep = {f"{prefix}.{key}" if prefix else key: style for key, style in (getattr(config, "base_model_ep_plan", None) or {}).items()}
-    plan = hf_tp_plan(config, model_cls)
+    plan = hf_tp_plan(config, model_cls, prefix)
     experts = [key for key, style in ep.items() if style in EXPERT_MODULE_STYLES]
     # The TP entries of modules that EP now owns (the experts and their parameters) give way.
     plan = {key: style for key, style in plan.items() if not any(key == e or key.startswith(e + ".") for e in experts)}
@@ -211,8 +233,9 @@ def import_hf(
 
     import transformers
 
-    config = load_config(model_type_or_config_path)
-    model_cls = causal_lm_class(config)
+    outer = load_config(model_type_or_config_path)
+    model_cls = causal_lm_class(outer)
+    config = causal_lm_config(outer, model_cls)
     hf_plan = hf_ep_plan(config, model_cls) if ep else hf_tp_plan(config, model_cls)
     if ep and not getattr(config, "base_model_ep_plan", None):
         raise HfImportError(
@@ -222,8 +245,20 @@ def import_hf(
     if not hf_plan:
         raise HfImportError(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
-            f"(model type {config.model_type!r}): nothing to import; write the plan by hand"
+            f"(model type {outer.model_type!r}): nothing to import; write the plan by hand"
         )
+    model = None
+    if check_model or minimal:
+        try:
+            model = _meta_model(config, model_cls)
+        except Exception as exc:  # transformers' own constructor failing on this config
+            raise HfImportError(
+                f"cannot build {model_cls.__name__} from this config to check the plan against it "
+                f"({type(exc).__name__}: {exc}); pass a complete config, or check_model=False"
+            ) from exc
+        prefix = base_model_attr(model)
+        if prefix != (getattr(model_cls, "base_model_prefix", "") or ""):
+            hf_plan = hf_ep_plan(config, model_cls, prefix) if ep else hf_tp_plan(config, model_cls, prefix)
     rules: dict[str, Any] = {}
     skipped: list[Skipped] = []
     added: list[tuple[str, str]] = []
@@ -241,14 +276,7 @@ def import_hf(
             reason = UNSOUND_STYLES.get(hf_style, unknown)
             skipped.append(Skipped(key, hf_style, reason))
 
-    if check_model or minimal:
-        try:
-            model = _meta_model(config, model_cls)
-        except Exception as exc:  # transformers' own constructor failing on this config
-            raise HfImportError(
-                f"cannot build {model_cls.__name__} from this config to check the plan against it "
-                f"({type(exc).__name__}: {exc}); pass a complete config, or check_model=False"
-            ) from exc
+    if model is not None:
         rules = _keep_module_rules(rules, hf_plan, model, skipped)
         rules = _per_head_norms(rules, hf_plan, model, config, model_cls)
         for key, value in _tied_embedding_rules(rules, model).items():
@@ -270,13 +298,15 @@ def import_hf(
         f"# Imported by tpplan.hf.importer.import_hf from transformers {transformers.__version__}:",
         f"# {type(config).__name__}.base_model_tp_plan + {model_cls.__name__}._tp_plan.",
     ]
+    if config is not outer:
+        header.append(f"# ({type(config).__name__}: the text_config of {type(outer).__name__}, which {model_cls.__name__} is built from.)")
     if added:
         header.append("# Added (not in transformers' plan):")
         header += [f"#   {key}: {why}" for key, why in added]
     if skipped:
         header.append("# Left out (no rule here; the modules stay whole on every rank):")
         header += [f"#   {s.key}: {s.hf_style} -- {s.reason}" for s in skipped]
-    name = f"{config.model_type.replace('_', '-')}-hf-{'ep' if ep else 'tp'}" + ("-minimal" if minimal else "")
+    name = f"{outer.model_type.replace('_', '-')}-hf-{'ep' if ep else 'tp'}" + ("-minimal" if minimal else "")
     description = (
         f"transformers' own TP plan for {model_cls.__name__}"
         + (", plus one shared replicated input per column-parallel parent" if minimal else "")

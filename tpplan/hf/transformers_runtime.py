@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .importer import hf_tp_plan
+from .importer import base_model_attr, hf_tp_plan
 
 if TYPE_CHECKING:
     from torch import nn
@@ -26,7 +26,7 @@ def apply_transformers_plan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         replace_layer_number_by_wildcard,
     )
 
-    plan = hf_tp_plan(model.config, type(model))
+    plan = hf_tp_plan(model.config, type(model), base_model_attr(model))
     modules = dict(model.named_modules())
     for name, _ in list(model.named_parameters()):
         style = _get_parameter_plan(name, plan)

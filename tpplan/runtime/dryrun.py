@@ -161,8 +161,10 @@ def _raise_if_unsharded_fails(options: ApplyOptions, factory) -> None:
     except Exception as exc:  # the user's model on one device: its own problem, never the plan's
         if raised_by_tpplan(exc):
             raise
+        shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+        hint = "" if options.inputs else f" (on the default inputs {shapes}: a model that needs others takes --inputs MOD:FN)"
         raise model_failure(options.model, "without the plan, one forward and backward on one device", exc,
-                            "the model fails on one device too, so the plan is not the cause: ") from None
+                            f"the model fails on one device too{hint}, so the plan is not the cause: ") from None
 
 
 def _built_with_values_instead(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, failure: PlanError) -> bool:

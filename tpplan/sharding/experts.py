@@ -46,8 +46,15 @@ def is_experts_module(module: nn.Module) -> bool:
 
 def _layout(module: nn.Module) -> tuple[bool, bool]:
     """(transposed, concatenated) as transformers' `use_experts_implementation` records them:
-    transposed weights are [E, in, out]; concatenated gate/up is [gate; up], else interleaved."""
-    return bool(getattr(module, "is_transposed", False)), bool(getattr(module, "is_concatenated", True))
+    transposed weights are [E, in, out]; concatenated gate/up is [gate; up], else interleaved.
+    Experts without that decorator (Llama 4's, [E, H, 2I] and [E, I, H]) are told by their shapes."""
+    transposed = getattr(module, "is_transposed", None)
+    if transposed is None:
+        own = dict(module.named_parameters(recurse=False))
+        if GATE_UP in own and DOWN in own and own[GATE_UP].dim() == own[DOWN].dim() == 3:
+            (_, a, b), (_, c, d) = own[GATE_UP].shape, own[DOWN].shape
+            transposed = a == d and b != c  # [E, H, 2I] and [E, I, H]; else [E, 2I, H] and [E, H, I]
+    return bool(transposed), bool(getattr(module, "is_concatenated", True))
 
 
 def expert_tp_defaults(module: nn.Module) -> dict[str, Placement]:
