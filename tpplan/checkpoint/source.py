@@ -47,6 +47,7 @@ class Source:
 
 _READER = None
 CHUNK_BYTES = 16 << 20
+READ_THREADS = min(4, os.cpu_count() or 1)  # copying threads per rank: transformers' loader uses as many
 
 
 def _hf_reader_class():
@@ -65,10 +66,12 @@ def _hf_reader_class():
       whole slice before writing it into its target, so a rank's RSS would grow
       beyond its own shards by the pages it touched (a rowwise shard touches
       every page of its tensor) plus its largest slice. Blocks bound both by
-      ~2 x CHUNK_BYTES."""
+      ~2 x CHUNK_BYTES per thread; READ_THREADS threads copy (a tensor copy
+      releases the GIL), as transformers' loader does."""
     global _READER
     if _READER is None:
         import math
+        from concurrent.futures import ThreadPoolExecutor
 
         from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
         from torch.futures import Future
@@ -78,14 +81,27 @@ def _hf_reader_class():
         class BlockedHuggingFaceStorageReader(HuggingFaceStorageReader):
             def read_data(self, plan, planner):
                 views: dict = {}  # file -> the safetensors handle whose views become tensors
+                copies = []
                 try:
                     for request in plan.items:
                         info = self.storage_data[request.storage_index]
                         if not self._map_request(info, request, planner, views):
-                            self._read_request(info.relative_path, request, planner)
+                            copies.append((info.relative_path, request))
                 finally:
                     for handle in views.values():  # the views keep their mapping alive
                         handle.__exit__(None, None, None)
+                copies.sort(key=lambda c: -math.prod(c[1].lengths))  # the biggest first: the threads end together
+                workers = min(READ_THREADS, len(copies))
+                if workers <= 1:
+                    for file_name, request in copies:
+                        self._read_request(file_name, request, planner)
+                else:  # copies release the GIL
+                    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tpplan-read")
+                    try:
+                        for future in [pool.submit(self._read_request, f, r, planner) for f, r in copies]:
+                            future.result()
+                    finally:
+                        pool.shutdown(wait=True, cancel_futures=True)
                 done: Future = Future()
                 done.set_result(None)
                 return done
