@@ -14,6 +14,12 @@ placements); initialise the keys `allow_missing` lets be missing; then
 byte-range reads (`HuggingFaceStorageReader` slices safetensors files,
 `FileSystemReader` reads DCP items); last, recompute the non-persistent
 buffers (rotary tables), which no checkpoint holds.
+
+From a safetensors file, a tensor allocated here that the rank holds whole or
+by rows, in the checkpoint's dtype, on the CPU, is not copied: its local tensor
+becomes a view of safetensors' private (copy-on-write) mapping of the file,
+read when first used (`mapped.py`, which also names the risk: a file truncated
+while mapped fails with SIGBUS on first use).
 """
 
 from __future__ import annotations
