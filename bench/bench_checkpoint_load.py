@@ -23,7 +23,8 @@ peak RSS tpplan / transformers (goal <= 1.0) and each peak / (its shard's bytes
 + the empty-process baseline) (goal <= 1.3).
 
 Each job runs --repeat times (default 3), alternating, and the medians are
-reported. Both sides return parameters that are partly views of safetensors'
+reported; before each job the checkpoint files are read once, so that both
+start from a warm page cache. Both sides return parameters that are partly views of safetensors'
 private mapping of the files (transformers: whatever it does not convert or
 slice on dim 1; tpplan: replicated and dim-0 shards, tpplan/checkpoint/mapped.py),
 and bytes not read yet are in neither the time nor the peak, so the figures
@@ -146,7 +147,18 @@ def write_checkpoint(directory: Path, layers: int) -> int:
     return total
 
 
+def warm(directory: Path) -> None:
+    """Read every checkpoint file once, so that each job starts from the page cache:
+    a machine may evict file pages unused for a while (proactive reclaim), and the
+    job that follows would pay the disk the other one does not."""
+    for file in sorted(directory.glob("*.safetensors")):
+        with open(file, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+
+
 def run_job(mode: str, directory: Path, plan: Path, work: Path) -> list[dict]:
+    warm(directory)
     worker = work / "worker.py"
     worker.write_text(WORKER)
     out = work / f"{mode}.json"
