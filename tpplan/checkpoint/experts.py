@@ -257,8 +257,10 @@ def save_planner():
     return PackedSavePlanner()
 
 
-def load_planner(**kwargs):
-    """torch's DefaultLoadPlanner, reading into a PackedShardState's chunks."""
+def load_planner(mappable=frozenset(), **kwargs):
+    """torch's DefaultLoadPlanner, reading into a PackedShardState's chunks.
+    `mappable`: the keys whose targets the reader may make views of the file
+    (freshly allocated local tensors: `mapped.whole_target`)."""
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class PackedLoadPlanner(DefaultLoadPlanner):
@@ -272,4 +274,6 @@ def load_planner(**kwargs):
         def lookup_tensor(self, index):
             return _lookup(self.state_dict, index, super().lookup_tensor)
 
-    return PackedLoadPlanner(**kwargs)
+    planner = PackedLoadPlanner(**kwargs)
+    planner.mappable = frozenset(mappable)
+    return planner

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from ..core.problems import Problem, error
 from .errors import some
-from .experts import conversions, fused_parts, part_shape
+from .experts import Conversions, conversions, fused_parts, part_shape
 from .source import Source
 
 if TYPE_CHECKING:
@@ -159,7 +159,10 @@ def match(model: "nn.Module", source: Source, allow_missing: Iterable[str] = ())
     expected = expected_tensors(model)
     claimed: set[str] = set()
     names = {n for exp in expected for n in exp.names}
-    conv = conversions(model)
+    # transformers' conversion mapping (slow to build: ~1000 regexes) only matters for
+    # keys the model does not name and tensors the checkpoint does not hold by name
+    unnamed = bool(keys - names) or any(not any(n in keys for n in exp.names) for exp in expected)
+    conv = conversions(model) if unnamed else Conversions()
     # checkpoint keys as the model names them (transformers' renamings), for keys it does not name
     alias = {key: key for key in keys}
     for key in keys - names:

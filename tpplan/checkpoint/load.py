@@ -14,6 +14,12 @@ placements); initialise the keys `allow_missing` lets be missing; then
 byte-range reads (`HuggingFaceStorageReader` slices safetensors files,
 `FileSystemReader` reads DCP items); last, recompute the non-persistent
 buffers (rotary tables), which no checkpoint holds.
+
+From a safetensors file, a tensor allocated here that the rank holds whole or
+by rows, in the checkpoint's dtype, on the CPU, is not copied: its local tensor
+becomes a view of safetensors' private (copy-on-write) mapping of the file,
+read when first used (`mapped.py`, which also names the risk: a file truncated
+while mapped fails with SIGBUS on first use).
 """
 
 from __future__ import annotations
@@ -80,14 +86,14 @@ def load_checkpoint(
     if found.problems:
         raise CheckpointError(found.problems)
     target = _target_device(model, device)
-    state, initialized = _materialize(model, found, dtype, target)
+    state, initialized, fresh = _materialize(model, found, dtype, target)
     _initialize(model, initialized, source.where)
     try:
         with torch.no_grad(), quiet():
             dcp.load(
                 state,
                 storage_reader=source.reader(),
-                planner=load_planner(allow_partial_load=False),
+                planner=load_planner(mappable=fresh, allow_partial_load=False),
                 no_dist=_no_dist(state),
             )
     except (Exception, CheckpointException) as exc:  # safetensors, pickle, OS errors (DCP's is a BaseException)
@@ -180,10 +186,11 @@ def _target_device(model: "nn.Module", device) -> "torch.device":
     return torch.device("cpu")
 
 
-def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict, list]:
+def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict, list, set]:
     """Give every meta (or re-typed) parameter and buffer storage on `device`: the
     local shard only for DTensors. Returns ({checkpoint key: tensor to fill},
-    [Expected allowed to be missing])."""
+    [Expected allowed to be missing], {keys whose tensor was allocated here}: the
+    ones the reader may turn into views of the file, nothing else aliasing them)."""
     import torch
     from torch import nn
 
@@ -207,6 +214,7 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
         return usual if (usual is not None and t.is_floating_point()) else t.dtype
 
     replaced: dict[int, "torch.Tensor"] = {}
+    fresh: set[int] = set()
     with torch.no_grad():
         for module_name, module in model.named_modules(remove_duplicate=False):
             prefix = f"{module_name}." if module_name else ""
@@ -216,6 +224,8 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
                 if id(param) not in replaced:
                     new = _storage_like(param, wanted(prefix + key, param), device)
                     replaced[id(param)] = param if new is None else nn.Parameter(new, requires_grad=param.requires_grad)
+                    if new is not None:
+                        fresh.add(id(replaced[id(param)]))
                 module._parameters[key] = replaced[id(param)]
             for key, buffer in list(module._buffers.items()):
                 if buffer is None:
@@ -226,11 +236,14 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
                     if new is not None and non_persistent and new.is_floating_point():
                         new.fill_(float("nan"))  # recompute_buffers must overwrite it
                     replaced[id(buffer)] = buffer if new is None else new
+                    if new is not None:
+                        fresh.add(id(new))
                 module._buffers[key] = replaced[id(buffer)]
     state = {key: checkpoint_view(_tensor(model, exp.names[0])) for key, exp in found.loads.items()}
+    mappable = {key for key, t in state.items() if id(t) in fresh}  # not a PackedShardState
     for name, (_, parts) in found.fused.items():  # per-expert keys: views into the fused local shard
         state.update(part_targets(_tensor(model, name), parts, found.source.where))
-    return state, found.allowed_missing
+    return state, found.allowed_missing, mappable
 
 
 def _storage_like(t: "torch.Tensor", dtype, device) -> "torch.Tensor | None":

@@ -11,6 +11,9 @@
 
 Tied parameters are saved once, under their first name (transformers' convention:
 `model.embed_tokens.weight`, not `lm_head.weight`).
+
+Saving into the directory a model was loaded from is safe: tensors that are
+still views of files there (`mapped.py`) are copied into memory first.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import TYPE_CHECKING
 from .errors import fail, quiet
 from .experts import checkpoint_view, save_planner
 from .inspect import expected_tensors
+from .mapped import release
 
 if TYPE_CHECKING:
     import torch
@@ -57,6 +61,7 @@ def save_checkpoint(model: "nn.Module", path: str | os.PathLike, *, format: str 
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
     target = os.fspath(path)
+    release(model, target)  # tensors still viewing files there (a load from `path`) are copied before they are overwritten
     state = state_to_save(model, dtype)
     real_group = dist.is_initialized() and dist.get_backend() != "fake"
     sharded = any(isinstance(t, DTensor) or hasattr(t, "__create_chunk_list__") for t in state.values())

@@ -2,7 +2,9 @@
 `torch.distributed.checkpoint` storage reader for it, and its metadata.
 
 Reading the metadata reads only safetensors headers (`HuggingFaceStorageReader`)
-or the DCP `.metadata` file (`FileSystemReader`); no tensor data.
+or the DCP `.metadata` file (`FileSystemReader`); no tensor data. The
+HuggingFace reader leaves some tensors as views of the file's mapping
+(`mapped.py`: read on first use; a file truncated meanwhile -> SIGBUS).
 """
 
 from __future__ import annotations
@@ -45,34 +47,83 @@ class Source:
 
 _READER = None
 CHUNK_BYTES = 16 << 20
+READ_THREADS = min(4, os.cpu_count() or 1)  # copying threads per rank: transformers' loader uses as many
 
 
 def _hf_reader_class():
-    """torch's HuggingFaceStorageReader, reading each request in row blocks of at
-    most CHUNK_BYTES with the file opened for that block alone.
+    """torch's HuggingFaceStorageReader, with two changes to its I/O (metadata,
+    planning -- which slices this rank needs -- and the target tensors stay torch's):
 
-    safetensors maps a file into memory, and every page a read touches counts in
-    the process's RSS until the file is closed; torch's reader keeps each file
-    open for all its reads and copies each whole slice before writing it into
-    its target, so a rank's RSS would grow beyond its own shards by the pages it
-    touched (a rowwise shard touches every page of its tensor, up to whole
-    files) plus its largest slice. Blocks bound both by ~2 x CHUNK_BYTES.
-    Metadata, planning (which slices this rank needs), and the target tensors
-    are torch's; only the I/O is blocked."""
+    - a request that is one contiguous byte range of the file (a replicated
+      tensor, a shard on dim 0) into a whole local tensor that `load_checkpoint`
+      just allocated, in the checkpoint's dtype, is not copied: that tensor
+      becomes a view of safetensors' private mapping of the file, read when it
+      is first used, as transformers' `from_pretrained` does (`mapped.py`);
+    - every other request is copied in row blocks of at most CHUNK_BYTES, with
+      the file opened for that block alone. safetensors maps a file, and every
+      page a read touches counts in the process's RSS until the mapping goes;
+      torch's reader keeps each file open for all its reads and copies each
+      whole slice before writing it into its target, so a rank's RSS would grow
+      beyond its own shards by the pages it touched (a rowwise shard touches
+      every page of its tensor) plus its largest slice. Blocks bound both by
+      ~2 x CHUNK_BYTES per thread; READ_THREADS threads copy (a tensor copy
+      releases the GIL), as transformers' loader does."""
     global _READER
     if _READER is None:
         import math
+        from concurrent.futures import ThreadPoolExecutor
 
         from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
         from torch.futures import Future
 
+        from . import mapped
+
         class BlockedHuggingFaceStorageReader(HuggingFaceStorageReader):
             def read_data(self, plan, planner):
-                for request in plan.items:
-                    self._read_request(self.storage_data[request.storage_index].relative_path, request, planner)
+                views: dict = {}  # file -> the safetensors handle whose views become tensors
+                copies = []
+                try:
+                    for request in plan.items:
+                        info = self.storage_data[request.storage_index]
+                        if not self._map_request(info, request, planner, views):
+                            copies.append((info.relative_path, request))
+                finally:
+                    for handle in views.values():  # the views keep their mapping alive
+                        handle.__exit__(None, None, None)
+                copies.sort(key=lambda c: -math.prod(c[1].lengths))  # the biggest first: the threads end together
+                workers = min(READ_THREADS, len(copies))
+                if workers <= 1:
+                    for file_name, request in copies:
+                        self._read_request(file_name, request, planner)
+                else:  # copies release the GIL
+                    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tpplan-read")
+                    try:
+                        for future in [pool.submit(self._read_request, f, r, planner) for f, r in copies]:
+                            future.result()
+                    finally:
+                        pool.shutdown(wait=True, cancel_futures=True)
                 done: Future = Future()
                 done.set_result(None)
                 return done
+
+            def _map_request(self, info, request, planner, views) -> bool:
+                from safetensors import safe_open
+
+                target = mapped.whole_target(planner, request, info.dtype)
+                if target is None or not mapped.contiguous_rows(request, info.shape):
+                    return False
+                if info.relative_path not in views:
+                    views[info.relative_path] = safe_open(filename=info.relative_path, framework="pt")
+                handle, fqn = views[info.relative_path], request.storage_index.fqn
+                if request.lengths:
+                    start = request.storage_offsets[0]
+                    view = handle.get_slice(fqn)[start:start + request.lengths[0]]  # no page is read
+                else:
+                    view = handle.get_tensor(fqn)
+                if not mapped.adopt(target, view):
+                    return False
+                planner.commit_tensor(request, target)
+                return True
 
             def _read_request(self, file_name, request, planner):
                 from safetensors import safe_open
