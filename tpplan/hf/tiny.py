@@ -20,7 +20,7 @@ SIZES: dict[str, Any] = {
     "vocab_size": 128,
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128, "mlp_dim": 128,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
+    "moe_intermediate_size": 32, "expert_ffn_hidden_size": 32, "zero_expert_num": 2, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
     "num_attention_heads": 8, "n_head": 8, "n_heads": 8, "num_heads": 8,
     "num_key_value_heads": 4, "n_kv_heads": 4, "num_kv_heads": 4, "multi_query_group_num": 4,
@@ -37,8 +37,23 @@ SIZES: dict[str, Any] = {
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
 
 
+def _first(config, names: tuple[str, ...]):
+    return next((vars(config)[n] for n in names if isinstance(vars(config).get(n), int)), None)
+
+
+def _head_dim(config) -> int | None:
+    if isinstance(vars(config).get("head_dim"), int):
+        return vars(config)["head_dim"]
+    hidden, heads = _first(config, ("hidden_size", "n_embd", "d_model")), _first(config, ("num_attention_heads", "n_head"))
+    return hidden // heads if hidden and heads else None
+
+
 def _shrink(config) -> None:
     before = getattr(config, "num_hidden_layers", None)
+    head_before = _head_dim(config)
+    # MLA (DeepSeek V2 style): kv_b_proj makes a key and value per query head, and eager
+    # attention repeats them num_attention_heads // num_key_value_heads times: keep them equal
+    mla = "kv_lora_rank" in vars(config) and vars(config).get("num_key_value_heads") == vars(config).get("num_attention_heads")
     for name, value in SIZES.items():
         if name in vars(config) and vars(config)[name] is not None and not isinstance(vars(config)[name], (list, dict)):
             setattr(config, name, value)
@@ -51,6 +66,14 @@ def _shrink(config) -> None:
             setattr(config, name, SIZES["vocab_size"] - 1 - _TOKEN_IDS.index(name))
         elif name in _TOKEN_IDS and isinstance(value, list):
             setattr(config, name, [v if v < SIZES["vocab_size"] else SIZES["vocab_size"] - 1 for v in value])
+    if mla:
+        config.num_key_value_heads = config.num_attention_heads
+    if isinstance(vars(config).get("qk_head_dim"), int):  # stored, not derived, in some MLA configs
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    head_after = _head_dim(config)
+    if isinstance(vars(config).get("rotary_dim"), int) and head_before and head_after:
+        # the same rotary fraction of the (now tiny) head, an even number of dims
+        config.rotary_dim = max(2, round(config.rotary_dim * head_after / head_before / 2) * 2)
     for name in ("sliding_window", "attention_chunk_size"):
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, 4)
