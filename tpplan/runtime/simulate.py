@@ -118,12 +118,34 @@ def collective_name(op: object) -> str:
     return name.strip("_")
 
 
+def _comm_debug_mode() -> CommDebugMode:
+    """torch's CommDebugMode, with its module tracker fixed for a module called more
+    than once in one forward (an activation a loop over experts shares, a block a
+    recurrent model runs again): torch's tracker adds a forward hook to the module at
+    each call and keeps only the last handle, so the second call's end pops its parent
+    stack twice (IndexError: list index out of range, raised from the model's forward)
+    and the earlier hooks outlive the mode. Here each call first removes the hook
+    the previous call added."""
+    from torch.distributed.tensor.debug._comm_mode import _CommModeModuleTracker
+
+    class _Tracker(_CommModeModuleTracker):
+        def _fw_pre_hook(self, mod, input):
+            handle = self.register_forward_hook_handles.pop(self._get_mod_name(mod), None)
+            if handle is not None:
+                handle.remove()
+            super()._fw_pre_hook(mod, input)
+
+    mode = CommDebugMode()
+    mode.advanced_module_tracker = _Tracker()
+    return mode
+
+
 @contextlib.contextmanager
 def _counting(into: Counter) -> Iterator[None]:
     with warnings.catch_warnings():
         for message in _TRACKER_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
-        with CommDebugMode() as mode:
+        with _comm_debug_mode() as mode:
             yield
     for op, n in mode.get_comm_counts().items():  # functional and c10d ops can share a name: add them up
         if n:
