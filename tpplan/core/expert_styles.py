@@ -9,7 +9,7 @@ No `from __future__ import annotations` here: pydantic would compile every
 field's annotation string at start-up.
 """
 
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -117,8 +117,8 @@ class SumOutputGradSpec(StyleSpec):
     (the rest goes through a colwise kv_b_proj, which sums its input's gradient itself)."""
 
     style: Literal["sum_output_grad"]
-    last: Optional[Annotated[int, Field(ge=1)]] = Field(
-        None, description="How many of the output's last features get their gradient summed; default all of them."
+    last: Optional[int] = Field(
+        None, ge=1, description="How many of the output's last features get their gradient summed; default all of them."
     )
     # Forward is the module's own (its parameters stay plain): the lint follows its ops.
     semantics = StyleSemantics(torch_class="tpplan.sharding.grad_sum:SumOutputGrad")
