@@ -249,6 +249,8 @@ def _kind(field) -> str:
     base = args[0] if typing.get_origin(annotation) is typing.Union and len(args) == 1 else annotation
     if typing.get_origin(base) is typing.Literal:
         return "literal:" + ",".join(typing.get_args(base))
+    if base is int and "Ge(ge=1)" in text:
+        return "positive_int"  # sum_output_grad's last
     return {bool: "bool", int: "int", str: "str"}.get(base, f"unknown {text}")
 
 
@@ -293,6 +295,7 @@ def style_values(draw, name: str):
             "bool": st.booleans(), "int": st.integers(-4, 4), "str": st.text(max_size=5),
             "layout": st.sampled_from(PLACEMENTS),
             "int_or_literal": st.one_of(st.integers(1, 8), st.just("auto")),
+            "positive_int": st.integers(1, 8),
             # an unpaired mapping of layouts: per-parameter placements (expert_tp / local_params 'params')
             "kwargs": st.dictionaries(st.sampled_from(["weight", "bias", "gate_up_proj", "*"]), st.sampled_from(PLACEMENTS), max_size=3),
         }.get(kind)

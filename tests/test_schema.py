@@ -406,13 +406,14 @@ def _torch():
 
     from tpplan.sharding.experts import ExpertParallel, ExpertTensorParallel
     from tpplan.sharding.kv_heads import HeadsColwiseParallel
+    from tpplan.sharding.grad_sum import SumOutputGrad
     from tpplan.sharding.params import LocalParams
     from tpplan.sharding.styles import NoParallel
 
     return SimpleNamespace(
         **vars(parallel), Partial=Partial, Replicate=Replicate, Shard=Shard, StridedShard=_StridedShard, NoParallel=NoParallel,
         ExpertTensorParallel=ExpertTensorParallel, ExpertParallel=ExpertParallel, HeadsColwiseParallel=HeadsColwiseParallel,
-        LocalParams=LocalParams,
+        LocalParams=LocalParams, SumOutputGrad=SumOutputGrad,
     )
 
 
@@ -500,6 +501,7 @@ COMPILE_CASES = [
             desired_input_kwarg_layouts={"hidden_states": t.Replicate()},
         ),
     ),
+    ("{style: sum_output_grad, last: 64}", lambda t: t.SumOutputGrad(last=64)),
 ]
 
 

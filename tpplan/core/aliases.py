@@ -43,6 +43,13 @@ TRANSFORMERS_EQUIVALENTS: dict[str, Any] = {
     "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
 }
 
+# transformers' tp_plan strings whose tpplan equivalent takes an option from the model
+# config -> (style, option, config attribute)
+TRANSFORMERS_FROM_CONFIG: dict[str, tuple[str, str, str]] = {
+    # the gradient of the rotary key slice of an MLA kv_a_proj_with_mqa summed over the mesh
+    "mla_kv_a_proj": ("sum_output_grad", "last", "qk_rope_head_dim"),
+}
+
 _LOCAL = "it runs the module on local shards outside DTensor, which no torch style does"
 _EP = "it is expert parallelism, not tensor parallelism"
 # transformers' tp_plan strings without one -> why (what the user does instead follows in the message)
@@ -98,6 +105,10 @@ def suggestion(style: str) -> str | None:
             return f"'{style}' is transformers' name for tpplan's {value}: write {value}"
         options = ", ".join(f"{key}: {flow(item)}" for key, item in value.items() if key != "style")
         return f"'{style}' is transformers' name for {value['style']} with {options}: write {flow(value)}"
+    if style in TRANSFORMERS_FROM_CONFIG:
+        ours, option, attribute = TRANSFORMERS_FROM_CONFIG[style]
+        return (f"'{style}' is transformers' name for {ours} with {option}: the model config's {attribute}: "
+                f"write {{style: {ours}, {option}: N}}")
     if style in TRANSFORMERS_NO_RULE:
         return f"'{style}' is transformers' style for {TRANSFORMERS_NO_RULE[style]}"
     if style in TRANSFORMERS_WITHOUT_EQUIVALENT:

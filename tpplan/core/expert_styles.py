@@ -1,13 +1,15 @@
 """tpplan's styles beyond torch's (SPEC §2a), as entries of the style table:
-expert_tp and expert_parallel on fused 3-D expert modules, and local_params for
-a module whose parameters are replicated inside a sharded region. No torch here;
-the styles themselves are in sharding/experts.py and sharding/params.py.
+expert_tp and expert_parallel on fused 3-D expert modules, local_params for
+a module whose parameters are replicated inside a sharded region, and
+sum_output_grad for a whole module whose output every rank's shard uses. No torch here;
+the styles themselves are in sharding/experts.py, sharding/params.py and
+sharding/grad_sum.py.
 
 No `from __future__ import annotations` here: pydantic would compile every
 field's annotation string at start-up.
 """
 
-from typing import Literal
+from typing import Literal, Optional
 
 from pydantic import Field, model_validator
 
@@ -106,3 +108,17 @@ class LocalParamsSpec(_InputOptions):
     use_local_output: bool = False
     # Its module's ops are followed by the lint (runs_module False), on local tensors.
     semantics = StyleSemantics(torch_class="tpplan.sharding.params:LocalParams", inputs="layouts")
+
+
+class SumOutputGradSpec(StyleSpec):
+    """A module left whole on every rank whose output (or its last `last` features) every
+    rank's shard uses whole: in backward, the gradient of that part is summed over the mesh,
+    as transformers' mla_kv_a_proj does for the rotary key slice of an MLA kv_a_proj_with_mqa
+    (the rest goes through a colwise kv_b_proj, which sums its input's gradient itself)."""
+
+    style: Literal["sum_output_grad"]
+    last: Optional[int] = Field(
+        None, ge=1, description="How many of the output's last features get their gradient summed; default all of them."
+    )
+    # Forward is the module's own (its parameters stay plain): the lint follows its ops.
+    semantics = StyleSemantics(torch_class="tpplan.sharding.grad_sum:SumOutputGrad")

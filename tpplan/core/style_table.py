@@ -46,7 +46,7 @@ from .style_model import (
     _LinearOptions,
     _OutputOptions,
 )
-from .expert_styles import ExpertParallelSpec, ExpertTPSpec, LocalParamsSpec
+from .expert_styles import ExpertParallelSpec, ExpertTPSpec, LocalParamsSpec, SumOutputGradSpec
 
 
 
@@ -217,6 +217,7 @@ STYLE_SPECS: dict[str, type[StyleSpec]] = {
         ExpertTPSpec,
         ExpertParallelSpec,
         LocalParamsSpec,
+        SumOutputGradSpec,
     )
 }
 STYLE_NAMES = tuple(STYLE_SPECS)

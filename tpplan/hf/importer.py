@@ -29,7 +29,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..core.aliases import TRANSFORMERS_EQUIVALENTS
+from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG
+from .local_params import NAMES_A_PARAMETER, local_params_rules
 from .render import group_siblings, render_plan
 from .sharing import parents_sharing_input
 
@@ -71,8 +72,8 @@ UNSOUND_STYLES: dict[str, str] = {
     "packed_rowwise": "shards a fused Linear weight (packed_shard) outside an experts module, which colwise/rowwise cannot express",
     "moe_identity_expert": "divides an identity expert's input by the TP degree to undo moe_tp_experts' sum; "
     "only meaningful with moe_tp_experts",
-    "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output; no torch style "
-    "splits an output this way",
+    "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output (sum_output_grad), "
+    "whose width this config does not give (no qk_rope_head_dim)",
     "local_params": _LOCAL,
     "grouped_gemm": "shards an expert parameter by expert index; tpplan does that with expert_parallel on the "
     "experts module (ep_dispatch_experts), not on a parameter alone",
@@ -269,6 +270,8 @@ def import_hf(
             added.append((owner, f"lays out {key.rpartition('.')[2]} ({hf_style}) as {EXPERT_PARAM_STYLES[hf_style]}"))
         elif hf_style in SOUND_STYLES:
             rules[key] = SOUND_STYLES[hf_style]
+        elif hf_style in TRANSFORMERS_FROM_CONFIG and _from_config(config, hf_style) is not None:
+            rules[key] = _from_config(config, hf_style)
         elif hf_style in UNPLANNED_STYLES:
             skipped.append(Skipped(key, hf_style, UNPLANNED_STYLES[hf_style]))
         else:
@@ -278,6 +281,7 @@ def import_hf(
 
     if model is not None:
         rules = _keep_module_rules(rules, hf_plan, model, skipped)
+        rules = local_params_rules(rules, skipped, added, model)
         rules = _per_head_norms(rules, hf_plan, model, config, model_cls)
         for key, value in _tied_embedding_rules(rules, model).items():
             rules = {key: value, **rules}
@@ -351,12 +355,19 @@ def _keep_module_rules(
         if modules.match(glob):
             kept[key] = value
         elif params.match(glob):
-            reason = "names a parameter, not a module: tpplan rules apply styles to modules"
-            skipped.append(Skipped(key, hf_plan[key], reason))
+            skipped.append(Skipped(key, hf_plan[key], NAMES_A_PARAMETER))
         else:
             reason = f"matches no module of {type(model).__name__} built from this config"
             skipped.append(Skipped(key, hf_plan[key], reason))
     return kept
+
+
+def _from_config(config, hf_style: str) -> dict[str, Any] | None:
+    """The rule for a transformers string whose option comes from the config (mla_kv_a_proj:
+    sum_output_grad with last: qk_rope_head_dim); None when the config lacks it."""
+    style, option, attribute = TRANSFORMERS_FROM_CONFIG[hf_style]
+    value = getattr(config.get_text_config(), attribute, None)
+    return {"style": style, option: value} if isinstance(value, int) and value > 0 else None
 
 
 def _style(value: Any) -> Any:

@@ -12,8 +12,8 @@ def parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
     """prepare_module_input rules that make a parent's input one replicated DTensor
     for its column-parallel children, so backward all-reduces it once, not once per child.
 
-    Only for parents with two or more plain colwise children and no unplanned child
-    holding parameters (a MoE router, say, could not take a DTensor input).
+    Only for parents no rule plans yet (a local_params attention holding sinks), with two
+    or more plain colwise children and no unplanned child holding parameters (a MoE router, say, could not take a DTensor input).
     transformers' decoder layers call attention by keyword (`hidden_states=`) and
     MLPs positionally; tests/test_hf.py checks both by parity.
     """
@@ -36,7 +36,7 @@ def parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
             for name, child in module.named_children()
             if f"{parent}.{name}" not in planned and any(True for _ in child.parameters())
         ]
-        if len(children) >= 2 and not unplanned:
+        if len(children) >= 2 and not unplanned and parent not in planned:  # a module takes one style
             qualifying[parent] = module
     added: dict[str, dict] = {}
     for parent, module in qualifying.items():

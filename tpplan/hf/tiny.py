@@ -22,7 +22,8 @@ SIZES: dict[str, Any] = {
     "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128, "mlp_dim": 128,
     "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
+    "moe_intermediate_size": 32, "expert_ffn_hidden_size": 32, "zero_expert_num": 2,
+    "shared_expert_intermediate_size": 64, "expert_intermediate_size": 32,
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "num_layers_per_stack": 2,
     "encoder_layers": 2, "decoder_layers": 2,
     "num_attention_heads": 8, "n_head": 8, "n_heads": 8, "num_heads": 8,
@@ -64,9 +65,24 @@ def _kept_layers(layer_types: Any, before: int, layers: int, each_kind: bool) ->
     return sorted(firsts + rest[: layers - len(firsts)])
 
 
+def _first(config, names: tuple[str, ...]):
+    return next((vars(config)[n] for n in names if isinstance(vars(config).get(n), int)), None)
+
+
+def _head_dim(config) -> int | None:
+    if isinstance(vars(config).get("head_dim"), int):
+        return vars(config)["head_dim"]
+    hidden, heads = _first(config, ("hidden_size", "n_embd", "d_model")), _first(config, ("num_attention_heads", "n_head"))
+    return hidden // heads if hidden and heads else None
+
+
 def _shrink(config, each_kind: bool = False) -> None:
     fields = vars(config)
     before = fields.get("num_hidden_layers")
+    head_before = _head_dim(config)
+    # MLA (DeepSeek V2 style): kv_b_proj makes a key and value per query head, and eager
+    # attention repeats them num_attention_heads // num_key_value_heads times: keep them equal
+    mla = "kv_lora_rank" in fields and fields.get("num_key_value_heads") == fields.get("num_attention_heads")
     for name, value in SIZES.items():
         if name in fields and fields[name] is not None and not isinstance(fields[name], (list, dict)):
             setattr(config, name, value)
@@ -94,6 +110,14 @@ def _shrink(config, each_kind: bool = False) -> None:
             override.update({k: SIZES[k] for k in override if k in SIZES and isinstance(override[k], int)})
         config.per_layer_config = None
         config.per_layer_config = overrides
+    if mla:
+        config.num_key_value_heads = config.num_attention_heads
+    if isinstance(vars(config).get("qk_head_dim"), int):  # stored, not derived, in some MLA configs
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    head_after = _head_dim(config)
+    if isinstance(vars(config).get("rotary_dim"), int) and head_before and head_after:
+        # the same rotary fraction of the (now tiny) head, an even number of dims
+        config.rotary_dim = max(2, round(config.rotary_dim * head_after / head_before / 2) * 2)
     for name in ("sliding_window", "attention_chunk_size"):
         if isinstance(getattr(config, name, None), int):
             setattr(config, name, 4)

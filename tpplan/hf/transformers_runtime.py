@@ -36,5 +36,7 @@ def apply_transformers_plan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     for name, module in modules.items():
         style = plan.get(replace_layer_number_by_wildcard(name)) if name else None
         if style is not None:
+            if style == "mla_kv_a_proj":  # as transformers' apply_tensor_parallelism: the style reads qk_rope_head_dim there
+                module.config = model.config.get_text_config()
             ALL_PARALLEL_STYLES[style].install_forward(module, mesh)
     return model

@@ -57,6 +57,18 @@ class _Interpreter:
         self.skip = 0
         self.report = FlowReport()
         self.ops = OpSemantics(self.shape, self.where)
+        self.own_params()
+
+    def own_params(self) -> None:
+        """The parameters a local_params rule shards (`params: {sinks: shard(0)}`) are local
+        shards wherever the module's forward uses them; the others stay replicated."""
+        for node, (fqn, name) in self.trace.params.items():
+            rule = self.rules.get(fqn)
+            layouts = getattr(rule.spec, "params", None) if rule is not None and rule.spec.style == "local_params" else None
+            if layouts and name in layouts:
+                lay = placement_lay(layouts[name], len(self.shape(node)), False, Source(fqn, rule))
+                if lay is not None and lay.kind == "S":
+                    self.set(node, lay)
 
     def value(self, node: int | None) -> Lay:
         return REPLICATED if node is None else self.values.get(node, REPLICATED)

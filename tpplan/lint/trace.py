@@ -71,6 +71,7 @@ class Trace:
     shapes: list = field(default_factory=list)  # node id -> full shape
     needs_grad: list = field(default_factory=list)  # node id -> derived from a trainable parameter
     inputs: tuple = ()  # node ids of the model's positional inputs
+    params: dict = field(default_factory=dict)  # node id -> (module fqn, name) of a parameter
     structures: Any = None  # the _Structures of the traced modules (by module identity)
 
     def new_node(self, shape: tuple, needs_grad: bool) -> int:
@@ -185,6 +186,17 @@ class _Tracer(TorchFunctionMode):
         self.replaying = False
         self.memo: dict = {}
         self.structures = _Structures()
+        self.param_nodes: dict[tuple[str, str], int] = {}  # (module fqn, name) -> node id
+
+    def parameters(self, model: nn.Module) -> None:
+        """A node for each parameter, named by its module, for the layouts of those a
+        style lays out itself (local_params' `params`)."""
+        for fqn, module in model.named_modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    nid = self.node(param)
+                    self.trace.params.setdefault(nid, (fqn, name))
+                    self.param_nodes[(fqn, name)] = nid
 
     def node(self, tensor: torch.Tensor) -> int:
         nid = self.ids.get(id(tensor))
@@ -297,6 +309,11 @@ class _Tracer(TorchFunctionMode):
 
         old = recording.fqn
         rename = (lambda name: fqn + name[len(old):]) if old else (lambda name: f"{fqn}.{name}" if name else fqn)
+        for nid, (owner, pname) in list(trace.params.items()):  # the replayed module's own parameters
+            if owner == old or owner.startswith(old + ".") or not old:
+                found = self.param_nodes.get((rename(owner), pname))
+                if found is not None:
+                    mapping.setdefault(nid, found)
         for event in recording.events:
             if isinstance(event, Op):
                 trace.events.append(Op(event.name, tuple(map(node, event.inputs)), tuple(map(node, event.outputs)), event.args, event.kwargs))
@@ -356,6 +373,7 @@ def trace_model(model: nn.Module, inputs: tuple) -> Trace:
             module.forward = tracer.wrap(module, fqn)
             patched.append(module)
         trace.inputs = tuple(tracer.node(x) if isinstance(x, torch.Tensor) else None for x in inputs)
+        tracer.parameters(model)
         with torch.no_grad(), tracer:
             model(*inputs)
     except Exception as exc:  # the user's model code: any failure is reported, not raised

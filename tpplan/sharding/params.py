@@ -20,10 +20,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
+from ..core.problems import ModelError
 from .experts import distribute_param
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
-__all__ = ["LocalParams"]
+__all__ = ["LocalParams", "UnknownParamError"]
+
+
+class UnknownParamError(ModelError, ValueError):
+    """`params` names a parameter the module does not own: the plan's error, located at its rule (TP501)."""
 
 
 class LocalParams(ParallelStyle):
@@ -64,7 +69,7 @@ class LocalParams(ParallelStyle):
         own = dict(module.named_parameters(recurse=False))
         unknown = sorted(set(self.params) - set(own))
         if unknown:
-            raise ValueError(
+            raise UnknownParamError(
                 f"local_params: {type(module).__name__} has no parameter {', '.join(map(repr, unknown))} "
                 f"(its own parameters: {', '.join(own) or 'none'})"
             )
