@@ -191,6 +191,12 @@ def test_model_hf_builds_from_a_directory_a_config_json_and_a_model_type(saved):
         assert model.lm_head.weight.device.type == "meta"
     default = build_model("hf:llama", "meta")
     assert type(default).__name__ == "LlamaForCausalLM" and default.config.hidden_size == 4096  # LlamaConfig()'s
+    assert default.config._attn_implementation == "sdpa"
+
+
+def test_model_hf_builds_a_model_transformers_refuses_sdpa_for_with_eager_attention():
+    model = build_model("hf:gpt_oss", "meta")  # transformers raises for gpt-oss with attn_implementation="sdpa"
+    assert type(model).__name__ == "GptOssForCausalLM" and model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize(

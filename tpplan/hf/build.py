@@ -75,9 +75,11 @@ def load_config(spec: str):
 
 
 def causal_lm(config):
-    """AutoModelForCausalLM from `config`, with SDPA attention (as tpplan.hf_models)."""
+    """AutoModelForCausalLM from `config`, with SDPA attention (as tpplan.hf_models)
+    where the model supports it, else eager (gpt-oss: transformers refuses SDPA)."""
     import transformers
 
     if getattr(config, "_attn_implementation", None) in (None, ""):
-        config._attn_implementation = "sdpa"
+        model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+        config._attn_implementation = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
     return transformers.AutoModelForCausalLM.from_config(config)
