@@ -45,6 +45,7 @@ UNSET: dict[str, Any] = {"head_dim": 8, "num_key_value_heads": 4}
 # what one family's default config lacks for the tiny model to build, or to hold the layers its
 # real checkpoints mix (the default has one kind only)
 FAMILIES: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"num_experts_per_tok": 2},  # None by default, and its router's topk needs a k
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"expand": 1},  # hidden * expand = num_heads * head_dim
