@@ -36,6 +36,10 @@ OUTCOMES: dict[str, tuple[str, str | None]] = {
     # per-head q_norm/k_norm (RMSNorm over head_dim) after the colwise q/k projections, absent from
     # transformers' plan: each rank's gradient of their weights covers its own heads only (TP325, fix named)
     "doge": ("validate", "TP325"),
+    # Gemma4ForConditionalGeneration ties lm_head (colwise in transformers' plan) to the text embedding, so the
+    # embedding weight is vocab-sharded too; the model's forward reads that weight whole
+    # (`embed_tokens.weight[pad_token_id]` into a torch.where with plain tensors): TP330 at the embedding's rule
+    "gemma4": ("validate", "TP330"),
     # transformers shards InklingSharedExperts' raw gate/up/down_proj parameters and all-reduces its output: its own runtime fails there (bmm of a plain input with DTensor weights); the parameter entries left out (tpplan styles modules), the all-reduce sums a replicated output (TP320)
     "inkling_text": ("validate", "TP320"),
     # Llama 4's MoE adds the routed experts' output in place into the shared expert's rowwise output
