@@ -46,6 +46,7 @@ OUTCOMES: dict[str, tuple[str, str | None]] = {
     # (`out.add_(...)`), at TP a view that DTensor's to_local returns: autograd forbids the in-place
     # add, and transformers' own TP runtime fails on it the same way (validate: TP330 at the experts rule)
     "llama4": ("validate", "TP330"),
+    "llama4_text": ("validate", "TP330"),  # the same MoE as llama4, its text-only causal LM
     # NOT transformers' problem but tpplan's gap: its zero-computation experts (identity_expert, transformers'
     # moe_identity_expert divides their input by the TP degree) have no tpplan style, so import-hf leaves them out
     # and expert_tp's all-reduce counts their output once per rank (transformers' own TP matches one device)
