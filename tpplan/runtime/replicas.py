@@ -49,35 +49,26 @@ def _is_replicated(param: torch.Tensor) -> bool:
     return True  # a plain tensor is (meant to be) the same on every rank
 
 
-def _per_rank(t: torch.Tensor) -> list[torch.Tensor]:
+def _per_rank(local: torch.Tensor) -> list[torch.Tensor]:
+    """Each simulated rank's value of a local tensor (LocalTensorMode), else this one."""
     from torch.distributed._local_tensor import LocalTensor
-    from torch.distributed.tensor import DTensor, Replicate
 
-    if isinstance(t, DTensor):
-        if not all(isinstance(p, Replicate) for p in t.placements):
-            return []  # partial or sharded: not a replica of one value
-        t = t.to_local()
-    if isinstance(t, LocalTensor):
-        return [t._local_tensors[r] for r in sorted(t._local_tensors)]
-    return [t]
+    if isinstance(local, LocalTensor):
+        return [local._local_tensors[r] for r in sorted(local._local_tensors)]
+    return [local]
 
 
 def differences(model: nn.Module, when: str) -> list[ReplicaDifference]:
     """The replicated parameters of `model` (run under LocalTensorMode) whose value or
     gradient is not identical on every rank."""
     found = []
-    for name, param in model.named_parameters():
-        if not _is_replicated(param):
-            continue
-        for kind, tensor in (("value", param), ("gradient", param.grad)):
-            if tensor is None:
-                continue
-            values = [v.detach() for v in _per_rank(tensor)]
-            for rank, value in enumerate(values[1:], start=1):
-                if not torch.equal(value, values[0]):
-                    diff = (value.double() - values[0].double()).abs().max().item()
-                    found.append(ReplicaDifference(name, kind, when, rank, math.inf if math.isnan(diff) else diff))
-                    break
+    for name, kind, local in _replicas(model):
+        values = _per_rank(local)
+        for rank, value in enumerate(values[1:], start=1):
+            if not torch.equal(value, values[0]):
+                diff = (value.double() - values[0].double()).abs().max().item()
+                found.append(ReplicaDifference(name, kind, when, rank, math.inf if math.isnan(diff) else diff))
+                break
     return found
 
 
