@@ -12,10 +12,10 @@ a style applies to, which inputs it takes). For example, colwise:
         semantics = StyleSemantics(
             torch_class="torch.distributed.tensor.parallel:ColwiseParallel",
             params={  # module kind -> {parameter name, or "*" for any other: placement}
-                "Linear": {"weight": "shard(0)", "bias": "shard(0)", "*": "shard(0)"},
-                "Embedding": {"weight": "shard(1)", "*": "shard(1)"},
+                "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
+                "Embedding": {"weight": _SHARD1, "*": _SHARD1},
             },
-            runs_module=True, inputs="first", outputs="first", replicated_input=True,
+            runs_module=True, inputs="first", outputs="first", replicated_input=True, feature_sharded_output=True,
         )
         def declared_input(self): ...   # (layout of a plain first input, torch's default?)
         def natural_output(self): ...   # the layout the module's output gets
@@ -38,6 +38,8 @@ from .placements import PlacementSpec, parse_placement
 from .style_model import (
     _LAST_DIM,
     _REPLICATE,
+    _SHARD0,
+    _SHARD1,
     _TORCH_TP,
     Layout,
     StyleSemantics,
@@ -64,14 +66,15 @@ class ColwiseSpec(_LinearOptions):
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:ColwiseParallel",
         params={
-            "Linear": {"weight": "shard(0)", "bias": "shard(0)", "*": "shard(0)"},
-            "Embedding": {"weight": "shard(1)", "*": "shard(1)"},
+            "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
+            "Embedding": {"weight": _SHARD1, "*": _SHARD1},
         },
         runs_module=True,
         inputs="first",
         outputs="first",
         replicated_input=True,
         input_option="input_layouts",
+        feature_sharded_output=True,
     )
 
     def declared_input(self):
@@ -92,9 +95,12 @@ class ColwiseSpec(_LinearOptions):
             options["heads"] = None if heads == "auto" else heads
         return options
 
+    def needs_parent(self) -> bool:
+        return self.heads is not None  # the attention module's KV-group count becomes the local ratio
+
     def cross_field_problems(self) -> list[tuple[tuple, str]]:
         problems = super().cross_field_problems()
-        if self.heads is not None and self.output_layouts is not None and str(self.output_layouts) != "shard(-1)":
+        if self.heads is not None and self.output_layouts is not None and self.output_layouts != _LAST_DIM:
             problems.append((("output_layouts",), "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"))
         return problems
 
@@ -106,8 +112,8 @@ class RowwiseSpec(_LinearOptions):
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:RowwiseParallel",
         params={
-            "Linear": {"weight": "shard(1)", "bias": "replicate", "*": "shard(1)"},
-            "Embedding": {"weight": "shard(0)", "*": "shard(0)"},
+            "Linear": {"weight": _SHARD1, "bias": _REPLICATE, "*": _SHARD1},
+            "Embedding": {"weight": _SHARD0, "*": _SHARD0},
         },
         runs_module=True,
         inputs="first",
@@ -137,6 +143,7 @@ class SequenceParallelSpec(StyleSpec):
         inputs="first",
         outputs="first",
         input_option="sequence_dim",
+        sequence_shards=True,
     )
 
     def declared_input(self):
@@ -172,6 +179,9 @@ class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
 
     def inputs_local(self) -> bool:
         return self.use_local_input
+
+    def local_option(self) -> str:
+        return "use_local_input"  # the inputs' (its outputs are local by default)
 
 
 def _layout_default(text: str) -> Any:
