@@ -206,11 +206,14 @@ def test_local_shapes_of_a_2d_mesh_list_its_ranks_in_order():
         assert local_shapes(dtensor) == _held(dtensor) == ((3, 2), (3, 1), (2, 2), (2, 1))
 
 
-def test_the_report_and_the_checkpoint_inspector_use_the_one_local_shape_function():
+def test_the_report_the_checkpoint_inspector_and_the_lint_use_the_one_local_shape_function():
     from tpplan.checkpoint import inspect
     from tpplan.core import local_shapes
+    from tpplan.lint import text
     from tpplan.runtime import layouts
 
     assert inspect.local_shapes is local_shapes.local_shapes
     assert layouts.mesh_local_shapes is local_shapes.local_shapes
+    assert text.shapes_on_mesh is local_shapes.shapes_on_mesh
     assert layouts.local_shapes(torch.randn(3, 2), 4) == ((3, 2),) * 4
+    assert (text.chunk_sizes(10, 4), text.chunk_sizes(6, 4)) == ([3, 3, 3, 1], [2, 2, 2, 0])

@@ -20,13 +20,18 @@ def local_shapes(t: "torch.Tensor") -> tuple[tuple[int, ...], ...]:
 
     if not isinstance(t, DTensor):
         return (tuple(t.shape),)
+    # .shape, not .mesh: a submesh computes that tensor with nonzero, which fake tensors cannot
+    return shapes_on_mesh(tuple(t.shape), tuple(t.device_mesh.shape), t.placements)
+
+
+def shapes_on_mesh(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements) -> tuple[tuple[int, ...], ...]:
+    """The local shape on each rank (row-major coordinates) of a tensor of `global_shape`
+    laid out by torch `placements` on a mesh of `mesh_shape`, without building it."""
     # The public compute_local_shape_and_global_offset answers for this process's rank
     # only; it delegates to this one, which takes any coordinate.
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    # .shape, not .mesh: a submesh computes that tensor with nonzero, which fake tensors cannot
-    mesh_shape = tuple(t.device_mesh.shape)
     return tuple(
-        tuple(_compute_local_shape_and_global_offset(tuple(t.shape), mesh_shape, list(coord), t.placements, skip_offset=True)[0])
+        tuple(_compute_local_shape_and_global_offset(tuple(global_shape), mesh_shape, list(coord), placements, skip_offset=True)[0])
         for coord in itertools.product(*(range(extent) for extent in mesh_shape))
     )
