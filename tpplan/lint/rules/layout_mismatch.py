@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from ...core.placements import PlacementSpec
 from ..facts import module_kind
 from ..registry import Finding, LintRule
 from ..text import rule_ref, shard_text, styled
+
+_VOCAB_SHARD = PlacementSpec("shard", 0)  # of an Embedding's weight [vocab, dim]
 
 
 def describe(lay, ndim: int) -> str:
@@ -26,7 +29,8 @@ def _fix(ctx, m, ndim: int) -> str:
         return f"it has {ndim} dims: pick a dim in range"
     spec = m.rule.spec
     if m.declared_default and have.kind == "R" and module_kind(ctx.modules[m.fqn]) == "Embedding":
-        return (f"a {spec.style} Embedding takes token ids whole: give it {spec.semantics.input_option}: replicate "
+        vocab = " (vocabulary-parallel)" if spec.semantics.placement("Embedding", "weight") == _VOCAB_SHARD else ""
+        return (f"a {spec.style} Embedding{vocab} takes token ids whole: give it {spec.semantics.input_option}: replicate "
                 f"(torch's default is {m.declared})")
     if spec.semantics.sequence_shards:
         if have.kind == "R":
