@@ -2,10 +2,13 @@
 
 Each spec class holds its options (pydantic fields, named and defaulted as
 torch's constructor) and a `semantics` class attribute, a `StyleSemantics`
-(style_model.py), that says what the style does. Everything else reads it:
-`sharding.compile` (the torch class), the lint's layout flow (`lint/flow.py`)
-and facts (`lint/facts.py`), and the rules (parameter placements, which modules
-a style applies to, which inputs it takes). For example, colwise:
+(style_model.py), that says what the style does, and methods for the facts
+that depend on the options or the module (`param_placements`, `needs_parent`,
+`declared_input`, ...). Everything else reads them and never branches on a
+style's name (tests/test_style_table.py checks): `sharding.compile` (the torch
+class), `Plan.apply`, the lint's layout flow (`lint/flow.py`), facts
+(`lint/facts.py`) and rules (parameter placements, which modules a style applies
+to, which inputs it takes), and import-hf (`schema.rule_spec`). For example, colwise:
 
     class ColwiseSpec(_LinearOptions):
         style: Literal["colwise"]
