@@ -315,6 +315,14 @@ def test_a_rowwise_embedding_without_replicated_input_is_a_layout_mismatch():
     assert (problem.line, problem.column) == (3, 3)
     assert "takes its input 0 (2, 8) as shard(-1) (torch's default), but it arrives replicated" in problem.message
     assert "give it input_layouts: replicate" in problem.message
+    assert "a rowwise Embedding (vocabulary-parallel) takes token ids whole" in problem.message
+
+
+def test_a_rowwise_linear_fed_replicated_activations_is_not_called_an_embedding():
+    problems = lint("version: 1\nrules:\n  layers.*.feed_forward.w2: rowwise\n", LLAMA, select=["TP320"])
+    assert found(problems, "TP320") == [(3, 3), (3, 3)]  # layers.0 and layers.1
+    assert problems[0].message.endswith("computes on wrong data; declare input_layouts: replicate")
+    assert not any("Embedding" in p.message for p in problems)
 
 
 def test_a_sequence_parallel_norm_fed_replicated_activations_is_a_layout_mismatch():

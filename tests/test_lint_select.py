@@ -148,10 +148,10 @@ def test_the_collector_runs_during_the_rules_and_is_left_as_it_was(monkeypatch):
 def test_facts_are_cached_properties_of_the_context():
     ctx = LintContext(load_plan(text=PLAN), meta_model(LLAMA), [2])
     assert ctx.placements is ctx.placements
-    assert ctx.placements["tok_embeddings.weight"].placement == "shard(0)"
-    assert ctx.placements["layers.0.attention.wq.weight"].placement == "shard(0)"
-    assert ctx.placements["layers.0.attention.wo.weight"].placement == "shard(1)"
-    assert ctx.placements["norm.weight"].placement == "plain"
+    assert ctx.placements["tok_embeddings.weight"].placement == parse_placement("shard(0)")
+    assert ctx.placements["layers.0.attention.wq.weight"].placement == parse_placement("shard(0)")
+    assert ctx.placements["layers.0.attention.wo.weight"].placement == parse_placement("shard(1)")
+    assert ctx.placements["norm.weight"].placement is None  # left a plain tensor
     ctx.kept_blocks, ctx.heads  # noqa: B018
     assert not [key for key in vars(ctx) if key.startswith("_") and key != "_traced"]  # no hidden stashes
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..core.local_shapes import local_shapes
 from ..core.problems import Problem, error
 from .errors import some
 from .experts import Conversions, conversions, fused_parts, part_shape
@@ -91,38 +92,6 @@ def _itemsize(dtype: "torch.dtype") -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def local_shapes(t: "torch.Tensor") -> list[tuple[int, ...]]:
-    """What each rank of `t`'s mesh holds of it, as torch chunks shards."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    if not isinstance(t, DTensor):
-        return [tuple(t.shape)]
-    mesh = t.device_mesh
-    coords = [tuple(c) for c in _coordinates(mesh.shape)]
-    shapes = []
-    for coord in coords:
-        shape = list(t.shape)
-        for mesh_dim, placement in enumerate(t.placements):
-            if isinstance(placement, _StridedShard):  # packed: every block split evenly (distribute_param checks)
-                dim = placement.dim % len(shape)
-                shape[dim] = shape[dim] // mesh.shape[mesh_dim]
-            elif isinstance(placement, Shard):
-                dim = placement.dim % len(shape)
-                shape[dim] = Shard.local_shard_size_and_offset(shape[dim], mesh.shape[mesh_dim], coord[mesh_dim])[0]
-        shapes.append(tuple(shape))
-    return shapes
-
-
-def _coordinates(shape: tuple[int, ...]) -> Iterable[list[int]]:
-    if not shape:
-        yield []
-        return
-    for first in range(shape[0]):
-        for rest in _coordinates(tuple(shape[1:])):
-            yield [first, *rest]
-
-
 def expected_tensors(model: "nn.Module") -> list[Expected]:
     """The model's parameters and persistent buffers, tied ones once (with all names)."""
     by_id: dict[int, Expected] = {}
@@ -142,7 +111,7 @@ def _add(by_id: dict, name: str, t: "torch.Tensor", is_parameter: bool) -> None:
         if name not in found.names:
             found.names.append(name)
         return
-    by_id[id(t)] = Expected([name], tuple(t.shape), t.dtype, local_shapes(t), is_parameter)
+    by_id[id(t)] = Expected([name], tuple(t.shape), t.dtype, list(local_shapes(t)), is_parameter)
 
 
 def _ignored_unexpected(model: "nn.Module") -> list[re.Pattern]:

@@ -9,10 +9,11 @@ No `from __future__ import annotations` here: pydantic would compile every
 field's annotation string at start-up.
 """
 
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 from pydantic import Field, model_validator
 
+from .placements import PlacementSpec
 from .style_model import (
     _REPLICATE,
     _SHARD0,
@@ -21,6 +22,59 @@ from .style_model import (
     StyleSpec,
     _InputOptions,
 )
+
+# The fused expert parameters transformers uses; anything else on the module is replicated.
+GATE_UP, DOWN, UP = "gate_up_proj", "down_proj", "up_proj"
+
+
+def _own_parameters(module: Any) -> dict[str, Any]:
+    return {name: p for name, p in module._parameters.items() if p is not None}
+
+
+def is_experts_module(module: Any) -> bool:
+    """A module holding fused 3-D expert weights (its own `gate_up_proj`/`up_proj` and `down_proj`)."""
+    own = _own_parameters(module)
+    return DOWN in own and (GATE_UP in own or UP in own) and own[DOWN].dim() == 3
+
+
+def experts_layout(module: Any) -> tuple[bool, bool]:
+    """(transposed, concatenated) as transformers' `use_experts_implementation` records them:
+    transposed weights are [E, in, out]; concatenated gate/up is [gate; up], else interleaved.
+    Experts without that decorator (Llama 4's, [E, H, 2I] and [E, I, H]) are told by their shapes."""
+    transposed = getattr(module, "is_transposed", None)
+    if transposed is None:
+        own = _own_parameters(module)
+        if GATE_UP in own and DOWN in own and own[GATE_UP].dim() == own[DOWN].dim() == 3:
+            (_, a, b), (_, c, d) = own[GATE_UP].shape, own[DOWN].shape
+            transposed = a == d and b != c  # [E, H, 2I] and [E, I, H]; else [E, 2I, H] and [E, H, I]
+    return bool(transposed), bool(getattr(module, "is_concatenated", True))
+
+
+def expert_tp_placements(module: Any) -> dict[str, PlacementSpec]:
+    """The placement of each own parameter under expert TP, for transformers' layouts
+    (sharding/experts.py distributes them; the lint reads them through the table)."""
+    transposed, concatenated = experts_layout(module)
+    out_dim, in_dim = (2, 1) if transposed else (1, 2)
+    placements: dict[str, PlacementSpec] = {}
+    for name in _own_parameters(module):
+        if name == GATE_UP:  # [E, 2I, H] (or [E, H, 2I]): shard the 2I dim, gate and up alike
+            placements[name] = PlacementSpec("shard", out_dim, blocks=2 if concatenated else 1)
+        elif name == f"{GATE_UP}_bias":  # [E, 2I]
+            placements[name] = PlacementSpec("shard", 1, blocks=2 if concatenated else 1)
+        elif name == UP:  # [E, I, H] without a gate
+            placements[name] = PlacementSpec("shard", out_dim)
+        elif name == f"{UP}_bias":
+            placements[name] = PlacementSpec("shard", 1)
+        elif name == DOWN:  # [E, H, I] (or [E, I, H]): shard its input, I
+            placements[name] = PlacementSpec("shard", in_dim)
+        else:  # down_proj_bias and anything else: whole on every rank
+            placements[name] = _REPLICATE
+    return placements
+
+
+def _experts_only(module: Any) -> None:
+    if not is_experts_module(module):
+        raise ValueError(f"{type(module).__name__} holds no fused 3-D expert parameters")
 
 
 
@@ -55,7 +109,15 @@ class ExpertTPSpec(_ExpertOptions):
         "([E, 2I, H]; shard(2) for gpt-oss's interleaved [E, H, 2I]), down_proj shard(2) ([E, H, I]; "
         "shard(1) transposed), gate_up_proj_bias like its gate/up dim, down_proj_bias replicate.",
     )
-    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertTensorParallel", **_EXPERT_SEMANTICS)
+    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertTensorParallel", experts="each", **_EXPERT_SEMANTICS)
+
+    def param_placements(self, module):
+        _experts_only(module)
+        placed = expert_tp_placements(module)
+        unknown = set(self.params or {}) - set(placed)
+        if unknown:
+            raise ValueError(f"no parameter {', '.join(sorted(unknown))}")
+        return {**placed, **(self.params or {})}
 
 
 class ExpertParallelSpec(_ExpertOptions):
@@ -71,14 +133,18 @@ class ExpertParallelSpec(_ExpertOptions):
         "(forward 3 all-to-alls: counts, tokens, results; backward 2); input_layouts and "
         "output_layouts are then shard(0), the token dim, and the output is the same local tokens.",
     )
-    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertParallel", **_EXPERT_SEMANTICS)
+    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertParallel", experts="whole", **_EXPERT_SEMANTICS)
+
+    def param_placements(self, module):
+        _experts_only(module)
+        return {name: _SHARD0 for name in _own_parameters(module)}
 
     @model_validator(mode="after")
     def _token_shard_layouts(self):
         if self.dispatch == "all_to_all":
             for name in ("input_layouts", "output_layouts"):
                 layout = getattr(self, name)
-                if layout is not None and str(layout) != "shard(0)":
+                if layout is not None and layout != _SHARD0:
                     raise ValueError(f"with dispatch all_to_all, {name} must be shard(0) (the token dim of the experts' [T, H] input), not {layout}")
         return self
 
@@ -108,6 +174,13 @@ class LocalParamsSpec(_InputOptions):
     use_local_output: bool = False
     # Its module's ops are followed by the lint (runs_module False), on local tensors.
     semantics = StyleSemantics(torch_class="tpplan.sharding.params:LocalParams", inputs="layouts")
+
+    def param_placements(self, module):
+        given = self.params or {}
+        return {key: given.get(key, _REPLICATE) for key in _own_parameters(module)}
+
+    def local_param_placements(self):
+        return dict(self.params or {})
 
 
 class SumOutputGradSpec(StyleSpec):

@@ -148,9 +148,8 @@ class Plan:
         # more specific rule has sharded already.
         for fqn, rule in reversed(claimed.items()):
             style = compile_style(rule.spec, self.src_data_rank)
-            bind_parent = getattr(style, "bind_parent", None)  # colwise with heads: the attention module holding it
-            if bind_parent is not None:
-                bind_parent(model.get_submodule(fqn.rpartition(".")[0]))
+            if rule.spec.needs_parent():  # colwise with heads: the attention module holding it
+                style.bind_parent(model.get_submodule(fqn.rpartition(".")[0]))
             parallelize_module(model.get_submodule(fqn), tp_mesh, style, src_data_rank=self.src_data_rank)
             if on_module is not None:
                 on_module(fqn)

@@ -19,6 +19,16 @@ def _expand_shorthand(value: Any) -> Any:
     return {"style": value} if isinstance(value, str) else value
 
 
+def rule_spec(value: Any) -> StyleSpec:
+    """A rule value as a plan writes it (a style name, or a mapping with `style:` and
+    options) as its entry of the style table, for tools that write plans (import-hf)
+    and ask what a rule does. ValueError (pydantic's) for a value no plan accepts."""
+    data = _expand_shorthand(value)
+    if not isinstance(data, dict) or data.get("style") not in STYLE_SPECS:
+        raise ValueError(f"{value!r} names no style of the table ({', '.join(STYLE_NAMES)})")
+    return STYLE_SPECS[data["style"]].model_validate(data)
+
+
 AnyStyleSpec = Annotated[
     Union[tuple(STYLE_SPECS.values())],
     Field(discriminator="style"),

@@ -9,8 +9,10 @@ The fields of `StyleSemantics`:
 - `torch_class`: "module:Class" of the ParallelStyle (resolved by compile, so
   core never imports torch); the spec's fields are its keyword arguments.
 - `params`: module kind (a key of `MODULE_KINDS`) -> placement of each
-  parameter, as placement text. A style with `params` applies to those kinds
-  only (torch raises NotImplementedError on any other module: TP300).
+  parameter (a `PlacementSpec`). A style with `params` applies to those kinds
+  only (torch raises NotImplementedError on any other module: TP300). Styles
+  whose placements depend on the module and the options say so through
+  `StyleSpec.param_placements(module)` instead (the expert styles, local_params).
 - `replicates`: every parameter and buffer of the module and of its submodules
   becomes a replicated DTensor (sequence_parallel, no_parallel).
 - `flat_params`: the style refuses a module whose submodules hold parameters
@@ -28,6 +30,15 @@ The fields of `StyleSemantics`:
   that share one input each pay for it (TP340).
 - `input_option`: the option that declares the first input's layout, for
   messages that say what to change (None: the options say per input).
+- `sequence_shards`: the style runs the module on one sequence shard per rank
+  (sequence_parallel): right only for position-wise modules (TP302), and its
+  input must arrive sharded on the dim its `input_option` names (TP320).
+- `feature_sharded_output`: the module's output features are split over the
+  ranks (colwise), so its local output is a feature shard (heads, a vocabulary),
+  not a sequence shard (TP325, TP370).
+- `experts`: how the style splits a fused 3-D experts module: "whole" experts
+  per rank (the expert dim), or "each" expert on its intermediate dim; None for
+  a style that is no expert style (TP305 checks the module and the degree).
 
 Option names and defaults are those of torch's style constructors; the
 constructors' cross-field asserts are `cross_field_problems()`, reported at the
@@ -102,7 +113,7 @@ class StyleSemantics:
     """What a style does (see the module docstring)."""
 
     torch_class: str
-    params: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    params: Mapping[str, Mapping[str, PlacementSpec]] = field(default_factory=dict)
     replicates: bool = False
     flat_params: bool = False
     runs_module: bool = False
@@ -110,10 +121,13 @@ class StyleSemantics:
     outputs: Literal["first", "layouts", "none"] = "none"
     replicated_input: bool = False
     input_option: str | None = None  # the option that declares the first input's layout
+    sequence_shards: bool = False
+    feature_sharded_output: bool = False
+    experts: Literal["whole", "each"] | None = None
 
-    def placement(self, kind: str | None, param: str) -> str | None:
-        """The placement text parameter `param` of a `kind` module gets; None when
-        the style does not shard that kind."""
+    def placement(self, kind: str | None, param: str) -> PlacementSpec | None:
+        """The placement parameter `param` of a `kind` module gets; None when the
+        style does not shard that kind."""
         table = self.params.get(kind) if kind is not None else None
         if table is None:
             return None
@@ -152,6 +166,26 @@ class StyleSpec(_Strict):
     def cross_field_problems(self) -> list[tuple[tuple, str]]:
         """(path within the rule, message) for each constructor rule this spec breaks."""
         return []
+
+    def param_placements(self, module: Any) -> "dict[str, PlacementSpec] | None":
+        """For a style whose placements depend on the module and the options: the
+        placement of each own parameter of `module` (ValueError when the style cannot
+        shard it). None: `semantics.params` says, by module kind (or nothing is placed)."""
+        return None
+
+    def local_param_placements(self) -> "dict[str, PlacementSpec]":
+        """The own parameters the module's forward computes on as local shards, when the
+        style leaves its ops to it (local_params' `params`): the lint follows them there."""
+        return {}
+
+    def needs_parent(self) -> bool:
+        """Whether the compiled style must be bound to the module's parent before it is
+        applied (`bind_parent`: colwise with heads adjusts its attention module)."""
+        return False
+
+    def local_option(self) -> str:
+        """The option that makes the style hand on local tensors rather than DTensors."""
+        return "use_local_output"
 
     def torch_class(self) -> str:
         """The "module:Class" this rule compiles to: the table's, unless an option picks another."""
@@ -241,4 +275,5 @@ def _paired_kwargs(spec: _InputOptions):
 _TORCH_TP = "torch.distributed.tensor.parallel"
 _REPLICATE = PlacementSpec("replicate")
 _SHARD0 = PlacementSpec("shard", 0)
+_SHARD1 = PlacementSpec("shard", 1)
 _LAST_DIM = PlacementSpec("shard", -1)

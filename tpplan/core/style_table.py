@@ -2,20 +2,23 @@
 
 Each spec class holds its options (pydantic fields, named and defaulted as
 torch's constructor) and a `semantics` class attribute, a `StyleSemantics`
-(style_model.py), that says what the style does. Everything else reads it:
-`sharding.compile` (the torch class), the lint's layout flow (`lint/flow.py`)
-and facts (`lint/facts.py`), and the rules (parameter placements, which modules
-a style applies to, which inputs it takes). For example, colwise:
+(style_model.py), that says what the style does, and methods for the facts
+that depend on the options or the module (`param_placements`, `needs_parent`,
+`declared_input`, ...). Everything else reads them and never branches on a
+style's name (tests/test_style_table.py checks): `sharding.compile` (the torch
+class), `Plan.apply`, the lint's layout flow (`lint/flow.py`), facts
+(`lint/facts.py`) and rules (parameter placements, which modules a style applies
+to, which inputs it takes), and import-hf (`schema.rule_spec`). For example, colwise:
 
     class ColwiseSpec(_LinearOptions):
         style: Literal["colwise"]
         semantics = StyleSemantics(
             torch_class="torch.distributed.tensor.parallel:ColwiseParallel",
             params={  # module kind -> {parameter name, or "*" for any other: placement}
-                "Linear": {"weight": "shard(0)", "bias": "shard(0)", "*": "shard(0)"},
-                "Embedding": {"weight": "shard(1)", "*": "shard(1)"},
+                "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
+                "Embedding": {"weight": _SHARD1, "*": _SHARD1},
             },
-            runs_module=True, inputs="first", outputs="first", replicated_input=True,
+            runs_module=True, inputs="first", outputs="first", replicated_input=True, feature_sharded_output=True,
         )
         def declared_input(self): ...   # (layout of a plain first input, torch's default?)
         def natural_output(self): ...   # the layout the module's output gets
@@ -38,6 +41,8 @@ from .placements import PlacementSpec, parse_placement
 from .style_model import (
     _LAST_DIM,
     _REPLICATE,
+    _SHARD0,
+    _SHARD1,
     _TORCH_TP,
     Layout,
     StyleSemantics,
@@ -64,14 +69,15 @@ class ColwiseSpec(_LinearOptions):
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:ColwiseParallel",
         params={
-            "Linear": {"weight": "shard(0)", "bias": "shard(0)", "*": "shard(0)"},
-            "Embedding": {"weight": "shard(1)", "*": "shard(1)"},
+            "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
+            "Embedding": {"weight": _SHARD1, "*": _SHARD1},
         },
         runs_module=True,
         inputs="first",
         outputs="first",
         replicated_input=True,
         input_option="input_layouts",
+        feature_sharded_output=True,
     )
 
     def declared_input(self):
@@ -92,9 +98,12 @@ class ColwiseSpec(_LinearOptions):
             options["heads"] = None if heads == "auto" else heads
         return options
 
+    def needs_parent(self) -> bool:
+        return self.heads is not None  # the attention module's KV-group count becomes the local ratio
+
     def cross_field_problems(self) -> list[tuple[tuple, str]]:
         problems = super().cross_field_problems()
-        if self.heads is not None and self.output_layouts is not None and str(self.output_layouts) != "shard(-1)":
+        if self.heads is not None and self.output_layouts is not None and self.output_layouts != _LAST_DIM:
             problems.append((("output_layouts",), "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"))
         return problems
 
@@ -106,8 +115,8 @@ class RowwiseSpec(_LinearOptions):
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:RowwiseParallel",
         params={
-            "Linear": {"weight": "shard(1)", "bias": "replicate", "*": "shard(1)"},
-            "Embedding": {"weight": "shard(0)", "*": "shard(0)"},
+            "Linear": {"weight": _SHARD1, "bias": _REPLICATE, "*": _SHARD1},
+            "Embedding": {"weight": _SHARD0, "*": _SHARD0},
         },
         runs_module=True,
         inputs="first",
@@ -137,6 +146,7 @@ class SequenceParallelSpec(StyleSpec):
         inputs="first",
         outputs="first",
         input_option="sequence_dim",
+        sequence_shards=True,
     )
 
     def declared_input(self):
@@ -172,6 +182,9 @@ class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
 
     def inputs_local(self) -> bool:
         return self.use_local_input
+
+    def local_option(self) -> str:
+        return "use_local_input"  # the inputs' (its outputs are local by default)
 
 
 def _layout_default(text: str) -> Any:

@@ -370,11 +370,6 @@ def _from_config(config, hf_style: str) -> dict[str, Any] | None:
     return {"style": style, option: value} if isinstance(value, int) and value > 0 else None
 
 
-def _style(value: Any) -> Any:
-    """The style of a rule value: a style name, or a mapping with `style:`."""
-    return value.get("style") if isinstance(value, Mapping) else value
-
-
 def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
     """A vocab-parallel rule for each Embedding whose weight is tied to a planned
     colwise Linear but is itself unplanned: transformers' plans shard lm_head and
@@ -382,8 +377,11 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
     from torch import nn
 
     from ..core.globs import ModuleTree, compile_glob, generalize
+    from ..core.placements import PlacementSpec
+    from ..core.schema import rule_spec
     from ..sharding.tied import shared_parameters
 
+    vocab_parallel = PlacementSpec("shard", 0)  # of a Linear's weight: its output features, the vocabulary
     tree = ModuleTree(name for name, _ in model.named_modules())
     planned = {name: value for pattern, value in rules.items() for name in tree.match(compile_glob(pattern))}
     added = {}
@@ -391,7 +389,8 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
         owners = [fqn for fqn, pname in group if pname == "weight"]
         sharded_as_vocab = any(
             isinstance(model.get_submodule(f), nn.Linear)
-            and _style(planned.get(f)) == "colwise"
+            and planned.get(f) is not None
+            and rule_spec(planned[f]).semantics.placement("Linear", "weight") == vocab_parallel
             for f in owners
         )
         for fqn in owners:

@@ -18,6 +18,7 @@ def parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
     MLPs positionally; tests/test_hf.py checks both by parity.
     """
     from ..core.globs import ModuleTree, compile_glob, generalize
+    from ..core.schema import rule_spec
 
     modules = dict(model.named_modules())
     tree = ModuleTree(modules)
@@ -25,7 +26,8 @@ def parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
     planned = {name for names in matched.values() for name in names}
     colwise_children: dict[str, list[str]] = defaultdict(list)
     for pattern, names in matched.items():
-        if rules[pattern] == "colwise":
+        spec = rule_spec(rules[pattern])
+        if spec.semantics.replicated_input and spec.model_fields_set == {"style"}:  # plain colwise: no options
             for name in names:
                 colwise_children[name.rpartition(".")[0]].append(name)
     qualifying = {}

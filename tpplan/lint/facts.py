@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..core.placements import PlacementSpec
 from ..core.plan import Rule
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ def nested_parameters(module: "nn.Module") -> list[str]:
 
 @dataclass(frozen=True)
 class Placed:
-    placement: str  # 'shard(0)', 'replicate', or 'plain' (left a plain tensor)
+    placement: PlacementSpec | None  # None: left a plain tensor
     module: str
     rule: Rule | None  # the rule that decides it
 
@@ -110,9 +111,12 @@ def module_kind(module: "nn.Module") -> str | None:
 def sharded_weight_dim(module: "nn.Module", rule: Rule) -> int | None:
     """The dim of `module`'s weight that `rule`'s style shards; None when it shards none."""
     placement = rule.spec.semantics.placement(module_kind(module), "weight")
-    if placement is None or not placement.startswith("shard("):
+    if placement is None or placement.kind != "shard" or placement.blocks > 1:
         return None
-    return int(placement[len("shard("):-1])
+    return placement.dim
+
+
+_REPLICATED = PlacementSpec("replicate")
 
 
 def parameter_placements(ctx: "LintContext") -> dict[str, Placed]:
@@ -136,24 +140,16 @@ def parameter_placements(ctx: "LintContext") -> dict[str, Placed]:
             if placement is not None:
                 out[name] = Placed(placement, fqn, rule)
             elif replicated_by[fqn] is not None:
-                out[name] = Placed("replicate", fqn, replicated_by[fqn])
+                out[name] = Placed(_REPLICATED, fqn, replicated_by[fqn])
             else:
-                out[name] = Placed("plain", fqn, None)
+                out[name] = Placed(None, fqn, None)
     return out
 
 
-def _own_placements(module: "nn.Module", rule: Rule) -> dict[str, str] | None:
+def _own_placements(module: "nn.Module", rule: Rule) -> dict[str, PlacementSpec] | None:
     """The placement of each own parameter under the styles whose placements depend on
-    the module and the options (the expert styles, local_params), as plan text."""
-    style = rule.spec.style
-    if style == "local_params":
-        given = rule.spec.params or {}
-        return {key: str(given.get(key, "replicate")) for key in module._parameters}
-    if style not in ("expert_tp", "expert_parallel"):
-        return None
-    from ..sharding.experts import expert_placements
-
+    the module and the options (the expert styles, local_params), from the table."""
     try:
-        return expert_placements(module, style, rule.spec.params if style == "expert_tp" else None)
+        return rule.spec.param_placements(module)
     except ValueError:
         return None  # not an experts module, or an unknown parameter name: TP305 says so

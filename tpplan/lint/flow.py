@@ -41,6 +41,8 @@ from .layouts import (
 from .ops import ELEMENTWISE, OpSemantics
 from .trace import Call, Op, Return, Trace
 
+_REPLICATE = PlacementSpec("replicate")
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -64,7 +66,7 @@ class _Interpreter:
         shards wherever the module's forward uses them; the others stay replicated."""
         for node, (fqn, name) in self.trace.params.items():
             rule = self.rules.get(fqn)
-            layouts = getattr(rule.spec, "params", None) if rule is not None and rule.spec.style == "local_params" else None
+            layouts = rule.spec.local_param_placements() if rule is not None else None
             if layouts and name in layouts:
                 lay = placement_lay(layouts[name], len(self.shape(node)), False, Source(fqn, rule))
                 if lay is not None and lay.kind == "S":
@@ -112,11 +114,11 @@ class _Interpreter:
         shape = self.shape(node)
         want = placement_lay(declared, len(shape), False, None)
         if want is None:  # a shard dim the tensor does not have
-            self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, str(declared), default, have, shape, impossible=True))
+            self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, declared, default, have, shape, impossible=True))
             self.set(node, DEAD)
             return False
         if (want.kind, want.dim) != (have.kind, have.dim):
-            self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, str(declared or "replicate"), default, have, shape))
+            self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, declared or _REPLICATE, default, have, shape))
         elif have.kind == "S":
             self.report.handoffs.append(Handoff(have, frame.fqn, frame.rule, shape[have.dim], len(shape)))
         return True

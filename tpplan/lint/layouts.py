@@ -77,7 +77,7 @@ class Mismatch:
     fqn: str  # the module whose style annotates
     rule: "Rule"
     what: str  # "input 0", "input 'mask'", "output 0"
-    declared: str  # placement text as the plan (or torch's default) says
+    declared: PlacementSpec  # as the plan (or torch's default) says
     declared_default: bool  # the declaration is torch's default, not written in the plan
     actual: Lay
     shape: tuple

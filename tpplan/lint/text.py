@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 
 from ..core.globs import generalize  # noqa: F401  the rules import it from here
+from ..core.local_shapes import shapes_on_mesh
+from ..core.placements import PlacementSpec
 from ..core.plan import Rule
 
 # TP degrees worth listing: no real mesh axis goes beyond this.
@@ -29,8 +31,9 @@ def styled(fqn: str, rule: Rule) -> str:
 
 def chunk_sizes(size: int, tp: int) -> list[int]:
     """What each rank holds of a dim of `size` split `tp` ways, as DTensor chunks it."""
-    chunk = -(-size // tp)
-    return [max(0, min(chunk, size - rank * chunk)) for rank in range(tp)]
+    from torch.distributed.tensor import Shard
+
+    return [shape[0] for shape in shapes_on_mesh((size,), (tp,), [Shard(0)])]
 
 
 def chunks_text(size: int, tp: int) -> str:
@@ -42,7 +45,7 @@ def chunks_text(size: int, tp: int) -> str:
 
 def shard_text(dim: int, ndim: int) -> str:
     """A shard of the last dim reads as torch's shard(-1), others by their index."""
-    return "shard(-1)" if dim == ndim - 1 and ndim > 1 else f"shard({dim})"
+    return str(PlacementSpec("shard", -1 if dim == ndim - 1 and ndim > 1 else dim))
 
 
 def plural(count: int, word: str) -> str:

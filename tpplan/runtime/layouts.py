@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..core.local_shapes import local_shapes as mesh_local_shapes
 from ..core.placements import placements_text
 from .report import ParamLayout
 
@@ -14,33 +15,12 @@ if TYPE_CHECKING:
 
 
 def local_shapes(param: "torch.Tensor", tp: int) -> tuple[tuple[int, ...], ...]:
-    """What each rank of the TP mesh holds of `param`, as torch chunks shards. A parameter
-    may live on a 2-D view of the TP mesh (replicated KV heads: (heads, replicas)), whose
-    ranks in order are the TP mesh's; a packed shard (`_StridedShard`) chunks each block."""
-    from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    """What each rank of the TP mesh holds of `param`: a plain tensor whole on each of
+    the `tp` ranks; a DTensor as torch cuts it (its mesh may be a 2-D view of the TP
+    mesh, (heads, replicas) for replicated KV heads, whose ranks in order are the TP mesh's)."""
+    from torch.distributed.tensor import DTensor
 
-    if not isinstance(param, DTensor):
-        return (tuple(param.shape),) * tp
-    mesh_shape = tuple(param.device_mesh.shape)  # not .mesh: a submesh computes that tensor with nonzero, which fake tensors cannot
-    shapes = []
-    for rank in range(param.device_mesh.size()):
-        shape = list(param.shape)
-        coords, rest = [], rank
-        for extent in reversed(mesh_shape):
-            coords.append(rest % extent)
-            rest //= extent
-        coords.reverse()
-        for placement, extent, coord in zip(param.placements, mesh_shape, coords):
-            if isinstance(placement, _StridedShard):
-                dim = placement.dim % len(shape)
-                block = shape[dim] // placement.split_factor
-                shape[dim] = placement.split_factor * Shard.local_shard_size_and_offset(block, extent, coord)[0]
-            elif isinstance(placement, Shard):
-                dim = placement.dim % len(shape)
-                shape[dim] = Shard.local_shard_size_and_offset(shape[dim], extent, coord)[0]
-        shapes.append(tuple(shape))
-    return tuple(shapes)
+    return mesh_local_shapes(param) if isinstance(param, DTensor) else (tuple(param.shape),) * tp
 
 
 def param_layouts(model: "nn.Module", tp: int) -> list[ParamLayout]:

@@ -30,52 +30,20 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..core import expert_styles
 from .expert_dispatch import combine, dispatch
 
 __all__ = ["ExpertTensorParallel", "ExpertParallel", "expert_tp_defaults", "is_experts_module"]
 
-# The fused expert parameters transformers uses; anything else on the module is replicated.
-GATE_UP, DOWN, UP = "gate_up_proj", "down_proj", "up_proj"
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """A module holding fused 3-D expert weights (its own `gate_up_proj`/`up_proj` and `down_proj`)."""
-    own = dict(module.named_parameters(recurse=False))
-    return DOWN in own and (GATE_UP in own or UP in own) and own[DOWN].dim() == 3
-
-
-def _layout(module: nn.Module) -> tuple[bool, bool]:
-    """(transposed, concatenated) as transformers' `use_experts_implementation` records them:
-    transposed weights are [E, in, out]; concatenated gate/up is [gate; up], else interleaved.
-    Experts without that decorator (Llama 4's, [E, H, 2I] and [E, I, H]) are told by their shapes."""
-    transposed = getattr(module, "is_transposed", None)
-    if transposed is None:
-        own = dict(module.named_parameters(recurse=False))
-        if GATE_UP in own and DOWN in own and own[GATE_UP].dim() == own[DOWN].dim() == 3:
-            (_, a, b), (_, c, d) = own[GATE_UP].shape, own[DOWN].shape
-            transposed = a == d and b != c  # [E, H, 2I] and [E, I, H]; else [E, 2I, H] and [E, H, I]
-    return bool(transposed), bool(getattr(module, "is_concatenated", True))
+# What an experts module is and how expert TP places its parameters is the style table's
+# (core/expert_styles.py); here they become torch placements.
+GATE_UP, DOWN, UP = expert_styles.GATE_UP, expert_styles.DOWN, expert_styles.UP
+is_experts_module = expert_styles.is_experts_module
 
 
 def expert_tp_defaults(module: nn.Module) -> dict[str, Placement]:
     """The placement of each own parameter under expert TP, for transformers' layouts."""
-    transposed, concatenated = _layout(module)
-    out_dim, in_dim = (2, 1) if transposed else (1, 2)
-    placements: dict[str, Placement] = {}
-    for name, param in module.named_parameters(recurse=False):
-        if name == GATE_UP:  # [E, 2I, H] (or [E, H, 2I]): shard the 2I dim, gate and up alike
-            placements[name] = _StridedShard(out_dim, split_factor=2) if concatenated else Shard(out_dim)
-        elif name == f"{GATE_UP}_bias":  # [E, 2I]
-            placements[name] = _StridedShard(1, split_factor=2) if concatenated else Shard(1)
-        elif name == UP:  # [E, I, H] without a gate
-            placements[name] = Shard(out_dim)
-        elif name == f"{UP}_bias":
-            placements[name] = Shard(1)
-        elif name == DOWN:  # [E, H, I] (or [E, I, H]): shard its input, I
-            placements[name] = Shard(in_dim)
-        else:  # down_proj_bias and anything else: whole on every rank
-            placements[name] = Replicate()
-    return placements
+    return {name: p.to_torch() for name, p in expert_styles.expert_tp_placements(module).items()}
 
 
 def distribute_param(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placement, src_data_rank: int | None) -> DTensor:
@@ -92,29 +60,6 @@ def distribute_param(tensor: torch.Tensor, mesh: DeviceMesh, placement: Placemen
     grouped = tensor.unflatten(dim, (blocks, ranks, chunk)).transpose(dim, dim + 1).flatten(dim, dim + 2)
     local = distribute_tensor(grouped.contiguous(), mesh, [Shard(dim)], src_data_rank=src_data_rank).to_local()
     return DTensor.from_local(local, mesh, [placement], run_check=False, shape=tensor.shape, stride=tensor.stride())
-
-
-def placement_text(placement: Placement) -> str:
-    """A torch placement as a plan spells it."""
-    if isinstance(placement, _StridedShard):
-        return f"packed_shard({placement.dim}, {placement.split_factor})"
-    if isinstance(placement, Shard):
-        return f"shard({placement.dim})"
-    return "partial" if isinstance(placement, Partial) else "replicate"
-
-
-def expert_placements(module: nn.Module, style: str, params: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """{own parameter: placement text} under `expert_tp` (with the plan's `params`) or
-    `expert_parallel`, for the lint; ValueError when it is no experts module."""
-    if not is_experts_module(module):
-        raise ValueError(f"{type(module).__name__} holds no fused 3-D expert parameters")
-    if style == "expert_parallel":
-        return {name: "shard(0)" for name, _ in module.named_parameters(recurse=False)}
-    placed = {name: placement_text(p) for name, p in expert_tp_defaults(module).items()}
-    unknown = set(params or {}) - set(placed)
-    if unknown:
-        raise ValueError(f"no parameter {', '.join(sorted(unknown))}")
-    return {**placed, **{name: str(p) for name, p in (params or {}).items()}}
 
 
 def _rank_values(mesh: DeviceMesh, values: list[float], like: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ def check(ctx):
         return
     unsharded = defaultdict(int)
     for name, size in sizes.items():
-        if not placed[name].placement.startswith(("shard", "packed_shard")):
+        placement = placed[name].placement
+        if placement is None or placement.kind != "shard":
             unsharded[generalize(name)] += size
     whole = sum(unsharded.values())
     largest = sorted(unsharded.items(), key=lambda item: -item[1])

@@ -6,18 +6,11 @@ from __future__ import annotations
 from ..registry import Finding, LintRule
 from ..text import degrees_that_work, rule_ref
 
-_EXPERT_STYLES = ("expert_tp", "expert_parallel")
-
 
 def _sharded_sizes(module, rule) -> list[tuple[str, int, int]]:
     """(parameter, size of its sharded dim, blocks) under the rule's placements."""
-    from ...core.placements import parse_placement
-    from ...sharding.experts import expert_placements
-
     out = []
-    placed = expert_placements(module, rule.spec.style, rule.spec.params if rule.spec.style == "expert_tp" else None)
-    for name, text in placed.items():
-        placement = parse_placement(text)
+    for name, placement in rule.spec.param_placements(module).items():
         if placement.kind != "shard":
             continue
         param = module._parameters[name]
@@ -27,11 +20,11 @@ def _sharded_sizes(module, rule) -> list[tuple[str, int, int]]:
 
 
 def check(ctx):
-    from ...sharding.experts import is_experts_module
+    from ...core.expert_styles import is_experts_module
 
     for fqn, rule in ctx.matched.items():
-        style = rule.spec.style
-        if style not in _EXPERT_STYLES:
+        style, experts = rule.spec.style, rule.spec.semantics.experts
+        if experts is None:
             continue
         module = ctx.modules[fqn]
         if not is_experts_module(module):
@@ -54,7 +47,7 @@ def check(ctx):
                     break
                 if size % (blocks * tp) == 0:
                     continue
-                if style == "expert_parallel":
+                if experts == "whole":
                     what = f"{size} experts of '{fqn}'"
                     fix = f"degrees that work: {degrees_that_work(size)}, or expert_tp (shards each expert instead)"
                 else:

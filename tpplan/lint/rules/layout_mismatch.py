@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from ...core.placements import PlacementSpec
+from ..facts import module_kind
 from ..registry import Finding, LintRule
 from ..text import rule_ref, shard_text, styled
+
+_VOCAB_SHARD = PlacementSpec("shard", 0)  # of an Embedding's weight [vocab, dim]
 
 
 def describe(lay, ndim: int) -> str:
@@ -17,19 +21,21 @@ def origin(lay) -> str:
     return f" from {styled(lay.src.fqn, lay.src.rule)}" if lay.src else ""
 
 
-def _fix(m, ndim: int) -> str:
+def _fix(ctx, m, ndim: int) -> str:
     have, key = m.actual, "input_layouts" if m.what.startswith("input") else "output_layouts"
     if m.what.startswith("input '"):
         key = "input_kwarg_layouts"
     if m.impossible:
         return f"it has {ndim} dims: pick a dim in range"
-    if m.rule.spec.style == "rowwise" and m.declared_default and have.kind == "R":
-        return "a rowwise Embedding (vocabulary-parallel) takes token ids whole: give it input_layouts: replicate (torch's default is shard(-1))"
-    style = m.rule.spec.style
-    if style == "sequence_parallel":
+    spec = m.rule.spec
+    if m.declared_default and have.kind == "R" and module_kind(ctx.modules[m.fqn]) == "Embedding":
+        vocab = " (vocabulary-parallel)" if spec.semantics.placement("Embedding", "weight") == _VOCAB_SHARD else ""
+        return (f"a {spec.style} Embedding{vocab} takes token ids whole: give it {spec.semantics.input_option}: replicate "
+                f"(torch's default is {m.declared})")
+    if spec.semantics.sequence_shards:
         if have.kind == "R":
             producer = f"give '{have.src.rule.pattern}' output_layouts: {m.declared}" if have.src else "shard it before (a rowwise with output_layouts: shard(1))"
-            return f"sequence parallelism starts where the sequence is sharded: {producer}, or drop sequence_parallel here"
+            return f"sequence parallelism starts where the sequence is sharded: {producer}, or drop {spec.style} here"
         return f"set sequence_dim to the dim that is sharded, or gather before it (it arrives {shard_text(have.dim, ndim) if have.kind == 'S' else 'partial'})"
     if m.what == "input 0" and m.rule.spec.semantics.input_option is not None:
         key = m.rule.spec.semantics.input_option
@@ -46,11 +52,11 @@ def check(ctx):
         return
     for m in ctx.flow.mismatches:
         ndim = len(m.shape)
-        declared = m.declared + (" (torch's default)" if m.declared_default else "")
+        declared = f"{m.declared}" + (" (torch's default)" if m.declared_default else "")
         yield Finding(ctx.at(m.rule), (
             f"{m.rule.spec.style} '{m.fqn or '<root>'}' ({rule_ref(m.rule)}) takes its {m.what} {m.shape} as {declared}, "
             f"but it arrives {describe(m.actual, ndim)}{origin(m.actual)}: DTensor.from_local believes the declaration "
-            f"and computes on wrong data; {_fix(m, ndim)}"
+            f"and computes on wrong data; {_fix(ctx, m, ndim)}"
         ))
 
 

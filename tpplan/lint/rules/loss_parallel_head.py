@@ -16,7 +16,7 @@ def _head(ctx) -> str | None:
 
 def _shards_last_dim(layouts) -> bool:
     # colwise returns (..., vocab): the last dim is -1, or 2 for (batch, seq, vocab) logits.
-    return layouts is not None and str(layouts) in ("shard(-1)", "shard(2)")
+    return layouts is not None and layouts.kind == "shard" and layouts.blocks == 1 and layouts.dim in (-1, 2)
 
 
 def check(ctx):
@@ -37,7 +37,7 @@ def check(ctx):
         ))
         return
     spec = rule.spec
-    if spec.style != "colwise":
+    if not spec.semantics.feature_sharded_output:
         yield Finding(ctx.at(rule), (
             f"loss_parallel is true, but rule '{rule.pattern}' gives the head '{head}' style {spec.style}: only colwise "
             f"returns logits sharded on the vocabulary dim; {fix}"

@@ -12,7 +12,7 @@ def check(ctx):
     for mixed in ctx.flow.mixed:
         src = mixed.value.src
         origin = f"{styled(src.fqn, src.rule)} hands on a DTensor" if src else "a DTensor"
-        option = "use_local_output" if src is None or src.rule.spec.style != "prepare_module_input_output" else "use_local_input"
+        option = src.rule.spec.local_option() if src is not None else "use_local_output"
         at = ctx.at(src.rule) if src else ctx.plan_location()
         inside = f" inside '{mixed.fqn}'" if mixed.fqn and not mixed.detail.startswith("module") else ""
         yield Finding(at, (

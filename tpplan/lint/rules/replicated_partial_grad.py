@@ -16,7 +16,7 @@ def partial_grad_params(ctx, leak) -> list[str] | None:
 
     if leak.where != "module" or leak.value.kind != "S":
         return None
-    if leak.sequence and leak.value.src.rule.spec.style != "colwise":
+    if leak.sequence and not leak.value.src.rule.spec.semantics.feature_sharded_output:
         return None  # a sequence shard (TP322): sequence_parallel is the fix there
     module = ctx.modules.get(leak.fqn)
     if module is None or isinstance(module, (nn.Linear, nn.Embedding)):

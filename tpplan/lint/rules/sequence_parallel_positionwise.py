@@ -27,7 +27,7 @@ def positionwise(module) -> bool:
 
 def check(ctx):
     for fqn, rule in ctx.matched.items():
-        if rule.spec.style != "sequence_parallel":
+        if not rule.spec.semantics.sequence_shards:
             continue
         module = ctx.modules[fqn]
         if positionwise(module) or nested_parameters(module):

@@ -31,8 +31,8 @@ def _fix(ctx, siblings, node, layout: str) -> str:
     fqn, where, call = found
     rule = ctx.matched.get(fqn)
     if rule is not None:
-        if rule.spec.style == "prepare_module_input" and rule.spec.use_local_output:
-            return f"set use_local_output: false on {rule_ref(rule)}"
+        if rule.spec.semantics.inputs == "layouts" and rule.spec.inputs_local():
+            return f"set {rule.spec.local_option()}: false on {rule_ref(rule)}"
         return f"have {rule_ref(rule)} hand '{generalize(fqn)}' its input as a DTensor"
     if isinstance(where, int):
         given = ", ".join(layout if i == where else "null" for i in range(len(call.args)))
