@@ -64,14 +64,25 @@ class ExpertParallelSpec(_ExpertOptions):
     style: Literal["expert_parallel"]
     dispatch: Literal["all_reduce", "all_to_all"] = Field(
         "all_reduce",
-        description="all_reduce: tokens replicated, each rank runs its experts on every token "
-        "(weight 0 where not routed), one all-reduce sums the ranks' outputs. all_to_all: tokens "
+        description="all_reduce: tokens replicated, each rank runs its experts on the tokens routed "
+        "to them, one all-reduce sums the ranks' outputs. all_to_all: tokens "
         "sharded over the mesh (sequence parallelism; the experts get the rank's local [T, H] tokens): "
         "each token travels to the rank holding its expert and back, torchtitan-style "
         "(forward 3 all-to-alls: counts, tokens, results; backward 2); input_layouts and "
         "output_layouts are then shard(0), the token dim, and the output is the same local tokens.",
     )
-    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertParallel", **_EXPERT_SEMANTICS)
+    semantics = StyleSemantics(torch_class="tpplan.sharding.expert_parallel:AllReduceExpertParallel", **_EXPERT_SEMANTICS)
+
+    def torch_class(self) -> str:
+        # one class per dispatch (tpplan/sharding/expert_parallel.py)
+        if self.dispatch == "all_to_all":
+            return "tpplan.sharding.expert_parallel:AllToAllExpertParallel"
+        return self.semantics.torch_class
+
+    def torch_options(self):
+        options = super().torch_options()
+        del options["dispatch"]  # the class is the dispatch
+        return options
 
     @model_validator(mode="after")
     def _token_shard_layouts(self):
