@@ -2,7 +2,7 @@
 expert_tp and expert_parallel on fused 3-D expert modules, local_params for
 a module whose parameters are replicated inside a sharded region, and
 sum_output_grad for a whole module whose output every rank's shard uses. No torch here;
-the styles themselves are in sharding/experts.py, sharding/params.py and
+the styles themselves are in sharding/experts.py, expert_parallel.py, params.py and
 sharding/grad_sum.py.
 
 No `from __future__ import annotations` here: pydantic would compile every
