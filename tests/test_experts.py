@@ -110,7 +110,7 @@ def test_qwen2_moe_plans_shard_the_routed_experts():
         assert Fraction(experts_per_rank, experts) == Fraction(1, 2)
 
 
-@pytest.mark.parametrize("family, nproc", [("qwen3_moe", 4), ("gpt_oss", 2)])
+@pytest.mark.parametrize("family, nproc", [pytest.param("qwen3_moe", 4, marks=pytest.mark.slow), ("gpt_oss", 2)])
 def test_all_reduce_dispatch_computes_each_routed_pair_once_and_matches_one_device_on_real_ranks(family, nproc):
     from test_torchrun import torchrun
 
