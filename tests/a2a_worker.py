@@ -1,6 +1,6 @@
 """Worker for tests/test_expert_all_to_all.py, run under torchrun (gloo, CPU): the
 experts module of a tiny transformers MoE model under
-ExpertParallel(dispatch="all_to_all"), fed this rank's own tokens with routing skewed
+AllToAllExpertParallel (dispatch: all_to_all), fed this rank's own tokens with routing skewed
 so that per-rank split sizes are ragged and some expert gets no token, compared with
 the whole module on every rank's tokens (outputs and every gradient). Rank 0 prints
 one JSON line: max diffs, the split sizes of each rank, the collective counts."""
@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from tpplan import hf_models
 from tpplan.runtime.simulate import collective_name
 from tpplan.sharding import expert_dispatch
-from tpplan.sharding.experts import ExpertParallel
+from tpplan.sharding.expert_parallel import AllToAllExpertParallel
 
 
 def main(family: str) -> None:
@@ -44,7 +44,7 @@ def main(family: str) -> None:
     start = sum(sizes[:rank])
     mine = slice(start, start + sizes[rank])
 
-    parallelize_module(experts, mesh, ExpertParallel(dispatch="all_to_all"))
+    parallelize_module(experts, mesh, AllToAllExpertParallel())
     seen = []
     original = expert_dispatch.dispatch
 
@@ -53,7 +53,7 @@ def main(family: str) -> None:
         seen.append((routed.input_splits, routed.output_splits))
         return rows, expert, routed
 
-    sys.modules["tpplan.sharding.experts"].dispatch = recording  # the name ExpertParallel calls
+    sys.modules["tpplan.sharding.expert_parallel"].dispatch = recording  # the name AllToAllExpertParallel calls
     from torch.distributed.tensor.debug import CommDebugMode
 
     h, w = hidden[mine].clone().requires_grad_(), weights[mine].clone().requires_grad_()

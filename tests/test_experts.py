@@ -7,6 +7,7 @@ gradient equal one device, exact collective counts, per-rank parameter bytes.
 from __future__ import annotations
 
 import functools
+import json
 from fractions import Fraction
 from pathlib import Path
 
@@ -107,6 +108,56 @@ def test_qwen2_moe_plans_shard_the_routed_experts():
     for plan_file in ("qwen2_moe_tp.yaml", "qwen2_moe_tp_sp.yaml"):
         _, _, experts, experts_per_rank = _bytes(load_plan(PLANS / plan_file), hf_models.qwen2_moe, 2)
         assert Fraction(experts_per_rank, experts) == Fraction(1, 2)
+
+
+@pytest.mark.parametrize("family, nproc", [pytest.param("qwen3_moe", 4, marks=pytest.mark.slow), ("gpt_oss", 2)])
+def test_all_reduce_dispatch_computes_each_routed_pair_once_and_matches_one_device_on_real_ranks(family, nproc):
+    from test_torchrun import torchrun
+
+    result = torchrun(nproc, "tests/ep_all_reduce_worker.py", family, pythonpath=ROOT, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert max(report["diffs"].values()) < 1e-5, report["diffs"]
+    # Each rank's experts compute exactly the pairs routed to them: T*k rows over the
+    # ranks (not T*E, every local expert on every token), ragged, one rank maybe none.
+    assert report["rows"] == report["routed"] and sum(report["rows"]) == report["tokens"] * report["top_k"]
+    assert len(set(report["rows"])) > 1
+    assert report["forward"] == {"all_reduce": 1} and report["backward"] == {"all_reduce": 2}
+
+
+def test_under_local_tensor_mode_every_rank_computes_its_largest_experts_share_padded_with_weight_0():
+    import torch
+    from torch.distributed._local_tensor import LocalTensorMode
+
+    from tpplan.sharding.expert_dispatch import route_local
+
+    index = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 1]])  # expert 0: 3 pairs, 1: 3, 2: 1, 3: 1
+    weights = torch.full((4, 2), 0.5)
+    with simulated_world(2):
+        rows, expert, weight, token = route_local(torch.randn(4, 8), index, weights, tp_mesh(2), 4)
+        assert token.tolist() == [0, 1, 2, 0, 2, 3]  # rank 0: experts 0 and 1's pairs, token order
+        assert expert.squeeze(-1).tolist() == [0, 0, 0, 1, 1, 1] and rows.shape == (6, 8)
+        with LocalTensorMode(2):
+            rows, expert, weight, token = route_local(torch.randn(4, 8), index, weights, tp_mesh(2), 4)
+            # one program for both ranks: 3 rows per local expert (rank 0's most), rank 1's
+            # 1 + 1 routed rows padded to 3 + 3 with weight 0
+            assert rows.shape == (6, 8) and expert.squeeze(-1).tolist() == [0, 0, 0, 1, 1, 1]
+            per_rank = {r: w.squeeze(-1).tolist() for r, w in weight._local_tensors.items()}
+    assert per_rank == {0: [0.5] * 6, 1: [0.5, 0.0, 0.0, 0.5, 0.0, 0.0]}
+
+
+def test_sharding_leaves_no_style_state_on_the_models_modules():
+    import torch
+
+    with simulated_world(2), torch.device("meta"):
+        model = hf_models.qwen3_moe()
+        load_plan(PLANS / "qwen3_moe_ep.yaml").apply(model, tp_mesh(2))
+    with simulated_world(8), torch.device("meta"):
+        kv = hf_models.llama_kv2()  # 2 KV heads at TP 8: replicated, the attention's groups set
+        load_plan(PLANS / "llama_tp.yaml").apply(kv, tp_mesh(8))
+    for module in (*model.modules(), *kv.modules()):
+        assert not [key for key in vars(module) if key.startswith("_tpplan")], type(module).__name__
+    assert model.model.layers[0].mlp.experts.num_experts == 4  # the model's count outside a forward
 
 
 def test_expert_tp_reduce_scatters_its_output_when_asked_for_a_token_shard():

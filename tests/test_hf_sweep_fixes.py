@@ -111,7 +111,8 @@ def test_sum_output_grad_sums_only_the_last_features_gradient():
     from torch.distributed.tensor import DTensor
 
     from tpplan.runtime.simulate import simulated_world, tp_mesh
-    from tpplan.sharding.grad_sum import SumOutputGrad, SumOutputGradError
+    from tpplan.core.problems import StyleInputError
+    from tpplan.sharding.grad_sum import SumOutputGrad
 
     with simulated_world(2):
         mesh = tp_mesh(2)
@@ -126,5 +127,5 @@ def test_sum_output_grad_sums_only_the_last_features_gradient():
         with _counting(counts):
             out.sum().backward()
         assert counts == {"all_reduce": 1}  # the last 2 features' gradient (a no-op sum under the fake group)
-        with pytest.raises(SumOutputGradError, match="last: 7 is more than the 6 features"):
+        with pytest.raises(StyleInputError, match="last: 7 is more than the 6 features"):
             SumOutputGrad(last=7)._apply(nn.Linear(4, 6), mesh)(x)

@@ -160,12 +160,15 @@ def test_dtensor_input_is_redistributed_not_reannotated(world, module):
         torch.testing.assert_close(value, torch.full((2, 6), float(TP)))
 
 
-def test_non_tensor_first_input_is_a_clear_type_error(world, module):
+def test_non_tensor_first_input_is_a_style_input_error_with_its_fix(world, module):
+    from tpplan.core.problems import StyleInputError
+
     mesh, _ = world
     parallelize_module(module, mesh, NoParallel())
-    with pytest.raises(TypeError, match="^NoParallel on Scaled expects a tensor as the first positional input, got list$"):
+    with pytest.raises(StyleInputError, match="^no_parallel on Scaled needs a tensor as its first positional input, got list; ") as caught:
         module([torch.ones(2, 6)])
-    with pytest.raises(TypeError, match="got no positional input$"):
+    assert caught.value.fix == "put the rule on a module called with a tensor first, or on its parent"
+    with pytest.raises(StyleInputError, match="got no positional input; "):
         module(x=torch.ones(2, 6))
 
 

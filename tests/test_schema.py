@@ -404,7 +404,8 @@ def _torch():
 
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from tpplan.sharding.experts import ExpertParallel, ExpertTensorParallel
+    from tpplan.sharding.expert_parallel import AllReduceExpertParallel, AllToAllExpertParallel
+    from tpplan.sharding.experts import ExpertTensorParallel
     from tpplan.sharding.kv_heads import HeadsColwiseParallel
     from tpplan.sharding.grad_sum import SumOutputGrad
     from tpplan.sharding.params import LocalParams
@@ -412,7 +413,8 @@ def _torch():
 
     return SimpleNamespace(
         **vars(parallel), Partial=Partial, Replicate=Replicate, Shard=Shard, StridedShard=_StridedShard, NoParallel=NoParallel,
-        ExpertTensorParallel=ExpertTensorParallel, ExpertParallel=ExpertParallel, HeadsColwiseParallel=HeadsColwiseParallel,
+        ExpertTensorParallel=ExpertTensorParallel, AllReduceExpertParallel=AllReduceExpertParallel,
+        AllToAllExpertParallel=AllToAllExpertParallel, HeadsColwiseParallel=HeadsColwiseParallel,
         LocalParams=LocalParams, SumOutputGrad=SumOutputGrad,
     )
 
@@ -489,7 +491,8 @@ COMPILE_CASES = [
             use_local_output=False,
         ),
     ),
-    ("{style: expert_parallel, dispatch: all_reduce, input_layouts: replicate}", lambda t: t.ExpertParallel(input_layouts=t.Replicate())),
+    ("{style: expert_parallel, dispatch: all_reduce, input_layouts: replicate}", lambda t: t.AllReduceExpertParallel(input_layouts=t.Replicate())),
+    ("{style: expert_parallel, dispatch: all_to_all}", lambda t: t.AllToAllExpertParallel()),
     ("{style: colwise, heads: 2, input_layouts: shard(1)}", lambda t: t.HeadsColwiseParallel(heads=2, input_layouts=t.Shard(1))),
     ("{style: colwise, heads: auto}", lambda t: t.HeadsColwiseParallel()),
     (

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# A model like the user's: an error raised in its code is the model's, not a tpplan bug
+# (tpplan.runtime.locate.raised_by_tpplan).
+MODEL_CODE = True
+
 # The sizes every family shares. vocab and intermediate sizes divide by 8 too,
 # so a vocab-parallel embedding and colwise MLPs shard evenly at TP 2 and 4.
 TINY: dict[str, Any] = dict(

@@ -2,7 +2,7 @@
 expert_tp and expert_parallel on fused 3-D expert modules, local_params for
 a module whose parameters are replicated inside a sharded region, and
 sum_output_grad for a whole module whose output every rank's shard uses. No torch here;
-the styles themselves are in sharding/experts.py, sharding/params.py and
+the styles themselves are in sharding/experts.py, expert_parallel.py, params.py and
 sharding/grad_sum.py.
 
 No `from __future__ import annotations` here: pydantic would compile every
@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 from pydantic import Field, model_validator
 
 from .placements import PlacementSpec
+from .problems import StyleInputError
 from .style_model import (
     _REPLICATE,
     _SHARD0,
@@ -72,9 +73,25 @@ def expert_tp_placements(module: Any) -> dict[str, PlacementSpec]:
     return placements
 
 
-def _experts_only(module: Any) -> None:
+def not_experts(style: str, module: Any) -> StyleInputError:
+    own = ", ".join(_own_parameters(module)) or "none"
+    return StyleInputError(
+        f"{style} needs a module with fused 3-D expert parameters (gate_up_proj or up_proj, and down_proj); "
+        f"{type(module).__name__} has: {own}",
+        "put the rule on the experts module itself (transformers: mlp.experts)",
+    )
+
+
+def unknown_params(module: Any, unknown: set[str], known) -> StyleInputError:
+    return StyleInputError(
+        f"params names no parameter of {type(module).__name__}: {', '.join(map(repr, sorted(unknown)))}",
+        f"name its own parameters: {', '.join(known)}",
+    )
+
+
+def _experts_only(module: Any, style: str) -> None:
     if not is_experts_module(module):
-        raise ValueError(f"{type(module).__name__} holds no fused 3-D expert parameters")
+        raise not_experts(style, module)
 
 
 
@@ -94,7 +111,7 @@ class _ExpertOptions(StyleSpec):
 
 # The experts' hidden states, token indices and routing weights are all handed on
 # (first_tensor); parameter placements depend on the module's layout and the
-# options: tpplan.sharding.experts.expert_placements, read by lint/facts.py.
+# options: each spec's param_placements, read by lint/facts.py.
 _EXPERT_SEMANTICS = dict(runs_module=True, inputs="first_tensor", outputs="first", input_option="input_layouts")
 
 
@@ -112,11 +129,11 @@ class ExpertTPSpec(_ExpertOptions):
     semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertTensorParallel", experts="each", **_EXPERT_SEMANTICS)
 
     def param_placements(self, module):
-        _experts_only(module)
+        _experts_only(module, self.style)
         placed = expert_tp_placements(module)
         unknown = set(self.params or {}) - set(placed)
         if unknown:
-            raise ValueError(f"no parameter {', '.join(sorted(unknown))}")
+            raise unknown_params(module, unknown, placed)
         return {**placed, **(self.params or {})}
 
 
@@ -126,17 +143,30 @@ class ExpertParallelSpec(_ExpertOptions):
     style: Literal["expert_parallel"]
     dispatch: Literal["all_reduce", "all_to_all"] = Field(
         "all_reduce",
-        description="all_reduce: tokens replicated, each rank runs its experts on every token "
-        "(weight 0 where not routed), one all-reduce sums the ranks' outputs. all_to_all: tokens "
+        description="all_reduce: tokens replicated, each rank runs its experts on the tokens routed "
+        "to them, one all-reduce sums the ranks' outputs. all_to_all: tokens "
         "sharded over the mesh (sequence parallelism; the experts get the rank's local [T, H] tokens): "
         "each token travels to the rank holding its expert and back, torchtitan-style "
         "(forward 3 all-to-alls: counts, tokens, results; backward 2); input_layouts and "
         "output_layouts are then shard(0), the token dim, and the output is the same local tokens.",
     )
-    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertParallel", experts="whole", **_EXPERT_SEMANTICS)
+    semantics = StyleSemantics(
+        torch_class="tpplan.sharding.expert_parallel:AllReduceExpertParallel", experts="whole", **_EXPERT_SEMANTICS
+    )
+
+    def torch_class(self) -> str:
+        # one class per dispatch (tpplan/sharding/expert_parallel.py)
+        if self.dispatch == "all_to_all":
+            return "tpplan.sharding.expert_parallel:AllToAllExpertParallel"
+        return self.semantics.torch_class
+
+    def torch_options(self):
+        options = super().torch_options()
+        del options["dispatch"]  # the class is the dispatch
+        return options
 
     def param_placements(self, module):
-        _experts_only(module)
+        _experts_only(module, self.style)
         return {name: _SHARD0 for name in _own_parameters(module)}
 
     @model_validator(mode="after")

@@ -55,7 +55,8 @@ def first_line(exc: BaseException, *, with_type: bool = False) -> str:
     says more than its message (DataDependentOutputException: aten.x)."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     text = lines[0] if lines else type(exc).__name__
-    if lines and (with_type or type(exc).__module__ != "builtins"):
+    # A StyleInputError's message is whole (what is wrong; the fix): its class adds nothing.
+    if lines and (with_type or (type(exc).__module__ != "builtins" and not isinstance(exc, StyleInputError))):
         text = f"{type(exc).__name__}: {text}"
     return text if len(text) <= 300 else text[:297] + "..."
 
@@ -64,3 +65,21 @@ class ModelError(Exception):
     """Raised on purpose by tpplan code about the user's model or plan (a style given
     an input it cannot take, a model output without floats): located like the
     errors torch raises, never shown as a tpplan bug."""
+
+
+class StyleInputError(ModelError, ValueError):
+    """A style given a module or an input it cannot take (expert_parallel on experts
+    that the degree does not divide, colwise with heads on a module that is not a
+    Linear, experts called without routing indices): the plan's or the model's
+    error. The runtime reports it at the rule that names the style (TP501 while
+    sharding, TP502 in the forward), exit 1. A ValueError too, for callers of the
+    styles' helpers that catch one.
+
+    `what`: what is wrong, naming the module; `fix`: what to change."""
+
+    def __init__(self, what: str, fix: str):
+        super().__init__(f"{what}; {fix}")
+        self.what, self.fix = what, fix
+
+    def __reduce__(self):  # pickled with both fields (torchrun ranks send errors to each other)
+        return type(self), (self.what, self.fix)

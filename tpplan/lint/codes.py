@@ -107,8 +107,12 @@ _RUNTIME_CODES = {
     "TP500": ("model-factory", "The model (or inputs) factory named by --model / --inputs raised, or returned something else than an nn.Module (or tensors), "
               "or the model fails on one device without the plan (the dry run looks before blaming a rule for a failing forward); "
               "located at the line of the model's code that raised."),
-    "TP501": ("apply-failed", "Applying a rule's style to a module raised (e.g. colwise on a module that is not a Linear or Embedding)."),
-    "TP502": ("forward-failed", "The forward or backward of the parallelized model fails at this TP degree, typically a shape that the degree does not divide (heads, sequence)."),
+    "TP501": ("apply-failed", "Applying a rule's style to a module raised (e.g. colwise on a module that is not a Linear or Embedding). "
+              "tpplan's own styles say what is wrong and the fix (expert_parallel on experts the degree does not divide, "
+              "colwise with heads on out_features that are not whole heads, local_params naming a parameter the module lacks)."),
+    "TP502": ("forward-failed", "The forward or backward of the parallelized model fails at this TP degree, typically a shape that the degree does not divide (heads, sequence). "
+              "When a tpplan style's own hook finds input it cannot take (expert_parallel called without routing indices, "
+              "no_parallel called without a positional tensor), the problem is at that style's rule, with the fix."),
     "TP503": ("ranks-disagree", "The ranks of a torchrun job disagree before sharding: different plans, different models, or errors on some ranks only."),
     "TP504": ("collective-failed", "A collective failed or timed out (--timeout): another rank died, hung or never started."),
     "TP505": ("check-mismatch", "--check: the outputs or gradients of the parallelized model differ from the single-device reference; "

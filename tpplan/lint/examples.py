@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# A model like the user's: an error raised in its code is the model's, not a tpplan bug
+# (tpplan.runtime.locate.raised_by_tpplan).
+MODEL_CODE = True
+
 
 class TiedLM(nn.Module):
     """Embedding -> MLP -> head, the head's weight tied to the embedding's."""

@@ -1,20 +1,20 @@
 """Located application: the plan applied to a model, and the model run, with a
 failure of the user's model or plan turned into a problem at the rule that caused
-it (TP501 while sharding, TP502 in the forward or backward). An exception raised
-in tpplan's own code is a tpplan bug: it escapes unchanged, for the CLI to show as one."""
+it (TP501 while sharding, TP502 in the forward or backward): torch's errors, the
+model's, and the `StyleInputError`s tpplan's styles raise for input they cannot
+take. Any other exception raised in tpplan's own code is a tpplan bug: it escapes
+unchanged, for the CLI to show as one."""
 
 from __future__ import annotations
 
 import contextlib
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.placements import placements_text
 from ..core.plan import Plan, Rule
-from ..core.problems import ModelError, PlanError, Problem, error, first_line
+from ..core.problems import ModelError, PlanError, Problem, StyleInputError, error, first_line
 from .comm import CommFailure, comm_problem, is_comm_failure
 from .layouts import local_shapes
 
@@ -22,23 +22,24 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-_TPPLAN = Path(__file__).resolve().parent.parent
-# tpplan's reference and example models are models like the user's: their errors
-# (a torch op failing on a line of their forward) are the model's.
-_MODELS = (_TPPLAN / "models", _TPPLAN / "hf_models.py", _TPPLAN / "lint" / "examples.py")
-
-
 def raised_by_tpplan(exc: BaseException) -> bool:
-    """Whether `exc` was raised in tpplan's own code (its innermost frame is in the
-    tpplan package, outside the reference models) and is not a `ModelError`,
-    raised on purpose about the user's model: then it is a tpplan bug."""
+    """Whether `exc` is a tpplan bug: not one of the typed errors tpplan raises on
+    purpose about the user's plan or model (`ModelError`: a `StyleInputError` from a
+    style, a model output without floats), and raised by tpplan's own code, that is,
+    its innermost frame runs in a module of the tpplan package. Reference models
+    shipped in the package (tpplan.models, tpplan.hf_models, tpplan.lint.examples)
+    are models like the user's and say so with a module-level `MODEL_CODE = True`:
+    a torch op failing on a line of their forward is the model's."""
     if isinstance(exc, ModelError):
         return False
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
+    tb = exc.__traceback__
+    if tb is None:
         return False
-    where = Path(frames[-1].filename).resolve()
-    return where.is_relative_to(_TPPLAN) and not any(where == m or where.is_relative_to(m) for m in _MODELS)
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals
+    package = module.get("__package__") or module.get("__name__") or ""
+    return package.split(".")[0] == "tpplan" and not module.get("MODEL_CODE", False)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def apply_plan(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", on_module: Ca
         raise PlanError([rule.problem(
             "TP501",
             f"{rule.spec.style} cannot shard '{fqn or '<root>'}' ({type(module).__name__}{_module_shapes(module)}) "
-            f"at TP {tp_size}: {first_line(exc)}",
+            f"at TP {tp_size}: {_reason(exc)}",
         )]) from None
     return rules
 
@@ -151,14 +152,18 @@ class FailureLocator:
 
     def problem(self, exc: BaseException) -> Problem:
         if not self.stack:
-            return error("TP502", f"the backward (or the loss) fails at TP {self.tp}: {first_line(exc)}", self.plan.file)
+            return error("TP502", f"the backward (or the loss) fails at TP {self.tp}: {_reason(exc)}", self.plan.file)
         site, shapes = self.stack[-1]
         module = self.model.get_submodule(site)
-        rule, evidence = self._blame(site)
         message = (
             f"the forward of '{site or '<root>'}' ({type(module).__name__}, input {shapes or 'none'}) "
-            f"fails at TP {self.tp}: {first_line(exc)}"
+            f"fails at TP {self.tp}: {_reason(exc)}"
         )
+        if isinstance(exc, StyleInputError) and site in self.rules:
+            # The style's own hook raised: its rule is the one at fault, no guessing.
+            rule = self.rules[site]
+            return rule.problem("TP502", f"{message} ({rule.spec.style}, rule '{rule.pattern}')")
+        rule, evidence = self._blame(site)
         if rule is None:
             return error("TP502", message + "; no rule of the plan shards this module or its children", self.plan.file)
         return rule.problem("TP502", f"{message}; {evidence}")
@@ -200,6 +205,14 @@ class FailureLocator:
                     text += f", not divisible: dim {placement.dim} is {length}, {length} % {self.tp} = {length % self.tp}"
             found.append((text, uneven))
         return found
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong, for a problem's message: a StyleInputError's whole message
+    (what is wrong and the fix, never cut), else the exception's first line."""
+    if isinstance(exc, StyleInputError):
+        return f"{exc.what}; {exc.fix}"
+    return first_line(exc)
 
 
 def _within(fqn: str, ancestor: str) -> bool:

@@ -1,6 +1,14 @@
-"""Token dispatch over the mesh for `ExpertParallel(dispatch="all_to_all")`, torchtitan-style
-(`torchtitan/distributed/expert_parallel.py`: `_token_dispatch` / `_token_combine`).
+"""Token dispatch for the expert-parallel styles (expert_parallel.py): which rows each
+rank's experts compute, and how their results come back.
 
+all_reduce (`route_local` / `combine_local`): every rank holds every token. Of the T*k
+(token, expert) pairs the rank computes only those routed to its E/n experts, as
+transformers' experts forward does on one device (gather each expert's tokens, index_add
+the weighted results back): summed over the ranks, the experts compute T*k rows, not
+T*E. The rank's sum is partial; the style all-reduces it.
+
+all_to_all (`dispatch` / `combine`), torchtitan-style
+(`torchtitan/distributed/expert_parallel.py`: `_token_dispatch` / `_token_combine`).
 Each rank holds its own tokens (e.g. a sequence shard) and E/n whole experts. One call:
 
 1. the rank's (token, expert) pairs, T*k of them, are sorted by expert; per-expert counts
@@ -35,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.problems import ModelError
 
-__all__ = ["Routed", "dispatch", "combine", "UnsimulatableDispatch"]
+__all__ = ["Routed", "dispatch", "combine", "UnsimulatableDispatch", "rank_values", "route_local", "combine_local"]
 
 
 class UnsimulatableDispatch(ModelError, NotImplementedError):
@@ -51,6 +59,89 @@ class Routed:
     input_splits: list[int] | None
     output_splits: list[int] | None
     weights: torch.Tensor
+
+
+def rank_values(mesh: DeviceMesh, values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A 1-element tensor holding values[rank] on each rank, without a collective
+    (each rank cuts its own element), so that it works in a simulated world too."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.tensor(values, dtype=like.dtype, device=like.device)
+    return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None).to_local()
+
+
+def _values_unknown(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.device.type == "meta" or is_fake(t)
+
+
+def _capacity(counts: torch.Tensor, pairs: int, num_experts: int) -> int | None:
+    """Rows per local expert where every rank must run one program with the same shapes,
+    else None (a real rank computes exactly its rows). Without values (fake or meta
+    tensors: the dry run's shapes) routing is taken as balanced, as `dispatch` does;
+    under LocalTensorMode (every rank's values in one process) it is the largest count
+    of any rank's expert, the others padded with rows of weight 0."""
+    if _values_unknown(counts):
+        return -(-pairs // num_experts)
+    from torch.distributed._local_tensor import LocalTensor, enabled_local_tensor_mode
+
+    mode = enabled_local_tensor_mode()
+    if mode is None:
+        return None
+    peaks: list[int] = []
+
+    def peak(rank: int, value: torch.Tensor) -> torch.Tensor:
+        peaks.append(int(value.max()) if value.numel() else 0)
+        return value
+
+    if isinstance(counts, LocalTensor):
+        mode.tensor_map(counts, peak)  # read each rank's counts; no collective
+    else:
+        peak(0, counts)
+    return max(peaks)
+
+
+def route_local(
+    hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, mesh: DeviceMesh, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """all_reduce dispatch: of the tokens `hidden` [T, H] routed to `index` [T, k] with
+    `weights` [T, k], the rows this rank's experts compute, grouped by expert: (rows
+    [N, H], local expert [N, 1], routing weight [N, 1], token of each row [N])."""
+    ranks, top_k = mesh.size(), index.shape[-1]
+    local = num_experts // ranks
+    pairs = index.reshape(-1)  # [T*k], token-major
+    offset = rank_values(mesh, [float(r * local) for r in range(ranks)], weights).to(pairs.dtype)
+    expert = pairs - offset
+    mine = (expert >= 0) & (expert < local)
+    key = torch.where(mine, expert, torch.full_like(expert, local))  # other ranks' pairs sort last
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(local + 1, dtype=torch.int64, device=pairs.device)
+    counts = counts.scatter_add(0, key.to(torch.int64), torch.ones_like(key, dtype=torch.int64))[:local]
+    flat_weights = weights.reshape(-1)
+    per = _capacity(counts, pairs.numel(), num_experts)
+    if per is None:
+        chosen = order[: int(counts.sum())]
+        local_expert = key[chosen]
+        weight = flat_weights[chosen]
+    else:
+        slot = torch.arange(per, device=pairs.device)
+        starts = counts.cumsum(0) - counts
+        valid = (slot < counts[:, None]).reshape(-1)
+        chosen = order[(starts[:, None] + slot).reshape(-1).clamp(max=pairs.numel() - 1)]
+        local_expert = torch.arange(local, device=pairs.device).repeat_interleave(per)
+        weight = torch.where(valid, flat_weights[chosen], torch.zeros_like(flat_weights[chosen]))
+    token = chosen // top_k
+    rows = hidden.reshape(-1, hidden.shape[-1])[token]
+    return rows, local_expert.to(index.dtype).unsqueeze(-1), weight.unsqueeze(-1), token
+
+
+def combine_local(output: torch.Tensor, token: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the experts' output, shaped like `hidden`: each row's weighted
+    result [N, H] added to its token (as transformers' experts forward does)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    total = torch.zeros(flat.shape, dtype=hidden.dtype, device=hidden.device)
+    return total.index_add(0, token, output.to(hidden.dtype)).view(hidden.shape)
 
 
 def _in_local_tensor_mode() -> bool:

@@ -18,13 +18,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..core.problems import ModelError
+from ..core.problems import StyleInputError
 
 __all__ = ["SumOutputGrad"]
-
-
-class SumOutputGradError(ModelError, ValueError):
-    """The module's output is not a tensor with `last` features: the plan's error, located at its rule."""
 
 
 class SumOutputGrad(ParallelStyle):
@@ -44,11 +40,17 @@ class SumOutputGrad(ParallelStyle):
 
     def _summed(self, module: nn.Module, output, mesh: DeviceMesh) -> torch.Tensor:
         if not isinstance(output, torch.Tensor) or output.dim() == 0:
-            raise SumOutputGradError(f"sum_output_grad: {type(module).__name__} returns {type(output).__name__}, not a tensor with features")
+            raise StyleInputError(
+                f"sum_output_grad: {type(module).__name__} returns {type(output).__name__}, not a tensor with features",
+                "put the rule on a module whose output is one tensor (a Linear)",
+            )
         width = output.shape[-1]
         last = width if self.last is None else self.last
         if last > width:
-            raise SumOutputGradError(f"sum_output_grad: last: {last} is more than the {width} features of {type(module).__name__}'s output")
+            raise StyleInputError(
+                f"sum_output_grad: last: {last} is more than the {width} features of {type(module).__name__}'s output",
+                f"give last: N with N at most {width}, or leave it out for all",
+            )
         kept, shared = output.split([width - last, last], dim=-1)
         # identity forward; backward: the local gradient read as a partial sum, all-reduced
         shared = DTensor.from_local(shared, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])

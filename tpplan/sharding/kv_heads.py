@@ -15,9 +15,11 @@ replicating heads.
 Attention code must repeat KV heads by the LOCAL ratio (query heads on the rank /
 KV heads on the rank): given the attention module (`bind_parent`, which
 `tpplan.plan.Plan.apply` calls before applying), the style sets transformers'
-`num_key_value_groups` on it, and reads the head count from its `head_dim` when
+`num_key_value_groups` on it (the one model attribute it changes: the attention's
+own forward repeats by it), and reads the head count from its `head_dim` when
 `heads` is not given. Code that derives the ratio from tensor shapes
-(tpplan.models.llama) needs nothing more.
+(tpplan.models.llama) needs nothing more. The style's own state (the mesh, the
+parent) is on the style object, one per module.
 """
 
 from __future__ import annotations
@@ -30,20 +32,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
-__all__ = ["HeadsColwiseParallel", "local_heads", "replicas"]
+from ..core.problems import StyleInputError
 
-_GLOBAL_GROUPS = "_tpplan_global_kv_groups"
-
-
-def local_heads(heads: int, degree: int) -> tuple[int, int]:
-    """(heads per rank, replicas per head) at `degree`; ValueError when neither divides the other."""
-    if degree <= heads:
-        if heads % degree:
-            raise ValueError(f"{heads} heads do not divide over TP degree {degree}")
-        return heads // degree, 1
-    if degree % heads:
-        raise ValueError(f"TP degree {degree} is not a multiple of the {heads} heads, so heads cannot be replicated evenly")
-    return 1, degree // heads
+__all__ = ["HeadsColwiseParallel", "replicas"]
 
 
 def replicas(heads: int, degree: int) -> int:
@@ -64,6 +55,10 @@ def _heads_mesh(mesh: DeviceMesh, heads: int, copies: int) -> DeviceMesh:
     outside any fake-tensor mode (a dry run's): the mesh's rank tensor must be real."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    # torch 2.13 has no public way to view a mesh's dim as two: `DeviceMesh(rank
+    # tensor)` and `DeviceMesh.from_group` need process groups for every (heads,
+    # replicas) slice, made by every rank of the world in one order, which is what
+    # `_unflatten` does over the root mesh (torchtitan's ParallelDims uses it too).
     with unset_fake_temporarily():
         return mesh._unflatten(0, (heads, copies), ("kv_heads", "kv_replicas"))
 
@@ -83,15 +78,19 @@ class HeadsColwiseParallel(ParallelStyle):
     def __init__(self, *, heads: int | None = None, input_layouts: Placement | None = None, use_local_output: bool = True):
         super().__init__()
         if heads is not None and heads < 1:
-            raise ValueError(f"heads must be at least 1, not {heads}")
+            raise StyleInputError(f"colwise with heads: heads is {heads}", "give the projection's head count (at least 1), or heads: auto")
         self.heads = heads
         self._parent: nn.Module | None = None
+        self.mesh: DeviceMesh | None = None  # set by _apply
         self.input_layouts = input_layouts or Replicate()
         self.use_local_output = use_local_output
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"colwise with heads shards an nn.Linear, not {type(module).__name__}")
+            raise StyleInputError(
+                f"colwise with heads shards an nn.Linear's output heads; {type(module).__name__} is not one",
+                "put the rule on the attention's q/k/v projections, or drop heads: for plain colwise",
+            )
         heads = self._heads(module)
         degree = device_mesh.size()
         copies = replicas(heads, degree)
@@ -107,17 +106,21 @@ class HeadsColwiseParallel(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param.data, heads_mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module._tpplan_mesh = device_mesh
+        self.mesh = device_mesh
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
         return module
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> tuple:
         if not args or not isinstance(args[0], torch.Tensor):
-            raise TypeError(f"colwise with heads on {type(module).__name__} expects a tensor as the first positional input")
+            raise StyleInputError(
+                f"colwise with heads on {type(module).__name__} needs a tensor as its first positional input, "
+                f"got {type(args[0]).__name__ if args else 'none'}",
+                "put the rule on a projection the model calls with its hidden states",
+            )
         x = args[0]
         if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, module._tpplan_mesh, (self.input_layouts,), run_check=False)
+            x = DTensor.from_local(x, self.mesh, (self.input_layouts,), run_check=False)
         if x.placements != (Replicate(),):
             x = x.redistribute(placements=(Replicate(),))
         for name, param in module.named_parameters(recurse=False):
@@ -138,25 +141,42 @@ class HeadsColwiseParallel(ParallelStyle):
         if heads is None:
             head_dim = getattr(self._parent, "head_dim", None)
             if not isinstance(head_dim, int):
-                raise ValueError(
-                    "colwise with heads: auto needs the parent module's integer head_dim; give the head count (heads: N)"
+                parent = type(self._parent).__name__ if self._parent is not None else "no parent module"
+                raise StyleInputError(
+                    f"colwise with heads: auto reads the head size from the attention module's integer head_dim; {parent} has none",
+                    "give the head count (heads: N)",
                 )
             heads = module.out_features // head_dim
         if heads < 1 or module.out_features % heads:
-            raise ValueError(f"colwise with heads: {module.out_features} output features are not {heads} whole heads")
+            raise StyleInputError(
+                f"colwise with heads: the {module.out_features} output features of {type(module).__name__} are not {heads} whole heads",
+                "give the projection's head count (heads: N), which divides its out_features",
+            )
         return heads
 
     @staticmethod
     def _adjust_parent(parent: nn.Module, heads: int, degree: int) -> None:
-        """Make transformers' attention repeat KV heads by the local ratio."""
-        groups = parent.__dict__.get(_GLOBAL_GROUPS, getattr(parent, "num_key_value_groups", None))
+        """Make transformers' attention repeat KV heads by the local ratio: each rank holds
+        one KV head and n_q / degree query heads. Its forward repeats by
+        `num_key_value_groups`, so the style sets it (the k and v projections' styles
+        alike: from the query-head count, not from the value it may have set already)."""
+        groups = getattr(parent, "num_key_value_groups", None)
         if not isinstance(groups, int):
-            return
-        parent.__dict__[_GLOBAL_GROUPS] = groups
-        query_heads = groups * heads
+            return  # the attention derives the ratio from shapes (tpplan.models.llama)
+        query_heads = _query_heads(parent)
+        if query_heads is None:
+            raise StyleInputError(
+                f"colwise with heads replicates {heads} KV heads over TP degree {degree}, so {type(parent).__name__}'s "
+                "num_key_value_groups must become the local ratio, but it gives no query-head count "
+                "(n_heads or config.num_attention_heads)",
+                f"use a TP degree that divides the {heads} KV heads",
+            )
         if query_heads % degree:
-            raise ValueError(f"{query_heads} query heads do not divide over TP degree {degree}")
-        parent.num_key_value_groups = query_heads // degree  # each rank: n_q / degree query heads, one KV head
+            raise StyleInputError(
+                f"{query_heads} query heads of {type(parent).__name__} do not divide over TP degree {degree}",
+                f"use a TP degree that divides {query_heads}",
+            )
+        parent.num_key_value_groups = query_heads // degree
 
     def __repr__(self) -> str:
         return f"HeadsColwiseParallel(heads={self.heads}, input_layouts={self.input_layouts!r}, use_local_output={self.use_local_output})"

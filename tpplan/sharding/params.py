@@ -20,15 +20,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
-from ..core.problems import ModelError
-from .experts import distribute_param
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
-__all__ = ["LocalParams", "UnknownParamError"]
+from ..core.problems import StyleInputError
+from .experts import distribute_param
 
-
-class UnknownParamError(ModelError, ValueError):
-    """`params` names a parameter the module does not own: the plan's error, located at its rule (TP501)."""
+__all__ = ["LocalParams"]
 
 
 class LocalParams(ParallelStyle):
@@ -69,9 +66,10 @@ class LocalParams(ParallelStyle):
         own = dict(module.named_parameters(recurse=False))
         unknown = sorted(set(self.params) - set(own))
         if unknown:
-            raise UnknownParamError(
+            raise StyleInputError(
                 f"local_params: {type(module).__name__} has no parameter {', '.join(map(repr, unknown))} "
-                f"(its own parameters: {', '.join(own) or 'none'})"
+                f"(its own parameters: {', '.join(own) or 'none'})",
+                "name the module's own parameters in params, or put the rule on the module that holds them",
             )
         if self.prepare is not None:
             self.prepare._apply(module, device_mesh)  # its input hook runs before ours

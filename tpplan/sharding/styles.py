@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from ..core.problems import ModelError
+from ..core.problems import StyleInputError
 
 __all__ = [
     "ColwiseParallel",
@@ -52,10 +52,6 @@ def module_kind(module: nn.Module) -> str | None:
         if isinstance(module, target) if isinstance(target, type) else target(module):
             return kind
     return None
-
-
-class NoParallelInputError(ModelError, TypeError):
-    """NoParallel's module got no tensor as its first positional input."""
 
 
 class NoParallel(ParallelStyle):
@@ -106,9 +102,10 @@ class NoParallel(ParallelStyle):
 
     def _prepare_input(self, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         if not inputs or not isinstance(inputs[0], torch.Tensor):
-            raise NoParallelInputError(
-                f"NoParallel on {type(module).__name__} expects a tensor as the first positional input, "
-                f"got {type(inputs[0]).__name__ if inputs else 'no positional input'}"
+            raise StyleInputError(
+                f"no_parallel on {type(module).__name__} needs a tensor as its first positional input, "
+                f"got {type(inputs[0]).__name__ if inputs else 'no positional input'}",
+                "put the rule on a module called with a tensor first, or on its parent",
             )
         first = inputs[0]
         if not isinstance(first, DTensor):

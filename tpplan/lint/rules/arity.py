@@ -85,7 +85,7 @@ def _observed(ctx):
         elif inputs == "first_tensor" and not call.first_is_tensor:
             yield Finding(ctx.at(call.rule), (
                 f"{spec.style} lays out the first positional input of '{name}', but it is called with {passed} and "
-                f"the first is not a tensor ({rule_ref(call.rule)}): {spec.semantics.torch_class.rpartition(':')[2]} raises TypeError; put it on a "
+                f"the first is not a tensor ({rule_ref(call.rule)}): {spec.semantics.torch_class.rpartition(':')[2]} refuses it in the forward; put it on a "
                 "module whose first positional input is a tensor"
             ))
     for site in ctx.flow.outputs:

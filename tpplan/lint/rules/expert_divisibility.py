@@ -38,7 +38,7 @@ def check(ctx):
         try:
             sizes = _sharded_sizes(module, rule)
         except ValueError as exc:
-            yield Finding(ctx.at(rule), f"{style} params on '{fqn}' ({rule_ref(rule)}): {exc}; name the module's own parameters")
+            yield Finding(ctx.at(rule), f"{style} params on '{fqn}' ({rule_ref(rule)}): {exc}")  # a StyleInputError: it ends with the fix
             continue
         for tp in ctx.tp_sizes:
             for name, size, blocks in sizes:
