@@ -28,6 +28,9 @@ The fields of `StyleSemantics`:
   that share one input each pay for it (TP340).
 - `input_option`: the option that declares the first input's layout, for
   messages that say what to change (None: the options say per input).
+- `opaque`: the lint knows nothing of what the style does (a class the plan
+  names without `like:`, external_styles.py): it follows no layout through
+  the module and judges none of its inputs or outputs.
 
 Option names and defaults are those of torch's style constructors; the
 constructors' cross-field asserts are `cross_field_problems()`, reported at the
@@ -110,6 +113,7 @@ class StyleSemantics:
     outputs: Literal["first", "layouts", "none"] = "none"
     replicated_input: bool = False
     input_option: str | None = None  # the option that declares the first input's layout
+    opaque: bool = False
 
     def placement(self, kind: str | None, param: str) -> str | None:
         """The placement text parameter `param` of a `kind` module gets; None when
