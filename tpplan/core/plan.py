@@ -111,7 +111,7 @@ class Plan:
 
     def resolve(self, model: "nn.Module") -> dict[str, "ParallelStyle"]:
         """{concrete module path: a fresh ParallelStyle}, in module order."""
-        return {fqn: _compiled(rule, self.src_data_rank) for fqn, rule in self.match(model).items()}
+        return {fqn: _compiled(rule, self.src_data_rank, model.get_submodule(fqn)) for fqn, rule in self.match(model).items()}
 
     def tp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
         """The 1-D mesh the plan shards over: `mesh` itself, or its `mesh.axis` dimension."""
@@ -144,7 +144,8 @@ class Plan:
         # Descendants first: a parent's NoParallel then replicates only what no
         # more specific rule has sharded already.
         for fqn, rule in reversed(claimed.items()):
-            style = _compiled(rule, self.src_data_rank)
+            # a LoRA-wrapped Linear: the rule shards its base layer, its adapters follow (sharding/lora.py)
+            style = _compiled(rule, self.src_data_rank, model.get_submodule(fqn))
             bind_parent = getattr(style, "bind_parent", None)  # colwise with heads: the attention module holding it
             if bind_parent is not None:
                 bind_parent(model.get_submodule(fqn.rpartition(".")[0]))
@@ -164,12 +165,13 @@ class Plan:
         return model
 
 
-def _compiled(rule: Rule, src_data_rank: int | None) -> "ParallelStyle":
-    """The rule's style object; a class the plan names that cannot be used is TP306 at the rule."""
-    from ..sharding.compile import StyleClassError, compile_style
+def _compiled(rule: Rule, src_data_rank: int | None, module: "nn.Module") -> "ParallelStyle":
+    """The rule's style object for `module`; a class the plan names that cannot be used
+    is TP306 at the rule."""
+    from ..sharding.compile import StyleClassError, compile_for
 
     try:
-        return compile_style(rule.spec, src_data_rank)
+        return compile_for(rule.spec, module, src_data_rank)
     except StyleClassError as exc:
         raise PlanError([rule.problem("TP306", f"rule '{rule.pattern}': {exc}")]) from None
 

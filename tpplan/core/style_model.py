@@ -95,7 +95,8 @@ class ModuleKind:
 
 # Matched in this order (isinstance: subclasses count).
 MODULE_KINDS: dict[str, ModuleKind] = {
-    "Linear": ModuleKind("torch.nn:Linear", ("out_features", "in_features")),
+    # an nn.Linear, or a peft LoRA-wrapped one (its base layer sharded, its adapters derived: sharding/lora.py)
+    "Linear": ModuleKind("tpplan.sharding.lora:is_linear", ("out_features", "in_features")),
     "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim")),
 }
 

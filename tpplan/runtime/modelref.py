@@ -111,7 +111,9 @@ def build_model(
     from torch import nn
 
     from ..checkpoint.meta import meta_parameters
+    from ..core.torch_range import warn_once
 
+    warn_once()  # one line, once, for a torch outside the tested range
     factory = factory or load_callable(ref, "--model")
     where = meta_parameters() if real_buffers and torch.device(device).type == "meta" else torch.device(device)
     try:

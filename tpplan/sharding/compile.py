@@ -12,6 +12,7 @@ from typing import Any
 from ..core.external_styles import is_external
 from ..core.placements import PlacementSpec
 from ..core.style_model import StyleSpec
+from .lora import for_module
 from .styles import ParallelStyle, resolve
 
 
@@ -108,3 +109,9 @@ def compile_style(spec: StyleSpec, src_data_rank: int | None = 0) -> ParallelSty
         style = cls(**options)
     style.src_data_rank = src_data_rank
     return style
+
+
+def compile_for(spec: StyleSpec, module: Any, src_data_rank: int | None = 0) -> ParallelStyle:
+    """The style object for `module`: `compile_style`'s, or for a peft LoRA-wrapped
+    Linear the one that shards its base layer and derives its adapters (lora.py)."""
+    return for_module(compile_style(spec, src_data_rank), spec, module, lambda adapter: compile_style(adapter, src_data_rank))
