@@ -15,6 +15,7 @@ _EXPORTS = {
     "Problem": "core.problems",
     "load_checkpoint": "checkpoint.load",
     "save_checkpoint": "checkpoint.save",
+    "meta_parameters": "checkpoint.meta",
     "CheckpointError": "checkpoint.errors",
     **dict.fromkeys(
         [

@@ -152,6 +152,35 @@ def llama_kv2(attn_implementation: str = "sdpa"):
     return _build("LlamaConfig", "LlamaForCausalLM", attn_implementation, num_key_value_heads=2)
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _lora(model):
+    """peft LoRA adapters (r 4) on every projection, only they train; lora_B random
+    (peft's default zeros would make the adapters' forward a no-op to compare). The
+    module paths stay the model's (inject_adapter_in_model, not get_peft_model's
+    base_model.model. prefix), so the model's plan applies as it is."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False)
+    return inject_adapter_in_model(config, model)
+
+
+def llama_lora(attn_implementation: str = "sdpa"):
+    """`llama` with LoRA adapters (needs peft)."""
+    return _lora(llama(attn_implementation))
+
+
+def qwen3_lora(attn_implementation: str = "sdpa"):
+    """`qwen3` with LoRA adapters (needs peft)."""
+    return _lora(qwen3(attn_implementation))
+
+
+def llama_kv2_lora(attn_implementation: str = "sdpa"):
+    """`llama_kv2` with LoRA adapters: at TP 4 the KV heads, and their lora_B, are replicated."""
+    return _lora(llama_kv2(attn_implementation))
+
+
 FACTORIES = {
     "llama": llama,
     "llama_tied": llama_tied,

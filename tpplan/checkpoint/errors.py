@@ -59,9 +59,11 @@ CODE_DOCS = {
     "TP607": ("buffer-not-recomputable", """
         The model was built on the meta device and a non-persistent buffer (not
         in any checkpoint, e.g. a rotary `inv_freq` table) cannot be recomputed:
-        the module is not a transformers model and has no `reset_parameters()`.
-        Build the model with real buffers (parameters alone on meta), or give
-        the module a `reset_parameters()` that fills them.
+        the module is not a transformers model, has no `reset_parameters()` and
+        the model no torchtitan-style `init_weights(buffer_device=)`. Build the
+        model under `tpplan.meta_parameters()` (parameters alone on meta, buffers
+        computed as the constructor writes them), or give the module a
+        `reset_parameters()` that fills them.
     """),
     "TP608": ("save-failed", "Writing the checkpoint failed (the directory is not writable, the disk is full); the message names the path."),
 }

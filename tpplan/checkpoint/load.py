@@ -1,7 +1,7 @@
 """`load_checkpoint`: fill a (sharded, possibly meta-device) model from a
 HuggingFace safetensors or DCP checkpoint, each rank reading only its slices.
 
-    with torch.device("meta"):
+    with tpplan.meta_parameters():  # parameters on meta, buffers as the constructor makes them
         model = build()
     plan.apply(model, tp_mesh)
     load_checkpoint(model, "llama/")
@@ -13,7 +13,12 @@ placements); initialise the keys `allow_missing` lets be missing; then
 `torch.distributed.checkpoint.load`, whose planner turns each rank's shards into
 byte-range reads (`HuggingFaceStorageReader` slices safetensors files,
 `FileSystemReader` reads DCP items); last, recompute the non-persistent
-buffers (rotary tables), which no checkpoint holds.
+buffers (rotary tables) that were on the meta device, which no checkpoint
+holds. Real buffers (built under `meta_parameters()`) move to the target
+device as they are; meta ones are recomputed by the model's own init:
+torchtitan's `init_weights(buffer_device=)` (before the read, since it also
+initialises the parameters the read then overwrites), transformers'
+`_init_weights`, or a module's `reset_parameters()`.
 
 From a safetensors file, a tensor allocated here that the rank holds whole or
 by rows, in the checkpoint's dtype, on the CPU, is not copied: its local tensor
@@ -30,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .buffers import init_weights_with_buffers, is_transformers, moved, recompute_buffers, takes_nan
 from .errors import CheckpointError, fail, quiet, some
 from .experts import checkpoint_view, load_planner, part_targets
 from .inspect import Match, match
@@ -88,6 +94,7 @@ def load_checkpoint(
     target = _target_device(model, device)
     state, initialized, fresh = _materialize(model, found, dtype, target)
     _initialize(model, initialized, source.where)
+    filled = init_weights_with_buffers(model, target)
     try:
         with torch.no_grad(), quiet():
             dcp.load(
@@ -103,7 +110,7 @@ def load_checkpoint(
             f"(its {len(state)} tensors were allocated, some were not read): build it again before use",
             source.where,
         ) from None
-    recomputed = recompute_buffers(model, source.where)
+    recomputed = filled + recompute_buffers(model, source.where)
     rank = _rank_in_meshes(model)
     return LoadResult(
         path=str(path),
@@ -233,7 +240,9 @@ def _materialize(model: "nn.Module", found: Match, dtype, device) -> tuple[dict,
                 if id(buffer) not in replaced:
                     non_persistent = key in module._non_persistent_buffers_set
                     new = _storage_like(buffer, buffer.dtype if non_persistent else wanted(prefix + key, buffer), device)
-                    if new is not None and non_persistent and new.is_floating_point():
+                    if new is None:
+                        new = moved(buffer, device)  # real (meta_parameters()): kept, on the model's device
+                    elif non_persistent and takes_nan(new):
                         new.fill_(float("nan"))  # recompute_buffers must overwrite it
                     replaced[id(buffer)] = buffer if new is None else new
                     if new is not None:
@@ -285,7 +294,7 @@ def _initialize(model: "nn.Module", missing: list, where: str) -> None:
         owners[module_name] = model.get_submodule(module_name)
     with torch.no_grad():
         for module_name, module in owners.items():
-            if _is_transformers(model):
+            if is_transformers(model):
                 model._init_weights(module)
             elif hasattr(module, "reset_parameters"):
                 module.reset_parameters()
@@ -297,41 +306,3 @@ def _initialize(model: "nn.Module", missing: list, where: str) -> None:
                     "reset_parameters() to initialise them",
                     where,
                 )
-
-
-def _is_transformers(model: "nn.Module") -> bool:
-    return hasattr(model, "_init_weights") and hasattr(model, "config") and type(model).__module__.startswith("transformers.")
-
-
-def recompute_buffers(model: "nn.Module", where: str) -> list[str]:
-    """Fill the non-persistent buffers `_materialize` allocated (NaN-filled), by the
-    module's own init: transformers' `_init_weights` (rotary `inv_freq`), else the
-    module's `reset_parameters()`. Returns their names; TP607 when one stays unset."""
-    import torch
-
-    pending = []
-    for module_name, module in model.named_modules():
-        names = [k for k in module._non_persistent_buffers_set if isinstance(module._buffers.get(k), torch.Tensor)]
-        unset = [k for k in names if module._buffers[k].is_floating_point() and bool(torch.isnan(module._buffers[k]).all())]
-        if unset:
-            pending.append((module_name, module, unset))
-    done = []
-    with torch.no_grad():
-        for module_name, module, unset in pending:
-            own_params = next(module.parameters(recurse=False), None) is not None
-            if _is_transformers(model) and not own_params:
-                model._init_weights(module)
-            elif hasattr(module, "reset_parameters") and not own_params:
-                module.reset_parameters()
-            still = [k for k in unset if bool(torch.isnan(module._buffers[k]).all())]
-            prefix = f"{module_name}." if module_name else ""
-            if still:
-                raise fail(
-                    "TP607",
-                    f"the non-persistent buffers {some([prefix + k for k in still])} of '{module_name}' ({type(module).__name__}) "
-                    "were on the meta device and cannot be recomputed (no transformers init, no reset_parameters()); "
-                    "the parameters are loaded, these buffers are not",
-                    where,
-                )
-            done += [prefix + k for k in unset]
-    return done

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .load import LoadResult, load_checkpoint
+from .meta import meta_parameters
 
 
 @contextlib.contextmanager
@@ -86,7 +87,7 @@ def simulated_load(
     for rank in range(tp):
         with _fake_rank(rank, tp):
             mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=(_axis(plan),))
-            with torch.device("meta"):
+            with meta_parameters():
                 model = build()
             plan.apply(model, mesh)
             results.append(load_checkpoint(model, path, dtype=dtype, allow_missing=allow_missing, device="cpu"))
@@ -94,7 +95,7 @@ def simulated_load(
 
     with _fake_rank(0, tp), LocalTensorMode(tp):
         mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=(_axis(plan),))
-        with torch.device("meta"):
+        with torch.device("meta"):  # every tensor is replaced by the ranks' loaded ones below
             model = build()
         plan.apply(model, mesh)
         replaced: dict[int, Any] = {}

@@ -53,7 +53,10 @@ def import_hf(
     dropped silently. The model is built on the meta device from the config so
     every rule is checked to match a module.
     """
+    from ..core.torch_range import warn_once
     from ..hf.importer import HfImportError, import_hf as run_import
+
+    warn_once()  # one line, once, for a torch outside the tested range
 
     try:
         import transformers  # noqa: F401  (the importer needs it: say how to get it)

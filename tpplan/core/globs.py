@@ -208,6 +208,11 @@ class ModuleTree:
         """Why a glob matches nothing: the first segment that fails, and the closest names there."""
         from difflib import get_close_matches  # error path only: keep start-up lean
 
+        wrapper = self._wrapper_of(glob)
+        if wrapper is not None:
+            prefix, found = wrapper
+            return (f"the model is wrapped (peft's get_peft_model and the like): under '{prefix}' it matches {found}; "
+                    f"did you mean '{prefix}.{glob.pattern}'?")
         nodes = [self.root]
         for i, segment in enumerate(glob.segments):
             if segment.is_any_depth:
@@ -229,6 +234,21 @@ class ModuleTree:
                         + (f"; did you mean {hint}?" if hint else ""))
             nodes = next_nodes
         return "closest module paths: none"  # only a root pattern '' on a name list without the root
+
+    def _wrapper_of(self, glob: Glob, depth: int = 4) -> tuple[str, str] | None:
+        """(prefix, first match) when the glob matches below a wrapper's prefix (peft's
+        `base_model.model`): the shallowest such module, within `depth` levels."""
+        if not glob.segments or glob.segments[0].is_any_depth:
+            return None
+        level = list(self.root.children.values())
+        for _ in range(depth):
+            for node in level:
+                found: dict[str, None] = {}
+                self._walk(node, glob.segments, found, set())
+                if found:
+                    return node.fqn, next(iter(found))
+            level = [c for n in level for c in n.children.values()]
+        return None
 
     def _closest_below(self, nodes: list[_Node], tail: tuple[Segment, ...]) -> str:
         """Past '**' any depth is possible: compare what follows it with the same

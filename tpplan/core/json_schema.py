@@ -23,7 +23,10 @@ from __future__ import annotations
 import typing
 from typing import Any
 
+from .external_styles import EXTERNAL_PATTERN, external_specs, like_names
 from .style_table import STYLE_NAMES, STYLE_SPECS, StyleSpec
+
+LIKE_NAMES = like_names(STYLE_SPECS)
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _NULL = {"type": "null"}
@@ -36,6 +39,8 @@ def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
     mesh_spec.model_rebuild()  # its default is encoded with its own serializer, built lazily
     schema = plan_spec.model_json_schema()
     defs = schema["$defs"]
+    for cls in external_specs(STYLE_SPECS).values():  # the rule schema below says what an external style takes
+        defs.pop(cls.__name__, None)
     for cls in STYLE_SPECS.values():
         conditions = cross_field_conditions(cls) + value_conditions(cls)
         if conditions:
@@ -67,9 +72,21 @@ def _rule_schema() -> list[dict]:
         {"if": {"properties": {"style": {"const": name}}, "required": ["style"]}, "then": {"$ref": f"#/$defs/{cls.__name__}"}}
         for name, cls in STYLE_SPECS.items()
     ]
+    # `style: PKG.MOD:Class`: its keys are the class's constructor arguments (any), `like:` a built-in style
+    external = {
+        "type": "object",
+        "required": ["style"],
+        "properties": {
+            "style": {"type": "string", "pattern": EXTERNAL_PATTERN, "description": "A ParallelStyle subclass as PKG.MOD:Class."},
+            "like": {"enum": [*LIKE_NAMES, None], "description": "The built-in style whose semantics the lint may assume."},
+        },
+        "description": "A third-party or user ParallelStyle; the other keys are its constructor's keyword arguments.",
+    }
     return [
         {"type": "string", "enum": shorthand, "description": "A style with its default options (styles without required options)."},
         {"type": "object", "required": ["style"], "properties": {"style": {"type": "string", "enum": list(STYLE_NAMES)}}, "allOf": by_style},
+        {"type": "string", "pattern": EXTERNAL_PATTERN, "description": "A ParallelStyle subclass as PKG.MOD:Class, no arguments."},
+        external,
     ]
 
 

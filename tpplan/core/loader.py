@@ -221,7 +221,14 @@ def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
             f"unknown style '{style}'{_where(path)}{hint} (styles: {', '.join(STYLE_NAMES)})",
             file, *source.locate(at),
         )
-    if kind == "union_tag_not_found":
+    if kind == "string_pattern_mismatch" and path[-1:] == ("style",):
+        return error(
+            "TP103",
+            f"style {err['input']!r}{_where(path[:-1])} names no style: write a style name ({', '.join(STYLE_NAMES)}) "
+            "or a ParallelStyle class as PKG.MOD:Class",
+            file, *source.locate(path),
+        )
+    if kind == "union_tag_not_found" and isinstance(err["input"], dict):
         return error("TP102", f"rule '{path[1]}' needs a 'style:' key (one of {', '.join(STYLE_NAMES)})", file, *source.locate(path))
     if kind == "missing":
         return error("TP102", f"missing required key '{loc[-1]}'{_where(path)}", file, *source.locate(path, key=True))

@@ -111,9 +111,7 @@ class Plan:
 
     def resolve(self, model: "nn.Module") -> dict[str, "ParallelStyle"]:
         """{concrete module path: a fresh ParallelStyle}, in module order."""
-        from ..sharding.compile import compile_style
-
-        return {fqn: compile_style(rule.spec, self.src_data_rank) for fqn, rule in self.match(model).items()}
+        return {fqn: _compiled(rule, self.src_data_rank, model.get_submodule(fqn)) for fqn, rule in self.match(model).items()}
 
     def tp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
         """The 1-D mesh the plan shards over: `mesh` itself, or its `mesh.axis` dimension."""
@@ -138,7 +136,6 @@ class Plan:
         """
         from torch.distributed.tensor.parallel import parallelize_module
 
-        from ..sharding.compile import compile_style
         from ..sharding.tied import retie, shared_parameters
 
         tp_mesh = self.tp_mesh(mesh)
@@ -147,7 +144,8 @@ class Plan:
         # Descendants first: a parent's NoParallel then replicates only what no
         # more specific rule has sharded already.
         for fqn, rule in reversed(claimed.items()):
-            style = compile_style(rule.spec, self.src_data_rank)
+            # a LoRA-wrapped Linear: the rule shards its base layer, its adapters follow (sharding/lora.py)
+            style = _compiled(rule, self.src_data_rank, model.get_submodule(fqn))
             if rule.spec.needs_parent():  # colwise with heads: the attention module holding it
                 style.bind_parent(model.get_submodule(fqn.rpartition(".")[0]))
             parallelize_module(model.get_submodule(fqn), tp_mesh, style, src_data_rank=self.src_data_rank)
@@ -164,6 +162,17 @@ class Plan:
         if problems:
             raise PlanError(problems)
         return model
+
+
+def _compiled(rule: Rule, src_data_rank: int | None, module: "nn.Module") -> "ParallelStyle":
+    """The rule's style object for `module`; a class the plan names that cannot be used
+    is TP306 at the rule."""
+    from ..sharding.compile import StyleClassError, compile_for
+
+    try:
+        return compile_for(rule.spec, module, src_data_rank)
+    except StyleClassError as exc:
+        raise PlanError([rule.problem("TP306", f"rule '{rule.pattern}': {exc}")]) from None
 
 
 def _claiming_rule(claimed: dict[str, Rule], fqn: str) -> Rule | None:

@@ -9,10 +9,15 @@ field's annotation string at start-up.
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Discriminator, Field, Tag
 
+from .external_styles import external_specs, external_tag, is_external, like_names
 from .style_model import MODULE_KINDS, ModuleKind, StyleSemantics, StyleSpec, _Strict  # noqa: F401  (re-exported)
 from .style_table import STYLE_NAMES, STYLE_SPECS  # noqa: F401  (re-exported: the plan format's names)
+
+# `style: PKG.MOD:Class` (external_styles.py), one spec class per `like:`
+EXTERNAL_SPECS = external_specs(STYLE_SPECS)
+LIKE_NAMES = like_names(STYLE_SPECS)
 
 
 def _expand_shorthand(value: Any) -> Any:
@@ -29,9 +34,14 @@ def rule_spec(value: Any) -> StyleSpec:
     return STYLE_SPECS[data["style"]].model_validate(data)
 
 
+def _style_tag(value: Any) -> Any:
+    style = value.get("style") if isinstance(value, dict) else getattr(value, "style", None)
+    return external_tag(value, LIKE_NAMES) if is_external(style) else style
+
+
 AnyStyleSpec = Annotated[
-    Union[tuple(STYLE_SPECS.values())],
-    Field(discriminator="style"),
+    Union[tuple(Annotated[cls, Tag(tag)] for tag, cls in (*STYLE_SPECS.items(), *EXTERNAL_SPECS.items()))],
+    Discriminator(_style_tag),
 ]
 RuleValue = Annotated[AnyStyleSpec, BeforeValidator(_expand_shorthand)]
 

@@ -39,6 +39,9 @@ The fields of `StyleSemantics`:
 - `experts`: how the style splits a fused 3-D experts module: "whole" experts
   per rank (the expert dim), or "each" expert on its intermediate dim; None for
   a style that is no expert style (TP305 checks the module and the degree).
+- `opaque`: the lint knows nothing of what the style does (a class the plan
+  names without `like:`, external_styles.py): it follows no layout through
+  the module and judges none of its inputs or outputs.
 
 Option names and defaults are those of torch's style constructors; the
 constructors' cross-field asserts are `cross_field_problems()`, reported at the
@@ -103,7 +106,8 @@ class ModuleKind:
 
 # Matched in this order (isinstance: subclasses count).
 MODULE_KINDS: dict[str, ModuleKind] = {
-    "Linear": ModuleKind("torch.nn:Linear", ("out_features", "in_features")),
+    # an nn.Linear, or a peft LoRA-wrapped one (its base layer sharded, its adapters derived: sharding/lora.py)
+    "Linear": ModuleKind("tpplan.sharding.lora:is_linear", ("out_features", "in_features")),
     "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim")),
 }
 
@@ -124,6 +128,7 @@ class StyleSemantics:
     sequence_shards: bool = False
     feature_sharded_output: bool = False
     experts: Literal["whole", "each"] | None = None
+    opaque: bool = False
 
     def placement(self, kind: str | None, param: str) -> PlacementSpec | None:
         """The placement parameter `param` of a `kind` module gets; None when the

@@ -11,6 +11,9 @@ length no head count equals, recording each norm's input shape.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 _SEQ = 5  # no head count of a real config is 5: the dim of size 5 is the sequence
@@ -23,7 +26,8 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     shapes: dict[str, tuple[int, ...]] = {}
-    with FakeTensorMode(allow_non_fake_inputs=True):  # as runtime.simulate.fake_tensors (hf sits below runtime)
+    # as runtime.simulate.fake_tensors (hf sits below runtime)
+    with _fake_kernel_logs_off(), FakeTensorMode(allow_non_fake_inputs=True):
         model = model_cls(config)
         modules = dict(model.named_modules())
         for fqn in fqns:
@@ -40,6 +44,19 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
         elif len(shape) == 4 and shape[1] == _SEQ:
             found[fqn] = -2
     return found
+
+
+@contextlib.contextmanager
+def _fake_kernel_logs_off() -> Iterator[None]:
+    """torch logs a traceback for each fake kernel that fails (`grouped_mm` in float32)
+    even when the model's code catches it and falls back: noise on a run that succeeds."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def with_heads_dim(value: Any, dim: int) -> dict[str, Any]:

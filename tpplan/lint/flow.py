@@ -143,6 +143,8 @@ class _Interpreter:
             if not self.applicable(semantics, event.fqn):
                 frame.dead = True  # applying the plan fails here (TP300, TP301): judge nothing after it
                 return
+            if semantics.opaque:
+                return  # a class the plan names without `like:` (TP307): its inputs are not judged
             first = event.args[0] if event.args else None
             if first is None:
                 return
@@ -237,6 +239,10 @@ class _Interpreter:
         if node is None:
             return
         src = Source(frame.fqn, frame.rule)
+        if spec.semantics.opaque:  # what comes out is unknown: judge nothing that follows
+            for out in event.flat:
+                self.set(out, Lay("?", False, None, src))
+            return
         ndim = len(self.shape(node))
         first = frame.call.args[0] if frame.call.args else None
         if spec.output_follows_input() and first is not None and spec.use_local_output:

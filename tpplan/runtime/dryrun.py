@@ -255,7 +255,7 @@ def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
 
     from .dropout import for_check
 
-    reference = build_model(options.model, "meta", factory)
+    reference = build_model(options.model, "meta", factory, real_buffers=True)
     load_checkpoint(reference, options.checkpoint, allow_missing=options.allow_missing, device="cpu")
     note = for_check(reference)  # eval mode on both sides, as check_parity
     if inputs is None:

@@ -99,15 +99,25 @@ def _definition(fn: Callable[..., Any], ref: str) -> tuple[str, int]:
         return ref, 1
 
 
-def build_model(ref: str, device: "torch.device | str", factory: Callable[[], Any] | None = None) -> "nn.Module":
+def build_model(
+    ref: str, device: "torch.device | str", factory: Callable[[], Any] | None = None, *, real_buffers: bool = False
+) -> "nn.Module":
     """Call the `MOD:FN` factory under `torch.device(device)` (so parameters are born
-    there; "meta" costs no memory) and check that it returns an `nn.Module`."""
+    there; "meta" costs no memory) and check that it returns an `nn.Module`.
+    `real_buffers` (for a model a checkpoint fills): on "meta", only the parameters
+    are; buffers are computed on the CPU as the constructor writes them, since no
+    checkpoint holds a non-persistent one."""
     import torch
     from torch import nn
 
+    from ..checkpoint.meta import meta_parameters
+    from ..core.torch_range import warn_once
+
+    warn_once()  # one line, once, for a torch outside the tested range
     factory = factory or load_callable(ref, "--model")
+    where = meta_parameters() if real_buffers and torch.device(device).type == "meta" else torch.device(device)
     try:
-        with torch.device(device):
+        with where:
             model = factory()
     except Exception as exc:  # the user's factory: report where it raised, not a traceback
         raise model_failure(ref, "building the model", exc) from None

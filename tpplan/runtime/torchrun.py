@@ -145,7 +145,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
         loaded.mesh = mesh_shape(ctx.world, fsdp_tp(ctx.world, options.tp, options.train.fsdp), loaded.plan.mesh_axis)
         event("building the model")
         torch.manual_seed(options.seed)  # the same weights on every rank, even with src_data_rank: null
-        loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device)
+        loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device, real_buffers=True)
         loaded.structure = module_structure(loaded.model)
         loaded.plan.match(loaded.model)
         if options.checkpoint:  # keys, shapes, dtypes: on every rank, before any shards
@@ -275,7 +275,7 @@ def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran:
     if not options.check:
         return None
     event(f"loading {options.checkpoint} on a single device for --check")
-    reference = build_model(options.model, "meta")
+    reference = build_model(options.model, "meta", real_buffers=True)
     load_into(reference, options.checkpoint, options.allow_missing, ctx.device)
     return reference
 

@@ -15,6 +15,7 @@ from . import (
     layout_mismatch,
     loss_parallel_head,
     mixed_dtensor,
+    opaque_style,
     replicated_partial_grad,
     sequence_parallel_nested,
     sequence_parallel_open,
@@ -22,6 +23,7 @@ from . import (
     shard_divisibility,
     shard_leak,
     shared_input_comms,
+    style_class,
     style_module,
     tied_placement,
     trace_unavailable,
@@ -37,6 +39,8 @@ RULES = rule_table([
     arity.RULE,  # TP303
     unused_layout.RULE,  # TP304
     expert_divisibility.RULE,  # TP305
+    style_class.RULE,  # TP306
+    opaque_style.RULE,  # TP307
     shard_divisibility.RULE,  # TP310
     head_divisibility.RULE,  # TP311
     layout_mismatch.RULE,  # TP320
