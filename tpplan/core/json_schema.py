@@ -46,7 +46,7 @@ def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
         if conditions:
             defs[cls.__name__]["allOf"] = conditions
     rules = schema["properties"]["rules"]
-    rules["additionalProperties"] = {"anyOf": [*_rule_schema(), _NULL]}
+    rules["additionalProperties"] = {"anyOf": [*_rule_schema(_like_conditions(defs)), _NULL]}
     rules["description"] = (
         "Module-path glob -> style name or {style: ..., options}; null deletes an inherited rule "
         "(only in a plan with 'extends')."
@@ -61,7 +61,21 @@ def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
     return schema
 
 
-def _rule_schema() -> list[dict]:
+def _like_conditions(defs: dict) -> list[dict]:
+    """`like: X` checks the keys X knows as X's options (external_styles.py: the rule's
+    spec is X's with extra keys allowed); the other keys are the class's own."""
+    conditions = []
+    for name in LIKE_NAMES:
+        own = defs[STYLE_SPECS[name].__name__]
+        options = {key: value for key, value in own["properties"].items() if key != "style"}
+        then = {"properties": options, "required": [key for key in own.get("required", []) if key != "style"]}
+        if own.get("allOf"):
+            then["allOf"] = own["allOf"]
+        conditions.append({"if": {"properties": {"like": {"const": name}}, "required": ["like"]}, "then": then})
+    return conditions
+
+
+def _rule_schema(like_conditions: list[dict]) -> list[dict]:
     """A style name (its default options) or a mapping with 'style:' and that style's options."""
     # A style name alone gives its default options: not for a style with required ones.
     shorthand = [
@@ -81,6 +95,7 @@ def _rule_schema() -> list[dict]:
             "like": {"enum": [*LIKE_NAMES, None], "description": "The built-in style whose semantics the lint may assume."},
         },
         "description": "A third-party or user ParallelStyle; the other keys are its constructor's keyword arguments.",
+        "allOf": like_conditions,
     }
     return [
         {"type": "string", "enum": shorthand, "description": "A style with its default options (styles without required options)."},

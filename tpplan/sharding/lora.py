@@ -29,6 +29,7 @@ from ..core.placements import PlacementSpec
 from ..core.style_model import StyleSpec
 
 _REPLICATE = PlacementSpec("replicate")
+_COLUMNS, _ROWS = PlacementSpec("shard", 0), PlacementSpec("shard", 1)  # a Linear weight [out, in]
 
 
 def is_lora_linear(module: nn.Module) -> bool:
@@ -54,7 +55,7 @@ def adapter_specs(spec: StyleSpec) -> tuple[StyleSpec, StyleSpec] | None:
 
     placement = spec.semantics.placement("Linear", "weight")
     use_local = getattr(spec, "use_local_output", True)
-    if placement == "shard(0)":
+    if placement == _COLUMNS:
         replicated_a = NoParallelSpec.model_construct(
             style="no_parallel", input_layout=getattr(spec, "input_layouts", None) or _REPLICATE,
             desired_input_layout=_REPLICATE, output_layout=_REPLICATE, use_local_output=True,
@@ -64,7 +65,7 @@ def adapter_specs(spec: StyleSpec) -> tuple[StyleSpec, StyleSpec] | None:
             use_local_output=use_local, heads=getattr(spec, "heads", None),
         )
         return replicated_a, colwise_b
-    if placement == "shard(1)":
+    if placement == _ROWS:
         rowwise_a = RowwiseSpec.model_construct(
             style="rowwise", input_layouts=getattr(spec, "input_layouts", None), output_layouts=_REPLICATE, use_local_output=True,
         )
