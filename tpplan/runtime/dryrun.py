@@ -86,7 +86,10 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
             if source is not None:
                 report.notes.append("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options")
             if options.check:
-                _check_pass(options, plan, _reference(options, factory), report, event)
+                try:
+                    _check_pass(options, plan, _reference(options, factory), report, event)
+                except _ValuesFailed as exc:
+                    raise exc.problem(plan, tp) from None
         else:
             _passes(options, plan, factory, report, event, source)
     except PlanError as exc:
@@ -135,6 +138,9 @@ class _Mismatch(Exception):
 class _ValuesFailed(Exception):
     """The run with real values raised where no plan error was found (its cause)."""
 
+    def problem(self, plan: Plan, tp: int) -> PlanError:
+        return PlanError([error("TP502", f"the --check run with real values fails at TP {tp}: {self}", plan.file)])
+
 
 def _passes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, source) -> None:
     from .ladder import values_allowed
@@ -153,15 +159,15 @@ def _passes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, eve
             built = _build(options, factory, event, "fake")
         _fake_pass(options, plan, factory, report, event, built, source)
         if isinstance(failed, _ValuesFailed):
-            raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {failed}", plan.file)]) from None
+            raise failed.problem(plan, report.tp) from None
         return
     fake = built if built.mode == "fake" or not loaded else _build(options, factory, event, "fake")
     _fake_pass(options, plan, factory, report, event, fake, source)
-    if options.check:  # above the values limit, or not buildable on fake tensors: a second pass
+    if options.check and not report.problems:  # above the values limit, or not buildable on fake tensors: a second pass (none when the checkpoint does not fit)
         try:
             _check_pass(options, plan, _reference(options, factory, built), report, event)
         except _ValuesFailed as exc:
-            raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {exc}", plan.file)]) from None
+            raise exc.problem(plan, report.tp) from None
 
 
 def _load_problems(model, source, allow_missing) -> list:
