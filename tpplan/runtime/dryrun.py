@@ -201,13 +201,14 @@ def _fill(report: ApplyReport, plan: Plan, model, mesh, event, source, allow_mis
 
 
 def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, built: _Built, source=None) -> None:
-    from .simulate import VALUES_LIMIT_BYTES, fake_tensors, forward_backward, simulated_world, tp_mesh
+    from .ladder import running, values_allowed
+    from .simulate import forward_backward, simulated_world, tp_mesh
 
     tp = report.tp
-    if built.mode == "meta":  # fake tensors could not build it
+    if built.mode == "meta":  # fake tensors could not build it: the ladder's next rung
         assert built.failure is not None
         size = sum(p.numel() * p.element_size() for p in built.model.parameters())
-        if size > VALUES_LIMIT_BYTES:
+        if not values_allowed(built.model):
             raise built.failure
         event("building the model with real values (fake tensors cannot build it)")
         _values_pass(options, plan, factory, report, event, unsharded_first=False)
@@ -218,8 +219,8 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
         return
     with simulated_world(tp):
         mesh = tp_mesh(tp, plan.mesh_axis)  # outside fake mode: the mesh needs real rank lists
-        with fake_tensors(built.fake_mode):
-            model = built.model
+        model = built.model
+        with running("fake", model, built.fake_mode):
             inputs = make_inputs(options.inputs, model, "cpu")
             locator = _fill(report, plan, model, mesh, event, source, options.allow_missing)
             event("forward and backward on fake tensors")
@@ -233,7 +234,7 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
                     failure, problem = exc, locator.problem(exc)
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory.
-    if report.total_bytes > VALUES_LIMIT_BYTES:
+    if not values_allowed(model):
         raise PlanError([dataclasses.replace(problem, message=problem.message + (
             f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
             "try --check on a smaller configuration, or torchrun)"
