@@ -115,3 +115,17 @@ def test_a_checkpoint_that_does_not_fit_is_reported_once_and_not_checked(tmp_pat
                                   checkpoint=str(tmp_path / "bad")))
     assert [p.code for p in report.problems] == ["TP601", "TP602"]  # was each twice: the metadata check and the load
     assert report.check is None and report.comms == LLAMA_COMMS
+
+
+@pytest.mark.parametrize(("check", "builds"), [(False, 2), (True, 2)])  # were 3 and 4
+def test_a_model_fake_tensors_cannot_run_is_built_once_more_with_values(tmp_path, monkeypatch, check, builds):
+    from test_dryrun import GATED, GATED_PLAN
+
+    (tmp_path / "gated.py").write_text(GATED + "\nCALLS = []\n\n\ndef counted():\n    CALLS.append(1)\n    return Gated()\n")
+    (tmp_path / "gated.yaml").write_text(GATED_PLAN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "gated", raising=False)
+    report = dry_run(ApplyOptions(plan=str(tmp_path / "gated.yaml"), model="gated:counted", tp=2, check=check))
+    assert report.ok, report.problems
+    assert report.comms == {"forward": {"all_reduce": 1}, "backward": {}}
+    assert len(sys.modules["gated"].CALLS) == builds
