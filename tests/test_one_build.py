@@ -129,3 +129,11 @@ def test_a_model_fake_tensors_cannot_run_is_built_once_more_with_values(tmp_path
     assert report.ok, report.problems
     assert report.comms == {"forward": {"all_reduce": 1}, "backward": {}}
     assert len(sys.modules["gated"].CALLS) == builds
+
+
+def test_a_plan_that_fails_with_check_is_located_as_without_it():
+    # the values pass fails first; the fake pass after it says where (no sizes of its left in DTensor's cache)
+    plain = dry_run(ApplyOptions(plan=str(PLANS / "llama_tp.yaml"), model="tpplan.models.llama:tiny", tp=3))
+    checked = dry_run(ApplyOptions(plan=str(PLANS / "llama_tp.yaml"), model="tpplan.models.llama:tiny", tp=3, check=True))
+    assert [str(p) for p in checked.problems] == [str(p) for p in plain.problems]
+    assert "shape '[2, 8, -1, 8]' is invalid for input of size 688" in plain.problems[0].message

@@ -32,19 +32,21 @@ def _fake_rank(rank: int, world: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized; the simulation needs its own")
-    _forget_meshes()
+    forget_sharding_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
+        forget_sharding_cache()
 
 
-def _forget_meshes() -> None:
+def forget_sharding_cache() -> None:
     """DTensor caches sharding propagation by spec, and specs compare meshes by their
     layout, not by this rank's coordinate: without a clear, rank 1 would get the
-    cached outputs of rank 0, on rank 0's mesh, and read rank 0's slices."""
+    cached outputs of rank 0, on rank 0's mesh, and read rank 0's slices; and a run
+    under LocalTensorMode leaves per-rank sizes in it that a later fake-tensor run
+    of the same shapes cannot read."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
@@ -115,13 +117,13 @@ def load_ranks(model: nn.Module, path: str, tp: int, *, dtype: torch.dtype | Non
     with mode.disable():  # each rank's load is plain code on that rank's shards
         meshes: dict = {}
         for rank in range(tp):
-            _forget_meshes()
+            forget_sharding_cache()
             views: dict[int, torch.Tensor] = {}
             for _, slots, key, t in original:
                 slots[key] = views.setdefault(id(t), _on_rank(t, rank, meshes))
             results.append(load_checkpoint(model, path, dtype=dtype, allow_missing=tuple(allow_missing), device="cpu"))
             per_rank.append({name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone() for name, _, _, t in _slots(model)})
-        _forget_meshes()
+        forget_sharding_cache()
     replaced: dict[int, Any] = {}
     for name, slots, key, t in original:
         if id(t) not in replaced:

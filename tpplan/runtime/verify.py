@@ -226,7 +226,9 @@ def check_parity(
     def values(t):
         return [value for _, value in _rank_values(t)]
 
-    with simulated_world(tp), LocalTensorMode(tp):
+    from ..checkpoint.simulate import forget_sharding_cache
+
+    with simulated_world(tp), LocalTensorMode(tp), _finally(forget_sharding_cache):
         (shard or functools.partial(_apply, plan))(model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
         if checkpoint:
             from ..checkpoint.simulate import load_ranks
@@ -259,6 +261,14 @@ def check_parity(
     result.comms = comms
     result.notes = [dropout_note] if dropout_note else []
     return result
+
+
+@contextlib.contextmanager
+def _finally(fn: Callable[[], None]):
+    try:
+        yield
+    finally:
+        fn()
 
 
 def _tolerances(want: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[float, float]:
