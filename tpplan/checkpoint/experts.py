@@ -124,7 +124,7 @@ def part_targets(t: "torch.Tensor", parts: list[Part], where: str) -> dict[str, 
         raise fail("TP603", f"per-expert checkpoint keys into a {t.device_mesh.ndim}-D mesh are not supported yet", where)
     placement, mesh = t.placements[0], t.device_mesh
     local = t.to_local()
-    n, rank = mesh.size(), mesh.get_local_rank()
+    n, rank = mesh.size(), mesh.get_coordinate()[0]  # the coordinate, not the group: a simulated rank has no group of its own
     out = {}
     if isinstance(placement, Replicate):
         return {p.key: _block(local[p.expert], p, shape[1] // p.blocks) for p in parts}
@@ -178,7 +178,7 @@ class PackedShardState:
         self.tensor = tensor
         self.dim = placement.dim % tensor.dim()
         self.blocks = placement.split_factor
-        n, self.rank = tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
+        n, self.rank = tensor.device_mesh.size(), tensor.device_mesh.get_coordinate()[0]
         self.block_size = tensor.shape[self.dim] // self.blocks
         self.chunk = self.block_size // n
         self.local = tensor.to_local()

@@ -1,9 +1,11 @@
-"""Loading at TP N in one process, as N ranks would: rank by rank under a fake
-process group of that rank (each builds the meta model, applies the plan and
-reads only its own slices with `load_checkpoint`), then the N ranks' shards
-become one model of `LocalTensorMode`, which holds one real tensor per rank
-and runs the collectives on them, so its outputs can be compared with a
-single-device model.
+"""Loading at TP N in one process, as N ranks would, from one model: the plan is
+applied once under `LocalTensorMode` (one real tensor per simulated rank, the
+collectives run on them); then, rank by rank, `load_checkpoint` reads that rank's
+own slices into a view of the sharded model whose DTensors sit on the rank's
+coordinate of the mesh (local shapes as torch computes them,
+`compute_local_shape_and_global_offset`), and the N ranks' values become the
+per-rank values of the model's LocalTensors. Its outputs can then be compared
+with a single-device model (`verify.check_parity(..., checkpoint=...)`).
 
     with simulated_load(build, plan, 2, "llama/") as loaded:
         logits = loaded.run(ids)          # one tensor per rank
@@ -12,14 +14,12 @@ single-device model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .load import LoadResult, load_checkpoint
@@ -28,23 +28,26 @@ from .meta import meta_parameters
 
 @contextlib.contextmanager
 def _fake_rank(rank: int, world: int) -> Iterator[None]:
+    import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         raise RuntimeError("a process group is already initialized; the simulation needs its own")
-    _forget_meshes()
+    forget_sharding_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
-        _forget_meshes()
+        forget_sharding_cache()
 
 
-def _forget_meshes() -> None:
+def forget_sharding_cache() -> None:
     """DTensor caches sharding propagation by spec, and specs compare meshes by their
     layout, not by this rank's coordinate: without a clear, rank 1 would get the
-    cached outputs of rank 0, on rank 0's mesh, and read rank 0's slices."""
+    cached outputs of rank 0, on rank 0's mesh, and read rank 0's slices; and a run
+    under LocalTensorMode leaves per-rank sizes in it that a later fake-tensor run
+    of the same shapes cannot read."""
     propagator = DTensor._op_dispatcher.sharding_propagator
     propagator.propagate_op_sharding.cache_clear()
     propagator._propagate_tensor_meta_cached.cache_clear()
@@ -70,63 +73,84 @@ class SimulatedLoad:
         return [out] * self.tp
 
 
-def _axis(plan: Any) -> str:
-    return getattr(plan, "mesh_axis", None) or "tp"
+def _slots(model: nn.Module) -> Iterator[tuple[str, dict, str, torch.Tensor]]:
+    """(name, slot dict, key, tensor) of every parameter and buffer, by every name (tied ones too)."""
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for slots in (module._parameters, module._buffers):
+            for key, t in list(slots.items()):
+                if t is not None:
+                    yield prefix + key, slots, key, t
+
+
+def _on_rank(t: torch.Tensor, rank: int, meshes: dict) -> torch.Tensor:
+    """An empty meta stand-in for `t` on simulated rank `rank`: a DTensor's local shard
+    of that rank, on a copy of its mesh that has that rank's coordinate (no process
+    group: the fake group's collectives do nothing, and loading needs none)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(t, DTensor):
+        new = torch.empty_like(t, device="meta")
+    else:
+        mesh = t.device_mesh
+        key = (id(mesh), rank)
+        if key not in meshes:
+            meshes[key] = DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=mesh.mesh_dim_names, _init_backend=False, _rank=rank)
+        local_shape, _ = compute_local_shape_and_global_offset(t.shape, meshes[key], t.placements)
+        local = torch.empty(local_shape, dtype=t.dtype, device="meta")
+        new = DTensor.from_local(local, meshes[key], t.placements, run_check=False, shape=t.shape, stride=t.stride())
+    return nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+
+
+def load_ranks(model: nn.Module, path: str, tp: int, *, dtype: torch.dtype | None = None, allow_missing: Iterable[str] = ()) -> list[LoadResult]:
+    """Fill `model` (on the meta device, parallelized under LocalTensorMode(tp)) from
+    `path`, every simulated rank reading its own slices; each rank's LoadResult.
+    Called inside that LocalTensorMode."""
+    from torch.distributed._local_tensor import LocalTensor, local_tensor_mode
+
+    mode = local_tensor_mode()
+    if mode is None:
+        raise RuntimeError("load_ranks runs inside LocalTensorMode")
+    original = list(_slots(model))
+    per_rank: list[dict[str, torch.Tensor]] = []
+    results = []
+    with mode.disable():  # each rank's load is plain code on that rank's shards
+        meshes: dict = {}
+        for rank in range(tp):
+            forget_sharding_cache()
+            views: dict[int, torch.Tensor] = {}
+            for _, slots, key, t in original:
+                slots[key] = views.setdefault(id(t), _on_rank(t, rank, meshes))
+            results.append(load_checkpoint(model, path, dtype=dtype, allow_missing=tuple(allow_missing), device="cpu"))
+            per_rank.append({name: (t.to_local() if isinstance(t, DTensor) else t).detach().clone() for name, _, _, t in _slots(model)})
+        forget_sharding_cache()
+    replaced: dict[int, Any] = {}
+    for name, slots, key, t in original:
+        if id(t) not in replaced:
+            values = {r: per_rank[r][name] for r in range(tp)}
+            if isinstance(t, DTensor):
+                new = DTensor.from_local(LocalTensor(values), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+            else:
+                new = values[0]  # replicated: every rank read the same full tensor
+            replaced[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+        slots[key] = replaced[id(t)]
+    return results
 
 
 @contextlib.contextmanager
 def simulated_load(
     build: Callable[[], nn.Module], plan: Any, tp: int, path: str, *, dtype: torch.dtype | None = None, allow_missing=()
 ) -> Iterator[SimulatedLoad]:
-    """Load `path` at TP `tp` rank by rank (see the module docstring); the body runs
-    inside the simulated world (fake process group and LocalTensorMode)."""
-    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+    """Build the model once (parameters on the meta device), apply `plan` at TP `tp` and load `path`
+    rank by rank (see the module docstring); the body runs inside the simulated world
+    (fake process group and LocalTensorMode)."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
 
-    per_rank: list[dict[str, torch.Tensor]] = []
-    results = []
-    for rank in range(tp):
-        with _fake_rank(rank, tp):
-            mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=(_axis(plan),))
-            with meta_parameters():
-                model = build()
-            plan.apply(model, mesh)
-            results.append(load_checkpoint(model, path, dtype=dtype, allow_missing=allow_missing, device="cpu"))
-            per_rank.append(_locals(model))
-
+    with meta_parameters():  # parameters on meta, buffers as the constructor computes them
+        model = build()
     with _fake_rank(0, tp), LocalTensorMode(tp):
-        mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=(_axis(plan),))
-        with torch.device("meta"):  # every tensor is replaced by the ranks' loaded ones below
-            model = build()
-        plan.apply(model, mesh)
-        replaced: dict[int, Any] = {}
-        for module_name, module in model.named_modules(remove_duplicate=False):
-            prefix = f"{module_name}." if module_name else ""
-            for slots in (module._parameters, module._buffers):
-                for key, t in list(slots.items()):
-                    if t is None:
-                        continue
-                    if id(t) not in replaced:
-                        name = prefix + key
-                        values = {r: per_rank[r][name] for r in range(tp)}
-                        if isinstance(t, DTensor):
-                            local = LocalTensor(values)
-                            new = DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-                        else:
-                            new = values[0]  # replicated: every rank read the same full tensor
-                        if isinstance(t, nn.Parameter):
-                            new = nn.Parameter(new, requires_grad=t.requires_grad)
-                        replaced[id(t)] = new
-                    slots[key] = replaced[id(t)]
+        plan.apply(model, init_device_mesh("cpu", (tp,), mesh_dim_names=(getattr(plan, "mesh_axis", None) or "tp",)))
+        results = load_ranks(model, path, tp, dtype=dtype, allow_missing=allow_missing)
         yield SimulatedLoad(model, results, tp)
-
-
-def _locals(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer of this rank by every name (tied ones too): its local shard."""
-    out = {}
-    for module_name, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{module_name}." if module_name else ""
-        for slots in (module._parameters, module._buffers):
-            for key, t in slots.items():
-                if t is not None:
-                    out[prefix + key] = (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
-    return out

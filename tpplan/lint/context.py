@@ -129,7 +129,7 @@ class LintContext:
 
     @property
     def trace_mode(self) -> str | None:
-        """How the model ran ('meta', 'fake' or 'values', see simulation.py)."""
+        """How the model ran ('meta', 'fake' or 'values', see runtime/ladder.py)."""
         return self._traced[1] if self.trace is not None else None
 
     @property
@@ -179,7 +179,7 @@ def resolve(plan: Plan, modules: dict[str, "nn.Module"]) -> tuple[dict[str, Rule
 
 def _trace(model: "nn.Module") -> "tuple[Trace | None, str]":
     from ..runtime.simulate import default_inputs
-    from .simulation import available, prepared, running
+    from ..runtime.ladder import available, prepared, running
     from .trace import TraceError, trace_model
 
     failures = []

@@ -4,16 +4,28 @@ The model is built on fake tensors (FakeTensorMode: shapes, dtypes and devices
 without storage) and parallelized under torch's fake process group, so a model
 of any size costs no real memory and no devices:
 the report's per-rank shapes, bytes and collective counts come from the real
-DTensor machinery, only the values are missing. `--check` adds a second run
-with real per-rank values (`LocalTensorMode`)
-compared with a single-device reference (`verify.check_parity`, the engine
-torchrun's `--check` uses too).
+DTensor machinery, only the values are missing. `--check` runs with real
+per-rank values instead (`LocalTensorMode`), compared with a single-device
+reference (`verify.check_parity`, the engine torchrun's `--check` uses too),
+`--checkpoint` included.
+
+One build per degree, and the fewest passes (`_passes`): the model is built
+once, on fake tensors (or, for `--check --checkpoint`, on the meta device, which
+both sides then load); for `--check` on a model under the values limit, the
+values pass alone gives the shapes, parameters and collectives too, and the fake
+pass runs only when it fails (to tell why), above the limit, or without
+`--check`. When fake tensors cannot build or run the model, the next rung of the
+fallback ladder (`ladder.py`, shared with the lint) is one build with real
+values, for small models.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from ..core.loader import load_plan
 from ..core.plan import Plan
@@ -21,7 +33,7 @@ from ..core.problems import PlanError, error, first_line
 from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
-from .locate import FailureLocator, apply_plan, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
+from .locate import FailureLocator, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
 from .modelref import build_model, load_callable, make_inputs, model_failure
 from .options import ApplyOptions, ApplyOptionsError
 
@@ -73,89 +85,196 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
             dry_run_memory(options, plan, factory, report, event)
             if source is not None:
                 report.notes.append("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options")
+            if options.check:
+                try:
+                    _check_pass(options, plan, _reference(options, factory), report, event)
+                except _ValuesFailed as exc:
+                    raise exc.problem(plan, tp) from None
         else:
-            _simulate_shapes(options, plan, factory, report, event, source)
-        if options.check:
-            event(f"checking {tp} ranks with real values against a single device")
-            _simulate_values(options, plan, factory, report)
+            _passes(options, plan, factory, report, event, source)
     except PlanError as exc:
         report.problems += exc.problems
     return report
 
 
-def _simulate_shapes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, source=None) -> None:
-    from .simulate import VALUES_LIMIT_BYTES, fake_tensors, forward_backward, simulated_world, tp_mesh
+@dataclass
+class _Built:
+    """The one build of the model for this degree: on fake tensors (`fake_mode` the mode
+    they belong to), or on the meta device (`failure`: why fake tensors could not, if they were tried)."""
+
+    model: Any
+    mode: str
+    fake_mode: Any = None
+    failure: PlanError | None = None
+
+
+def _build(options: ApplyOptions, factory, event, mode: str) -> _Built:
+    from .simulate import fake_tensors
+
+    if mode == "meta":
+        event("building the model on the meta device")
+        return _Built(build_model(options.model, "meta", factory, real_buffers=True), "meta")  # for a checkpoint to fill
+    event("building the model on fake tensors")
+    # Fake tensors rather than bare meta ones: no memory either, and code that
+    # checks for tracing (transformers' attention masks) skips the data-dependent
+    # branches that meta tensors cannot run.
+    try:
+        with fake_tensors() as fake_mode:
+            return _Built(build_model(options.model, "cpu", factory), "fake", fake_mode)
+    except PlanError as exc:
+        if exc.problems[0].code != "TP500":
+            raise
+        failure = exc
+    try:  # a constructor fake tensors cannot run (it reads a value): the meta device may do
+        return _Built(build_model(options.model, "meta", factory), "meta", failure=failure)
+    except PlanError:
+        raise failure from None  # the factory fails anyway: its own problem stands
+
+
+class _Mismatch(Exception):
+    """The checkpoint does not fit the sharded model: nothing to load, so nothing to check."""
+
+
+class _ValuesFailed(Exception):
+    """The run with real values raised where no plan error was found (its cause)."""
+
+    def problem(self, plan: Plan, tp: int) -> PlanError:
+        return PlanError([error("TP502", f"the --check run with real values fails at TP {tp}: {self}", plan.file)])
+
+
+def _passes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, source) -> None:
+    from .ladder import values_allowed
+
+    loaded = bool(options.check and options.checkpoint)
+    built = _build(options, factory, event, "meta" if loaded else "fake")
+    if options.check and built.mode == ("meta" if loaded else "fake") and values_allowed(built.model):
+        try:
+            if loaded and _load_problems(built.model, source, options.allow_missing):
+                raise _Mismatch()  # both sides would fail to load it: the fake pass reports why
+            _check_pass(options, plan, _reference(options, factory, built), report, event, source)
+            return
+        except (_Mismatch, _ValuesFailed) as exc:
+            failed = exc  # the fake pass tells what is wrong, or that only the values run fails
+        if loaded:
+            built = _build(options, factory, event, "fake")
+        _fake_pass(options, plan, factory, report, event, built, source)
+        if isinstance(failed, _ValuesFailed):
+            raise failed.problem(plan, report.tp) from None
+        return
+    fake = built if built.mode == "fake" or not loaded else _build(options, factory, event, "fake")
+    _fake_pass(options, plan, factory, report, event, fake, source)
+    if options.check and not report.problems:  # above the values limit, or not buildable on fake tensors: a second pass (none when the checkpoint does not fit)
+        try:
+            _check_pass(options, plan, _reference(options, factory, built), report, event)
+        except _ValuesFailed as exc:
+            raise exc.problem(plan, report.tp) from None
+
+
+def _load_problems(model, source, allow_missing) -> list:
+    """The problems of loading the checkpoint `source` into the unsharded `model` (its metadata only)."""
+    from ..checkpoint.run import inspect_into
+
+    return inspect_into(model, source, allow_missing, 1)[1]
+
+
+def _reference(options: ApplyOptions, factory, built: _Built | None = None) -> Callable[[], Any]:
+    """How `check_parity` gets its single-device model: built with real values (and the
+    seed), or for `--checkpoint` the meta model built already, which both sides load."""
+    if options.checkpoint:
+        return (lambda: built.model) if built is not None and built.mode == "meta" else (lambda: build_model(options.model, "meta", factory))
+    return lambda: build_model(options.model, "cpu", factory)
+
+
+def _fill(report: ApplyReport, plan: Plan, model, mesh, event, source, allow_missing) -> FailureLocator:
+    """Apply the plan to `model`; the report's modules, rules, parameters and checkpoint
+    entry from it. The failure locator of its run."""
+    tp = report.tp
+    sharded = shard_with_progress(plan, model, mesh, event)
+    report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+    report.params = param_layouts(model, tp)
+    if source is not None:  # the checkpoint's metadata against the sharded model
+        from ..checkpoint.run import inspect_into
+
+        report.checkpoint, found = inspect_into(model, source, allow_missing, tp)
+        report.problems += found
+    return FailureLocator(plan, model, sharded.rules, tp)
+
+
+def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, built: _Built, source=None) -> None:
+    from .ladder import running, values_allowed
+    from .simulate import forward_backward, simulated_world, tp_mesh
 
     tp = report.tp
+    if built.mode == "meta":  # fake tensors could not build it: the ladder's next rung
+        assert built.failure is not None
+        size = sum(p.numel() * p.element_size() for p in built.model.parameters())
+        if not values_allowed(built.model):
+            raise built.failure
+        event("building the model with real values (fake tensors cannot build it)")
+        _values_pass(options, plan, factory, report, event, unsharded_first=False)
+        report.notes.append(
+            f"fake tensors could not build the model ({built.failure.problems[0].message}); the shapes and collectives "
+            f"come from real values of rank 0 ({human_bytes(size)} model)"
+        )
+        return
     with simulated_world(tp):
-        mesh = tp_mesh(tp, plan.mesh_axis)
-        # Fake tensors rather than bare meta ones: no memory either, and code that
-        # checks for tracing (transformers' attention masks) skips the data-dependent
-        # branches that meta tensors cannot run.
-        build_failure = None
-        with fake_tensors():
-            event("building the model on fake tensors")
-            try:
-                model = build_model(options.model, "cpu", factory)
-            except PlanError as exc:
-                build_failure = exc
-            if build_failure is None:
-                inputs = make_inputs(options.inputs, model, "cpu")
-                sharded = shard_with_progress(plan, model, mesh, event)
-                report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
-                report.params = param_layouts(model, tp)
-                if source is not None:  # the checkpoint's metadata against the sharded model
-                    from ..checkpoint.run import inspect_into
-
-                    report.checkpoint, found = inspect_into(model, source, options.allow_missing, tp)
-                    report.problems += found
-                event("forward and backward on fake tensors")
-                locator = FailureLocator(plan, model, sharded.rules, tp)
-                with locator.tracking():
-                    try:
-                        _, report.comms = forward_backward(model, inputs)
-                        return
-                    except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
-                        if raised_by_tpplan(exc):
-                            raise  # tpplan's own code: a bug, shown as one
-                        failure, problem = exc, locator.problem(exc)
-    if build_failure is not None:  # outside FakeTensorMode: try meta, then real values
-        if _built_with_values_instead(options, plan, factory, report, event, build_failure):
-            return
-        raise build_failure
-    if report.total_bytes <= VALUES_LIMIT_BYTES:
-        event("forward and backward without the plan")
-        _raise_if_unsharded_fails(options, factory)
+        mesh = tp_mesh(tp, plan.mesh_axis)  # outside fake mode: the mesh needs real rank lists
+        model = built.model
+        with running("fake", model, built.fake_mode):
+            inputs = make_inputs(options.inputs, model, "cpu")
+            locator = _fill(report, plan, model, mesh, event, source, options.allow_missing)
+            event("forward and backward on fake tensors")
+            with locator.tracking():
+                try:
+                    _, report.comms = forward_backward(model, inputs)
+                    return
+                except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
+                    if raised_by_tpplan(exc):
+                        raise  # tpplan's own code: a bug, shown as one
+                    failure, problem = exc, locator.problem(exc)
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory.
-    if report.total_bytes > VALUES_LIMIT_BYTES:
+    if not values_allowed(model):
         raise PlanError([dataclasses.replace(problem, message=problem.message + (
             f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
             "try --check on a smaller configuration, or torchrun)"
         ))])
     # Some kernels have no fake implementation, or a stricter one (grouped_mm wants
     # bfloat16): a small model is run again on one rank's real values instead.
-    event("forward and backward with real values")
-    report.comms = _count_with_values(options, plan, factory, tp)
-    report.device = "cpu"
+    _values_pass(options, plan, factory, report, event, unsharded_first=True)
     report.notes.append(
         f"fake tensors could not run the forward and backward ({first_line(failure)}); "
         f"the collectives were counted with real values of rank 0 ({human_bytes(report.total_bytes)} model)"
     )
 
 
-def _raise_if_unsharded_fails(options: ApplyOptions, factory) -> None:
-    """A forward that fails sharded is the plan's only if the model runs without it: the
-    same model and inputs on one device, with real values (a small model: fake tensors
-    may fail where values would not), and a failure there is the model's TP500, at the
-    line of its code that raised."""
+def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, unsharded_first: bool) -> None:
+    """The ladder's last rung: one build with real CPU values under the fake process
+    group (collectives are no-ops: values are wrong, control flow is real) gives the
+    shapes and collectives. `unsharded_first`: a forward that failed sharded is the
+    plan's only if the model runs without it, so a copy runs first without the plan,
+    and a failure there is the model's TP500, at the line of its code that raised."""
     import torch
 
+    from .simulate import forward_backward, simulated_world, tp_mesh
+
+    tp = report.tp
+    with simulated_world(tp):
+        torch.manual_seed(options.seed)
+        model = build_model(options.model, "cpu", factory)
+        inputs = make_inputs(options.inputs, model, "cpu")
+        if unsharded_first:
+            event("forward and backward without the plan")
+            _raise_if_unsharded_fails(options, copy.deepcopy(model), inputs)
+        event("forward and backward with real values")
+        locator = _fill(report, plan, model, tp_mesh(tp, plan.mesh_axis), event, None, ())
+        _, report.comms = run_located(locator, lambda: forward_backward(model, inputs))
+    report.device = "cpu"
+
+
+def _raise_if_unsharded_fails(options: ApplyOptions, model, inputs: tuple) -> None:
     from .simulate import forward_backward
 
-    torch.manual_seed(options.seed)
-    model = build_model(options.model, "cpu", factory)
-    inputs = make_inputs(options.inputs, model, "cpu")
     try:
         forward_backward(model, inputs)
     except Exception as exc:  # the user's model on one device: its own problem, never the plan's
@@ -167,107 +286,42 @@ def _raise_if_unsharded_fails(options: ApplyOptions, factory) -> None:
                             f"the model fails on one device too{hint}, so the plan is not the cause: ") from None
 
 
-def _built_with_values_instead(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, failure: PlanError) -> bool:
-    """Some models cannot be built on fake tensors (their constructor reads a value, or
-    swaps parameters fake tensors cannot hold): when the factory fails only there (it
-    builds on the meta device) and the model is small, the shapes and collectives come
-    from one rank's real values instead. False when that does not apply."""
+def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, event, source: Any = False) -> None:
+    """`--check` with real per-rank values against one device (`check_parity`, the one
+    engine; with `--checkpoint`, both sides load it). `source`: a checkpoint source or
+    None when this pass also fills the report (the shapes, parameters and collectives
+    come from it); False when an earlier pass did."""
     import torch
 
-    from .simulate import VALUES_LIMIT_BYTES, forward_backward, simulated_world, tp_mesh
-
-    if failure.problems[0].code != "TP500":
-        return False
-    try:
-        meta = build_model(options.model, "meta", factory)
-    except PlanError:
-        return False  # the factory fails anyway: its own problem stands
-    size = sum(p.numel() * p.element_size() for p in meta.parameters())
-    if size > VALUES_LIMIT_BYTES:
-        return False
-    tp = report.tp
-    event("building the model with real values (fake tensors cannot build it)")
-    with simulated_world(tp):
-        torch.manual_seed(options.seed)
-        model = build_model(options.model, "cpu", factory)
-        inputs = make_inputs(options.inputs, model, "cpu")
-        sharded = shard_with_progress(plan, model, tp_mesh(tp, plan.mesh_axis), event)
-        report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
-        report.params = param_layouts(model, tp)
-        _, report.comms = run_located(FailureLocator(plan, model, sharded.rules, tp), lambda: forward_backward(model, inputs))
-    report.device = "cpu"
-    report.notes.append(
-        f"fake tensors could not build the model ({failure.problems[0].message}); the shapes and collectives "
-        f"come from real values of rank 0 ({human_bytes(size)} model)"
-    )
-    return True
-
-
-def _count_with_values(options: ApplyOptions, plan: Plan, factory, tp: int) -> dict:
-    """Collectives of one forward and backward with real CPU values under the fake
-    process group (collectives are no-ops: values are wrong, control flow is real)."""
-    import torch
-
-    from .simulate import forward_backward, simulated_world, tp_mesh
-
-    with simulated_world(tp):
-        torch.manual_seed(options.seed)
-        model = build_model(options.model, "cpu", factory)
-        inputs = make_inputs(options.inputs, model, "cpu")
-        rules = apply_plan(plan, model, tp_mesh(tp, plan.mesh_axis))
-        _, comms = run_located(FailureLocator(plan, model, rules, tp), lambda: forward_backward(model, inputs))
-    return comms
-
-
-def _simulate_values(options: ApplyOptions, plan: Plan, factory, report: ApplyReport) -> None:
     from .verify import check_parity
 
+    tp = report.tp
+    event(f"checking {tp} ranks with real values against a single device")
     inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
+
+    def shard(model, mesh) -> None:
+        if source is False:
+            shard_with_progress(plan, model, mesh, event)
+            return
+        before = len(report.problems)
+        _fill(report, plan, model, mesh, event, source, options.allow_missing)
+        if len(report.problems) > before:  # the load would fail on what inspect found
+            del report.problems[before:]
+            raise _Mismatch()
+
     try:
-        if options.checkpoint:
-            result = _check_loaded(options, plan, factory, report.tp, inputs)
-        else:
-            result = check_parity(
-                lambda: build_model(options.model, "cpu", factory), plan, report.tp, inputs, seed=options.seed, steps=options.steps
-            )
-    except PlanError:
+        result = check_parity(build, plan, tp, inputs, seed=options.seed, steps=options.steps, shard=shard,
+                              dtype=None if options.checkpoint else torch.float32,
+                              checkpoint=options.checkpoint, allow_missing=options.allow_missing)
+    except (PlanError, _Mismatch):
         raise
-    except Exception as exc:  # the fake-tensor run passed, so this is value-dependent code in the model
+    except Exception as exc:  # value-dependent code in the model, or a run only real values cannot simulate
         if raised_by_tpplan(exc):
             raise  # tpplan's own code: a bug, shown as one
-        raise PlanError([error("TP502", f"the --check run with real values fails at TP {report.tp}: {first_line(exc)}", plan.file)]) from None
+        raise _ValuesFailed(first_line(exc)) from None
+    if source is not False:
+        report.comms = result.comms
     report.check = dataclasses.replace(result, problems=result.problems[:10], comms=None)
     report.notes += result.notes
     if not result.passed:
         report.problems += check_problems(result, plan, report.tp, f"--check failed at TP {report.tp}: {result.problems[0]}")
-
-
-def _check_loaded(options: ApplyOptions, plan: Plan, factory, tp: int, inputs):
-    """--check --checkpoint: every simulated rank reads its own slices of the
-    checkpoint (tpplan.checkpoint.simulate); outputs and gradients against the
-    single-device model loaded from the same checkpoint."""
-    import torch
-
-    from ..checkpoint.load import load_checkpoint
-    from ..checkpoint.simulate import simulated_load
-    from .simulate import default_inputs, forward_backward, scalar_loss
-    from .verify import _with_problems, compare, run_pairs
-
-    from .dropout import for_check
-
-    reference = build_model(options.model, "meta", factory, real_buffers=True)
-    load_checkpoint(reference, options.checkpoint, allow_missing=options.allow_missing, device="cpu")
-    note = for_check(reference)  # eval mode on both sides, as check_parity
-    if inputs is None:
-        inputs = (default_inputs(reference, generator=torch.Generator().manual_seed(options.seed)),)
-    ref_out = reference(*inputs)
-    scalar_loss(ref_out).backward()
-    with simulated_load(factory, plan, tp, options.checkpoint, allow_missing=options.allow_missing) as sim:
-        sim.model.eval()
-        out, comms = forward_backward(sim.model, inputs)
-        grads = {name: p.grad for name, p in sim.model.named_parameters()}
-        problems, pairs = run_pairs(out, ref_out, grads, reference, output_name=lambda i: "output")
-        result = _with_problems(problems, compare(pairs))
-    result.comms = comms
-    result.notes = [note] if note else []
-    return result

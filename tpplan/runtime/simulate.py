@@ -55,18 +55,21 @@ VALUES_LIMIT_BYTES = 1 << 30
 
 
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[None]:
+def fake_tensors(mode: Any = None) -> Iterator[Any]:
     """FakeTensorMode that lets in real tensors made elsewhere (a module constant),
     with torch's traceback log of failing fake kernels off: the caller reports the
-    failure (or retries with values), so the traceback is noise."""
+    failure (or retries with values), so the traceback is noise. Yields the mode;
+    pass it back (`mode`) to run a model built in it later (fake tensors of two
+    modes do not mix)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
+    mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            yield
+        with mode:
+            yield mode
     finally:
         logger.setLevel(level)
 

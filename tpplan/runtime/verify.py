@@ -14,7 +14,9 @@ relative to the tensor's scale (`simulate.tolerance`: by dtype).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..checkpoint.meta import meta_parameters
 from .report import CheckResult
 from .simulate import (
     allowed_diff,
@@ -162,6 +165,9 @@ def check_parity(
     rtol: float | None = None,
     atol: float | None = None,
     steps: int = 0,
+    checkpoint: str | None = None,
+    allow_missing: Iterable[str] = (),
+    shard: Callable[[nn.Module, Any], None] | None = None,
 ) -> CheckResult:
     """Run `plan` at TP degree `tp` with real per-rank values (`LocalTensorMode`,
     under the fake process group) and compare with one device.
@@ -180,24 +186,37 @@ def check_parity(
     blame (`first_difference`). Every replicated parameter and its gradient must be
     identical on all ranks (`replicas`, TP506). `steps`: then that many AdamW steps,
     each followed by a forward and backward compared the same way.
+
+    `checkpoint`: both sides load it instead (`build_model` then builds on the meta
+    device): the reference on one device, and each simulated rank its own slices
+    (`checkpoint.simulate.load_ranks`); `dtype=None` keeps the checkpoint's.
+    `shard(model, mesh)` applies the plan instead of `plan.apply` (the dry run's,
+    which also fills its report from the sharded model).
     """
     from .dropout import for_check
     from .first_difference import locate, recording
     from .replicas import add_to, differences
 
-    default_rtol, default_atol = tolerance(dtype)
-    rtol = default_rtol if rtol is None else rtol
-    atol = default_atol if atol is None else atol
+    if dtype is not None:
+        default_rtol, default_atol = tolerance(dtype)
+        rtol = default_rtol if rtol is None else rtol
+        atol = default_atol if atol is None else atol
 
     with torch.random.fork_rng(devices=[]):  # seed the build without touching the caller's RNG
         torch.manual_seed(seed)
-        reference = build_model().to(dtype)
+        with meta_parameters() if checkpoint else contextlib.nullcontext():  # buffers as the constructor computes them
+            built = build_model()
+        reference = built if dtype is None else built.to(dtype)
     dropout_note = for_check(reference)  # eval mode on both sides: the copy below inherits it
-    model = copy.deepcopy(reference)
+    model = copy.deepcopy(reference)  # before the reference is loaded: the TP side loads its own slices
+    if checkpoint:
+        from ..checkpoint.load import load_checkpoint
+
+        load_checkpoint(reference, checkpoint, dtype=dtype, allow_missing=tuple(allow_missing), device="cpu")
     if inputs is None:
         inputs = default_inputs(reference, generator=torch.Generator().manual_seed(seed))
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    inputs = tuple(x.to(dtype) if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
     with recording(reference) as want_records:
         ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
@@ -208,8 +227,14 @@ def check_parity(
     def values(t):
         return [value for _, value in _rank_values(t)]
 
-    with simulated_world(tp), LocalTensorMode(tp):
-        _apply(plan, model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
+    from ..checkpoint.simulate import forget_sharding_cache
+
+    with simulated_world(tp), LocalTensorMode(tp), _finally(forget_sharding_cache):
+        (shard or functools.partial(_apply, plan))(model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
+        if checkpoint:
+            from ..checkpoint.simulate import load_ranks
+
+            load_ranks(model, checkpoint, tp, dtype=dtype, allow_missing=allow_missing)
         with recording(model) as got_records:
             out, comms = forward_backward(model, inputs)
         grads = {name: p.grad for name, p in model.named_parameters()}
@@ -237,6 +262,14 @@ def check_parity(
     result.comms = comms
     result.notes = [dropout_note] if dropout_note else []
     return result
+
+
+@contextlib.contextmanager
+def _finally(fn: Callable[[], None]):
+    try:
+        yield
+    finally:
+        fn()
 
 
 def _tolerances(want: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[float, float]:

@@ -32,10 +32,9 @@ def check(ctx, earlier):
             "would need to replace it; run `tpplan validate --model` outside torchrun"
         ), severity="warning")
         return
-    from ..simulation import available
+    from ...runtime.ladder import available
 
-    modes = available(ctx.model)
-    modes = modes[modes.index(ctx.trace_mode):]
+    modes = available(ctx.model, start=ctx.trace_mode)
     for tp in ctx.tp_sizes:
         failure = None
         for mode in modes:
@@ -53,7 +52,7 @@ def _simulate(ctx, tp: int, mode: str):
     from ...runtime.locate import FailureLocator, apply_plan, run_located
     from ...runtime.simulate import default_inputs, scalar_loss, simulated_world, tp_mesh
     from ..collapse import collapsed_copy, plan_for
-    from ..simulation import prepared, running
+    from ...runtime.ladder import prepared, running
 
     model = prepared(collapsed_copy(ctx), mode, owned=True)
     plan = plan_for(ctx, model)

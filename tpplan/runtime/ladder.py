@@ -1,0 +1,85 @@
+"""The one fallback ladder: how a model that tpplan never materializes is run, for
+the dry run (`apply --dry-run`) and the lint's shape run (its trace and TP330).
+
+Three rungs, cheapest first: the meta device, fake tensors, real values.
+Meta tensors cost nothing, but code that inspects values cannot run on them:
+transformers' mask helpers call `.item()` unless they see a fake tensor
+(`is_tracing`). Fake tensors cover that, but some fake kernels are stricter
+than the real ones (grouped_mm wants bfloat16 in MoE experts), and some
+constructors cannot run on them. A model that runs neither way gets real
+values, only if it is small (`simulate.VALUES_LIMIT_BYTES`): the values are
+the factory's own (the dry run builds it again with its seed) or random (the
+lint, which holds only a meta model); the shapes and control flow are real.
+Each caller starts at the rung it built its model on and climbs while a rung fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+MODES = ("meta", "fake", "values")
+
+
+def model_bytes(model: "nn.Module") -> int:
+    """Bytes of the model's parameters and buffers, a tied tensor once."""
+    seen, total = set(), 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def values_allowed(model: "nn.Module") -> bool:
+    """Whether the model is small enough to be given real values (the last rung)."""
+    from . import simulate  # read at call time: tests lower the limit
+
+    return model_bytes(model) <= simulate.VALUES_LIMIT_BYTES
+
+
+def available(model: "nn.Module", start: str = "meta") -> tuple[str, ...]:
+    """The rungs from `start` up that `model` may use: values only when it is small."""
+    modes = MODES[MODES.index(start):]
+    return modes if values_allowed(model) else tuple(m for m in modes if m != "values")
+
+
+@contextlib.contextmanager
+def running(mode: str, model: "nn.Module", fake_mode=None) -> Iterator[None]:
+    """The context a model prepared for `mode` runs in (`fake_mode`: the FakeTensorMode
+    its fake tensors were made in, when it was built on them)."""
+    import torch
+
+    if mode == "fake":
+        from .simulate import fake_tensors
+
+        with fake_tensors(fake_mode):
+            yield
+    elif mode == "meta" and any(p.device.type == "meta" for p in model.parameters()):
+        with torch.device("meta"):  # tensors the forward makes without a device stay on meta too
+            yield
+    else:
+        yield
+
+
+def prepared(model: "nn.Module", mode: str, *, owned: bool = False) -> "nn.Module":
+    """The model to run in `mode`: itself (meta, fake), or a CPU copy of a meta model
+    with random values (values). `owned`: the caller's own copy, which may be changed
+    in place."""
+    import torch
+
+    if mode != "values" or not any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+        return model
+    target = model if owned else copy.deepcopy(model)
+    target.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor in (*target.parameters(), *target.buffers()):
+            if tensor.is_floating_point():
+                tensor.normal_(0.0, 0.02, generator=generator)
+    return target
