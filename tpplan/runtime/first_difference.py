@@ -37,22 +37,40 @@ class Difference:
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module, tensors: bool = True) -> Iterator[list[tuple[str, Any]]]:
+def recording(model: nn.Module, tensors: bool = True, inputs: list | None = None) -> Iterator[list[tuple[str, Any]]]:
     """(module path, first tensor of its output) for each module call, in call order;
-    `tensors=False`: (module path, None), the call order alone, holding nothing."""
+    `tensors=False`: (module path, None), the call order alone, holding nothing.
+    `inputs`: a list that gets each recorded call's (args, kwargs), detached, in the same order."""
     records: list[tuple[str, Any]] = []
     handles = []
+    pending: dict[str, list] = {}  # module -> the inputs of its calls running (before any style's hook)
     for name, module in model.named_modules():
+        def before(_module, args, kwargs, name=name):
+            pending.setdefault(name, []).append((_detached(args), {k: _detached(v) for k, v in kwargs.items()}))
+
         def hook(_module, _args, output, name=name):
+            given = pending[name].pop() if inputs is not None else None
             tensor = _first_tensor(output)
             if tensor is not None:
                 records.append((name, tensor.detach() if tensors else None))
+                if inputs is not None:
+                    inputs.append(given)
+        if inputs is not None:
+            handles.append(module.register_forward_pre_hook(before, prepend=True, with_kwargs=True))
         handles.append(module.register_forward_hook(hook))
     try:
         yield records
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value) if type(value) in (tuple, list) else value
+    return value
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -143,16 +161,35 @@ class Located:
     call_order: tuple = ()  # module paths in the order their forwards finished
 
 
-def locate(plan: Any, model: nn.Module, reference: nn.Module, got, want, rank_values, allowed) -> Located | None:
+def locate(plan: Any, model: nn.Module, reference: nn.Module, got, want, rank_values, allowed, inputs=None) -> Located | None:
     """The first differing tensor of a failed check (a module output in forward order; when
-    every comparable output agrees, the first parameter gradient) and the rule to blame."""
+    every comparable output agrees, the first parameter gradient) and the rule to blame.
+    `inputs`: (tp, reference calls' inputs, sharded calls' inputs) as `recording` gives
+    them: then the rule blamed is that of the module whose own computation goes wrong
+    (local_culprit), when that is not the first module whose output differs."""
     first = first_output_difference(got, want, rank_values, allowed)
     if first is None:
         grads = {name: param.grad for name, param in model.named_parameters()}
         first = first_gradient_difference(grads, reference, rank_values, allowed)
     if first is None:
         return None
-    return blame(first, plan, model, want)
+    located = blame(first, plan, model, want)
+    if inputs is None or not first.what.startswith(("the output", "the model")):
+        return located
+    from .local_culprit import culprit
+
+    tp, want_inputs, got_inputs = inputs
+    found = culprit(model, located.claimed, first.index, want, want_inputs, got, got_inputs, tp, rank_values, allowed)
+    if found is None or found[0] == first.module:
+        return located
+    module, cleared = found
+    rule, relation = owning_rule({k: v for k, v in located.claimed.items() if k not in cleared}, module, list(located.call_order))
+    if rule is None:
+        return located
+    right = f", '{', '.join(sorted(cleared))}' right ones" if cleared else ""
+    return dataclasses.replace(located, rule=rule, relation=(
+        f"{relation}; given the single-device run's own inputs, '{module or '<root>'}' still computes wrong values{right}"
+    ))
 
 
 def claims(plan: Any, model: nn.Module, want) -> tuple[dict, tuple]:

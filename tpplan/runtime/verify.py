@@ -198,7 +198,8 @@ def check_parity(
         inputs = default_inputs(reference, generator=torch.Generator().manual_seed(seed))
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     inputs = tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-    with recording(reference) as want_records:
+    want_inputs: list = []
+    with recording(reference, inputs=want_inputs) as want_records:
         ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
     reference_steps = _adamw_steps(_with_grads(reference), inputs, steps) if steps else []
@@ -210,14 +211,15 @@ def check_parity(
 
     with simulated_world(tp), LocalTensorMode(tp):
         _apply(plan, model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
-        with recording(model) as got_records:
+        got_inputs: list = []
+        with recording(model, inputs=got_inputs) as got_records:
             out, comms = forward_backward(model, inputs)
         grads = {name: p.grad for name, p in model.named_parameters()}
         problems, pairs = run_pairs(out, ref_out, grads, reference, output_name=lambda i: "output")
         result = _with_problems(problems, compare(pairs, rtol=rtol, atol=atol))
         if not result.passed:
             result.located = locate(plan, model, reference, got_records, want_records, values,
-                                    lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
+                                    lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)), inputs=(tp, want_inputs, got_inputs))
         replicas = differences(model, "after backward")
         if reference_steps:
             _one_copy_per_rank(model, tp)
