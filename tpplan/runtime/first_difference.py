@@ -161,35 +161,16 @@ class Located:
     call_order: tuple = ()  # module paths in the order their forwards finished
 
 
-def locate(plan: Any, model: nn.Module, reference: nn.Module, got, want, rank_values, allowed, inputs=None) -> Located | None:
+def locate(plan: Any, model: nn.Module, reference: nn.Module, got, want, rank_values, allowed) -> Located | None:
     """The first differing tensor of a failed check (a module output in forward order; when
-    every comparable output agrees, the first parameter gradient) and the rule to blame.
-    `inputs`: (tp, reference calls' inputs, sharded calls' inputs) as `recording` gives
-    them: then the rule blamed is that of the module whose own computation goes wrong
-    (local_culprit), when that is not the first module whose output differs."""
+    every comparable output agrees, the first parameter gradient) and the rule to blame."""
     first = first_output_difference(got, want, rank_values, allowed)
     if first is None:
         grads = {name: param.grad for name, param in model.named_parameters()}
         first = first_gradient_difference(grads, reference, rank_values, allowed)
     if first is None:
         return None
-    located = blame(first, plan, model, want)
-    if inputs is None or not first.what.startswith(("the output", "the model")):
-        return located
-    from .local_culprit import culprit
-
-    tp, want_inputs, got_inputs = inputs
-    found = culprit(model, located.claimed, first.index, want, want_inputs, got, got_inputs, tp, rank_values, allowed)
-    if found is None or found[0] == first.module:
-        return located
-    module, cleared = found
-    rule, relation = owning_rule({k: v for k, v in located.claimed.items() if k not in cleared}, module, list(located.call_order))
-    if rule is None:
-        return located
-    right = f", '{', '.join(sorted(cleared))}' right ones" if cleared else ""
-    return dataclasses.replace(located, rule=rule, relation=(
-        f"{relation}; given the single-device run's own inputs, '{module or '<root>'}' still computes wrong values{right}"
-    ))
+    return blame(first, plan, model, want)
 
 
 def claims(plan: Any, model: nn.Module, want) -> tuple[dict, tuple]:

@@ -13,14 +13,35 @@ output still differs is where the local computation goes wrong.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .first_difference import _first_tensor
+from .first_difference import Located, _first_tensor, owning_rule
 
 _UNTESTABLE = (RuntimeError, ValueError, TypeError, IndexError)  # the inputs do not fit the module as laid out
+
+
+def refine(located: Located, model: nn.Module, want: list, want_inputs: list, got: list, got_inputs: list,
+           tp: int, rank_values: Callable, allowed: Callable) -> Located:
+    """`located` (a failed check's first difference), blaming instead the rule of the module
+    whose own computation goes wrong, when that is not the first module whose output differs.
+    `want_inputs` / `got_inputs`: each recorded call's inputs (`recording(inputs=...)`)."""
+    if not located.first.what.startswith(("the output", "the model")):
+        return located
+    found = culprit(model, located.claimed, located.first.index, want, want_inputs, got, got_inputs, tp, rank_values, allowed)
+    if found is None or found[0] == located.first.module:
+        return located
+    module, cleared = found
+    rule, relation = owning_rule({k: v for k, v in located.claimed.items() if k not in cleared}, module, list(located.call_order))
+    if rule is None:
+        return located
+    right = f", '{', '.join(sorted(cleared))}' right ones" if cleared else ""
+    return dataclasses.replace(located, rule=rule, relation=(
+        f"{relation}; given the single-device run's own inputs, '{module or '<root>'}' still computes wrong values{right}"
+    ))
 
 
 def culprit(model: nn.Module, claimed: dict, index: int, want: list, want_inputs: list, got: list, got_inputs: list,

@@ -183,6 +183,7 @@ def check_parity(
     """
     from .dropout import for_check
     from .first_difference import locate, recording
+    from .local_culprit import refine
     from .replicas import add_to, differences
 
     default_rtol, default_atol = tolerance(dtype)
@@ -219,7 +220,10 @@ def check_parity(
         result = _with_problems(problems, compare(pairs, rtol=rtol, atol=atol))
         if not result.passed:
             result.located = locate(plan, model, reference, got_records, want_records, values,
-                                    lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)), inputs=(tp, want_inputs, got_inputs))
+                                    lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
+            if result.located is not None:  # blame the module whose own computation goes wrong
+                result.located = refine(result.located, model, want_records, want_inputs, got_records, got_inputs, tp, values,
+                                        lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
         replicas = differences(model, "after backward")
         if reference_steps:
             _one_copy_per_rank(model, tp)

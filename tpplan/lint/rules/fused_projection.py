@@ -64,7 +64,9 @@ def fit(ctx):
 
 
 def check(ctx):
-    misfits = {finding.at: finding for finding in fit(ctx)}
+    misfits: dict[tuple, Finding] = {}
+    for finding in fit(ctx):
+        misfits.setdefault(finding.at, finding)  # the first module of a rule says it
     yield from misfits.values()
     if ctx.flow is None:
         return
