@@ -37,8 +37,12 @@ def plan(**rules):
     return load_plan(text=PLAN.format(**rules).lstrip("\n"), file="plan.yaml")
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize(("factory", "rules"), [(fused.tiny, PACKED), (fused.tiny_gqa, GQA_PACKED)], ids=["equal", "gqa"])
+@pytest.mark.parametrize(("factory", "rules", "tp"), [
+    pytest.param(fused.tiny, PACKED, 2, id="equal-2"),
+    pytest.param(fused.tiny, PACKED, 4, id="equal-4", marks=pytest.mark.slow),
+    pytest.param(fused.tiny_gqa, GQA_PACKED, 2, id="gqa-2", marks=pytest.mark.slow),
+    pytest.param(fused.tiny_gqa, GQA_PACKED, 4, id="gqa-4"),
+])
 def test_packed_colwise_matches_one_device(factory, rules, tp):
     result = check_parity(factory, plan(**rules), tp)
     assert result.passed, result.problems

@@ -133,7 +133,7 @@ def _picks_one(index: Any, ndim: int, dim: int) -> bool:
 def _packable(value: Lay) -> bool:
     """Whether the shard comes from a style that can pack its output (colwise's `packed`):
     only there is a cut along the sharded dim a fused projection's."""
-    return value.src is not None and "packed" in type(value.src.rule.spec).model_fields
+    return value.src is not None and "packed" in getattr(type(value.src.rule.spec), "model_fields", {})
 
 
 class OpSemantics:
