@@ -187,3 +187,14 @@ def test_phi3_gathered_qkv_and_packed_gate_up_are_lint_clean_and_match_one_devic
     assert [str(p) for p in lint(text, phi3, tp=(2,))] == []
     result = check_parity(lambda: hf_models.phi3("eager"), load_plan(text=text), 2)
     assert result.passed, result.problems
+
+
+@pytest.mark.slow
+def test_phi3_plain_colwise_gate_up_fails_check_at_its_own_rule():
+    from tpplan import hf_models
+
+    text = PHI3.format(qkv="{style: colwise, output_layouts: replicate}", o="{style: rowwise, input_layouts: replicate}", gate_up="colwise")
+    result = check_parity(lambda: hf_models.phi3("eager"), load_plan(text=text), 2)
+    assert not result.passed
+    assert result.located.first.module == "model.layers.0.mlp.down_proj"
+    assert result.located.rule.pattern == "model.layers.*.mlp.gate_up_proj"
