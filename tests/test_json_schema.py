@@ -244,6 +244,8 @@ def _kind(field) -> str:
     if "parse_placement" in text:
         return "layout"
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union and "MinLen(min_length=2)" in text:
+        return "blocks"  # colwise packed: a count of equal blocks or their sizes
     if typing.get_origin(annotation) is typing.Union and len(args) == 2 and any(typing.get_origin(a) is typing.Literal for a in args):
         return "int_or_literal"  # colwise heads: a count or 'auto'
     base = args[0] if typing.get_origin(annotation) is typing.Union and len(args) == 1 else annotation
@@ -296,6 +298,7 @@ def style_values(draw, name: str):
             "layout": st.sampled_from(PLACEMENTS),
             "int_or_literal": st.one_of(st.integers(1, 8), st.just("auto")),
             "positive_int": st.integers(1, 8),
+            "blocks": st.one_of(st.integers(2, 4), st.lists(st.integers(1, 64), min_size=2, max_size=3)),
             # an unpaired mapping of layouts: per-parameter placements (expert_tp / local_params 'params')
             "kwargs": st.dictionaries(st.sampled_from(["weight", "bias", "gate_up_proj", "*"]), st.sampled_from(PLACEMENTS), max_size=3),
         }.get(kind)
@@ -306,6 +309,10 @@ def style_values(draw, name: str):
     if value.get("heads") is not None and value.get("output_layouts") is not None:
         # colwise with heads hands on local head slices: no output layout but shard(-1)
         value["output_layouts"] = draw(st.sampled_from(["shard(-1)", " Shard( -01 )"]))
+    if value.get("packed") is not None:
+        # packed blocks are split per rank already: no heads, no output layout
+        value.pop("heads", None)
+        value.pop("output_layouts", None)
     if value.get("dispatch") == "all_to_all":
         # tokens sharded: the experts take and give shard(0), the token dim
         for key in ("input_layouts", "output_layouts"):

@@ -49,7 +49,7 @@ def test_unknown_option_suggests_the_closest_and_lists_the_style_options(plan_er
     assert (problem.code, problem.line, problem.column) == ("TP100", 3, 23)
     assert problem.message == (
         "unknown key 'output_layout' in rule 'a'; did you mean 'output_layouts'? "
-        "(options of colwise: input_layouts, output_layouts, use_local_output, heads)"
+        "(options of colwise: input_layouts, output_layouts, use_local_output, heads, packed)"
     )
 
 

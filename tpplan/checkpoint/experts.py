@@ -181,7 +181,7 @@ class PackedShardState:
         n, self.rank = tensor.device_mesh.size(), tensor.device_mesh.get_coordinate()[0]
         self.block_size = tensor.shape[self.dim] // self.blocks
         self.chunk = self.block_size // n
-        self.local = tensor.to_local()
+        self.local = tensor._local_tensor  # to_local() of a parameter is an autograd view: no in-place reads into it
 
     def size(self) -> "torch.Size":
         return self.tensor.size()

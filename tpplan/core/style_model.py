@@ -168,6 +168,11 @@ class StyleSpec(_Strict):
         """For a style that runs the module: the layout its (first) output gets."""
         return None
 
+    def packed_blocks(self, size: int) -> "tuple[int, ...] | None":
+        """For a style whose local output packs several kinds (colwise with `packed`): the
+        sizes of the blocks of the output's `size` features; None for a plain shard."""
+        return None
+
     def cross_field_problems(self) -> list[tuple[tuple, str]]:
         """(path within the rule, message) for each constructor rule this spec breaks."""
         return []

@@ -66,6 +66,14 @@ class ColwiseSpec(_LinearOptions):
         "head_dim). When the TP degree is a multiple of the count above it, rank r holds head r // (tp / heads), "
         "replicated, with summed gradients, and the attention's KV-group count becomes the local ratio.",
     )
+    packed: Union[Annotated[int, Field(ge=2)], Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=2)], None] = Field(
+        None,
+        description="The output is several kinds packed side by side (a fused qkv_proj [q | k | v] split after the "
+        "Linear, a fused gate_up_proj): their count N for N equal blocks (weight and bias packed_shard(0, N): each "
+        "rank holds its slice of every block, so its local output is [q_r | k_r | v_r]), or the blocks' sizes in "
+        "output features for unequal ones (a GQA [q | k | v]: weight and bias replicated, each rank computes its "
+        "slice of every block, gradients summed).",
+    )
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:ColwiseParallel",
         params={
@@ -87,11 +95,24 @@ class ColwiseSpec(_LinearOptions):
         return self.output_layouts or _LAST_DIM
 
     def torch_class(self) -> str:
+        if self.packed is not None:  # each rank its slice of every packed block (tpplan/sharding/packed.py)
+            return "tpplan.sharding.packed:PackedColwiseParallel"
         # whole heads, replicated above their count (tpplan/sharding/kv_heads.py)
         return "tpplan.sharding.kv_heads:HeadsColwiseParallel" if self.heads is not None else self.semantics.torch_class
 
+    def packed_blocks(self, size: int):
+        if self.packed is None:
+            return None
+        return tuple(self.packed) if isinstance(self.packed, list) else (size // self.packed,) * self.packed
+
     def torch_options(self) -> dict[str, Any]:
         options = super().torch_options()
+        packed = options.pop("packed")
+        if packed is not None:
+            options.pop("heads")
+            options.pop("output_layouts")
+            options["packed"] = tuple(packed) if isinstance(packed, list) else packed
+            return options
         heads = options.pop("heads")
         if heads is not None:
             options.pop("output_layouts")
@@ -105,6 +126,10 @@ class ColwiseSpec(_LinearOptions):
         problems = super().cross_field_problems()
         if self.heads is not None and self.output_layouts is not None and self.output_layouts != _LAST_DIM:
             problems.append((("output_layouts",), "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"))
+        if self.packed is not None and self.heads is not None:
+            problems.append((("packed",), "colwise takes 'packed' or 'heads', not both: a packed projection's blocks are split per rank already"))
+        if self.packed is not None and self.output_layouts is not None:
+            problems.append((("output_layouts",), "colwise with 'packed' hands on each rank's slice of every block: drop output_layouts"))
         return problems
 
 

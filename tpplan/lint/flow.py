@@ -29,6 +29,7 @@ from .layouts import (
     CallSite,
     ColwiseInput,
     FlowReport,
+    Fused,
     Handoff,
     Lay,
     Leak,
@@ -119,6 +120,8 @@ class _Interpreter:
             return False
         if (want.kind, want.dim) != (have.kind, have.dim):
             self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, declared or _REPLICATE, default, have, shape))
+        elif have.kind == "S" and have.blocks is not None:  # [q_r | k_r | v_r] is no contiguous shard
+            self.report.fused.append(Fused(have, frame.fqn, frame.rule.pattern, shape, "handoff"))
         elif have.kind == "S":
             self.report.handoffs.append(Handoff(have, frame.fqn, frame.rule, shape[have.dim], len(shape)))
         return True
@@ -251,6 +254,8 @@ class _Interpreter:
             self.set(node, dataclasses.replace(have, src=src) if have.kind != "?" else Lay("?", False, None, src))
             return
         lay = placement_lay(spec.natural_output(), ndim, not spec.use_local_output, src)
+        if lay is not None and lay.kind == "S" and not lay.dt:
+            lay = dataclasses.replace(lay, blocks=spec.packed_blocks(self.shape(node)[lay.dim]))
         self.set(node, lay or Lay("?", False, None, src))
 
     # -- ops ------------------------------------------------------------------------------
@@ -283,6 +288,9 @@ class _Interpreter:
         outs = self.ops.semantics(op, values)
         if isinstance(outs, Leak):
             self.report.leaks.append(outs)
+            return self.set_all(op, Lay("?", None, None, outs.value.src))
+        if isinstance(outs, Fused):
+            self.report.fused.append(outs)
             return self.set_all(op, Lay("?", None, None, outs.value.src))
         if outs is None:
             src = next(v.src for v in values if v.kind != "R")

@@ -19,6 +19,8 @@ What can go wrong is recorded as findings that the TP32x rules turn into problem
 - `Mixed`: a DTensor meets a plain tensor (torch raises);
 - `Handoff`: a plain shard correctly annotated by the next style (TP324 checks
   that each degree divides it evenly);
+- `Fused`: a fused projection's plain shard split into kinds (q, k, v) along its
+  sharded dim, or a packed one (colwise `packed`) used as a plain shard (TP326);
 - `ColwiseInput`, `CallSite`, `OutputSite`: facts for the arity and
   communication rules.
 """
@@ -48,6 +50,7 @@ class Lay:
     dt: bool | None = False  # DTensor; None: unknown after a reported problem (judge nothing)
     dim: int | None = None  # S: the sharded dim of the full shape
     src: Source | None = None
+    blocks: tuple | None = None  # S of a packed colwise: the full sizes of the blocks along `dim`
 
     def text(self, ndim: int) -> str:
         base = shard_text(self.dim, ndim) if self.kind == "S" else {"R": "replicated", "P": "partial", "?": "unknown"}[self.kind]
@@ -116,6 +119,16 @@ class Handoff:
 
 
 @dataclass(frozen=True)
+class Fused:
+    value: Lay  # the plain shard (packed or not), with its source
+    fqn: str  # the module the op runs in, or the consumer (where='handoff')
+    detail: str  # the op ('chunk', 'unbind', 'getitem', 'view'), or the consumer's rule pattern
+    shape: tuple  # the full shape of the value
+    where: str  # 'split': a plain shard split into kinds; 'slice', 'view', 'handoff': a packed shard misused
+    pieces: tuple | None = None  # the sizes the split cuts the sharded dim into, when it says
+
+
+@dataclass(frozen=True)
 class ColwiseInput:
     fqn: str
     rule: "Rule"
@@ -147,6 +160,7 @@ class FlowReport:
     leaks: list = field(default_factory=list)
     mixed: list = field(default_factory=list)
     handoffs: list = field(default_factory=list)
+    fused: list = field(default_factory=list)
     colwise_inputs: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     outputs: list = field(default_factory=list)

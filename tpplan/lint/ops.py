@@ -4,7 +4,9 @@ Between modules, ops carry shards along the dims they map: views, transposes,
 elementwise ops with broadcasting, attention, reductions over other dims. An op
 that needs what a plain shard lacks (reducing over the sharded dim, mixing it
 with a full tensor) is a `Leak`; an op not modelled here makes the layout
-unknown, and nothing after it is judged.
+unknown, and nothing after it is judged. A fused projection's shard cut into
+kinds (q, k, v) along its sharded dim is a `Fused` finding, unless the
+projection is a packed colwise whose blocks the cut follows.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .layouts import Lay, Leak
+from .layouts import Fused, Lay, Leak
 from .trace import Op
 
 # -- op semantics -------------------------------------------------------------------
@@ -118,6 +120,22 @@ def _index_dim(index: Any, shape: tuple, dim: int) -> int | None:
     return out + (dim - src) if dim >= src else None
 
 
+def _picks_one(index: Any, ndim: int, dim: int) -> bool:
+    """Whether basic index `index` picks one entry (an int) of dim `dim`."""
+    items = index if isinstance(index, tuple) else (index,)
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items = items[:at] + (slice(None),) * (ndim - len(items) + 1) + items[at + 1:]
+    items = [item for item in items if item is not None]
+    return dim < len(items) and isinstance(items[dim], int) and not isinstance(items[dim], bool)
+
+
+def _packable(value: Lay) -> bool:
+    """Whether the shard comes from a style that can pack its output (colwise's `packed`):
+    only there is a cut along the sharded dim a fused projection's."""
+    return value.src is not None and "packed" in getattr(type(value.src.rule.spec), "model_fields", {})
+
+
 class OpSemantics:
     """Output layouts of ops on plain inputs, some of them sharded or partial."""
 
@@ -128,7 +146,7 @@ class OpSemantics:
     def leak(self, value: Lay, where: str, op: Op, node: int) -> Leak:
         return Leak(value, where, self.where(), op.name, self.shape(node))
 
-    def semantics(self, op: Op, values: list[Lay]) -> "list[Lay] | Leak | None":
+    def semantics(self, op: Op, values: list[Lay]) -> "list[Lay] | Leak | Fused | None":
         """Output layouts of an op on plain inputs, some sharded or partial; a Leak when
         the op needs what the shard lacks; None when we do not model it."""
         name = op.name
@@ -159,6 +177,10 @@ class OpSemantics:
             return self.leak(sharded[0][1], "reduce", op, op.inputs[sharded[0][0]])
         if len(sharded) != 1 or sharded[0][0] != 0:
             return self.multi(op, values, shapes, out_shapes)
+        if first.kind == "S" and _packable(first):
+            cut = self.kinds(op, first, shapes[0], out_shapes)
+            if cut is not None:
+                return cut
         dim, src, shape = first.dim, first.src, shapes[0]
         out = out_shapes[0]
         moved: int | None = None
@@ -214,7 +236,40 @@ class OpSemantics:
             moved = dim
         if moved is None or not all(len(s) > moved and s[moved] != 1 for s in out_shapes):
             return None
-        return [Lay("S", False, moved, src)] * len(out_shapes)
+        return [Lay("S", False, moved, src, first.blocks)] * len(out_shapes)
+
+    def kinds(self, op: Op, first: Lay, shape: tuple, out_shapes: list[tuple]) -> "list[Lay] | Fused | None":
+        """An op that cuts a fused projection's shard along its sharded dim into kinds
+        (chunk, split, unbind, indexing; a view splitting out the blocks of a packed one).
+        A plain shard: a Fused finding (each rank's slice mixes kinds). A packed one: each
+        kind's shard when the cut follows its blocks, else a Fused finding. None: the op
+        does not cut the sharded dim."""
+        name, dim, blocks = op.name, first.dim, first.blocks
+        fused = lambda where, pieces=None: Fused(first, self.where(), name, shape, where, pieces)  # noqa: E731
+        if name in SPLITS:
+            along = _dims(_arg(op, 2 if name != "unbind" else 1, "dim", 0), len(shape))
+            if along is None or along[0] != dim:
+                return None
+            pieces = tuple(s[dim] for s in out_shapes) if name != "unbind" else (1,) * len(out_shapes)
+            if blocks is None:
+                return fused("split", pieces)
+            return [Lay("S", False, dim, first.src)] * len(out_shapes) if pieces == blocks else fused("slice", pieces)
+        if name == "getitem":
+            index = _arg(op, 1, "index")
+            if _index_dim(index, shape, dim) is not None:
+                return None
+            picks = _picks_one(index, len(shape), dim)  # qkv[0] of (3, ...): one of shape[dim] kinds
+            return fused("split" if blocks is None else "slice", (1,) * shape[dim] if picks else None)
+        if name in VIEWS and blocks is not None:
+            out = out_shapes[0]
+            moved = _view_dim(shape, out, dim) if math.prod(shape) == math.prod(out) else None
+            if moved is not None and out[moved] == shape[dim]:
+                return [Lay("S", False, moved, first.src, blocks)]  # the packed dim stays whole
+            inner = next((d for d in range(moved + 1, len(out)) if out[d] != 1), None) if moved is not None else None
+            if inner is not None and out[moved] == len(blocks) and len(set(blocks)) == 1:
+                return [Lay("S", False, inner, first.src)]  # (blocks, heads, head_dim): each rank's heads of every kind
+            return fused("view")
+        return None
 
     def keeps_dim(self, op: Op, values: list[Lay], shapes: list[tuple]) -> bool:
         """softmax / norms compute over some dims: fine as long as the shard is elsewhere."""
@@ -252,7 +307,7 @@ class OpSemantics:
                     return self.leak(values[shard_index], "op", op, op.inputs[shard_index])  # a full tensor meets the shard
         if not all(s == out for s in out_shapes):
             return None
-        return [Lay("S", False, dim, values[shard_index].src)] * len(out_shapes)
+        return [Lay("S", False, dim, values[shard_index].src, values[shard_index].blocks)] * len(out_shapes)
 
     def multi(self, op: Op, values: list[Lay], shapes: list[tuple], out_shapes: list[tuple]) -> "list[Lay] | Leak | None":
         """Ops with several inputs or the shard not first: matmul, attention, cat, stack."""

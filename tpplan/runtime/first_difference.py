@@ -37,22 +37,40 @@ class Difference:
 
 
 @contextlib.contextmanager
-def recording(model: nn.Module, tensors: bool = True) -> Iterator[list[tuple[str, Any]]]:
+def recording(model: nn.Module, tensors: bool = True, inputs: list | None = None) -> Iterator[list[tuple[str, Any]]]:
     """(module path, first tensor of its output) for each module call, in call order;
-    `tensors=False`: (module path, None), the call order alone, holding nothing."""
+    `tensors=False`: (module path, None), the call order alone, holding nothing.
+    `inputs`: a list that gets each recorded call's (args, kwargs), detached, in the same order."""
     records: list[tuple[str, Any]] = []
     handles = []
+    pending: dict[str, list] = {}  # module -> the inputs of its calls running (before any style's hook)
     for name, module in model.named_modules():
+        def before(_module, args, kwargs, name=name):
+            pending.setdefault(name, []).append((_detached(args), {k: _detached(v) for k, v in kwargs.items()}))
+
         def hook(_module, _args, output, name=name):
+            given = pending[name].pop() if inputs is not None else None
             tensor = _first_tensor(output)
             if tensor is not None:
                 records.append((name, tensor.detach() if tensors else None))
+                if inputs is not None:
+                    inputs.append(given)
+        if inputs is not None:
+            handles.append(module.register_forward_pre_hook(before, prepend=True, with_kwargs=True))
         handles.append(module.register_forward_hook(hook))
     try:
         yield records
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value) if type(value) in (tuple, list) else value
+    return value
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:

@@ -195,6 +195,7 @@ def check_parity(
     """
     from .dropout import for_check
     from .first_difference import locate, recording
+    from .local_culprit import refine
     from .replicas import add_to, differences
 
     if dtype is not None:
@@ -217,7 +218,8 @@ def check_parity(
         inputs = default_inputs(reference, generator=torch.Generator().manual_seed(seed))
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     inputs = tuple(x.to(dtype) if dtype is not None and isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
-    with recording(reference) as want_records:
+    want_inputs: list = []
+    with recording(reference, inputs=want_inputs) as want_records:
         ref_out = reference(*inputs)
     scalar_loss(ref_out).backward()
     reference_steps = _adamw_steps(_with_grads(reference), inputs, steps) if steps else []
@@ -235,7 +237,8 @@ def check_parity(
             from ..checkpoint.simulate import load_ranks
 
             load_ranks(model, checkpoint, tp, dtype=dtype, allow_missing=allow_missing)
-        with recording(model) as got_records:
+        got_inputs: list = []
+        with recording(model, inputs=got_inputs) as got_records:
             out, comms = forward_backward(model, inputs)
         grads = {name: p.grad for name, p in model.named_parameters()}
         problems, pairs = run_pairs(out, ref_out, grads, reference, output_name=lambda i: "output")
@@ -243,6 +246,9 @@ def check_parity(
         if not result.passed:
             result.located = locate(plan, model, reference, got_records, want_records, values,
                                     lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
+            if result.located is not None:  # blame the module whose own computation goes wrong
+                result.located = refine(result.located, model, want_records, want_inputs, got_records, got_inputs, tp, values,
+                                        lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
         replicas = differences(model, "after backward")
         if reference_steps:
             _one_copy_per_rank(model, tp)

@@ -11,6 +11,7 @@ from . import (
     coverage,
     dry_run,
     expert_divisibility,
+    fused_projection,
     head_divisibility,
     layout_mismatch,
     loss_parallel_head,
@@ -49,6 +50,7 @@ RULES = rule_table([
     mixed_dtensor.RULE,  # TP323
     uneven_handoff.RULE,  # TP324
     replicated_partial_grad.RULE,  # TP325
+    fused_projection.RULE,  # TP326
     trace_unavailable.RULE,  # TP329
     dry_run.RULE,  # TP330
     shared_input_comms.RULE,  # TP340
