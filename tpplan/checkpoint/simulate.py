@@ -84,13 +84,15 @@ def _slots(model: nn.Module) -> Iterator[tuple[str, dict, str, torch.Tensor]]:
 
 
 def _on_rank(t: torch.Tensor, rank: int, meshes: dict) -> torch.Tensor:
-    """An empty meta stand-in for `t` on simulated rank `rank`: a DTensor's local shard
+    """An empty meta stand-in for `t` on simulated rank `rank` (a real plain tensor stays itself): a DTensor's local shard
     of that rank, on a copy of its mesh that has that rank's coordinate (no process
     group: the fake group's collectives do nothing, and loading needs none)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if not isinstance(t, DTensor):
+        if t.device.type != "meta":  # a buffer the constructor computed (meta_parameters): every rank's already
+            return t
         new = torch.empty_like(t, device="meta")
     else:
         mesh = t.device_mesh
