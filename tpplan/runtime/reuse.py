@@ -169,10 +169,14 @@ def _signature(block: "nn.Module", fqn: str, claimed: dict, shared: set[int]) ->
     out: list[tuple[str, str, Any]] = []
     for rel, module in block.named_modules(remove_duplicate=False):
         rule = claimed.get(f"{fqn}.{rel}" if rel else fqn)
-        out += [(rel, "type", type(module)), (rel, "rule", rule.pattern if rule else None), (rel, "shared", id(module) in shared)]
+        # held twice (one module in every block, tied weights): the block's own, so that no run
+        # counts it once per block
+        held = [id(module), *(id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)]
+        out += [(rel, "type", type(module)), (rel, "sharing", fqn if any(i in shared for i in held) else None),
+                (rel, "rule", rule.pattern if rule else None)]
         for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
             for name, t in tensors.items():
-                shape = None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, type(t), id(t) in shared and id(t))
+                shape = None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, type(t))
                 out.append((rel, f"{kind} {name}", (shape, name in module._non_persistent_buffers_set)))
         out += [(rel, f"attribute {name}", _value(v)) for name, v in vars(module).items() if name not in internals]
         hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
