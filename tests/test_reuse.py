@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from tpplan.cli.app import app
 from tpplan.models import llama, mlp
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.options import ApplyOptions
-from tpplan.runtime.reuse import find_run
+from tpplan.runtime.reuse import BlockReuse, find_run
 from tpplan.runtime.training import TrainOptions
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
@@ -155,6 +156,16 @@ def test_blocks_sharing_a_module_are_not_reused():
         block.out_proj = model.blocks[0].out_proj  # one Linear in every block: reusing it would count it 6 times
     assert find_run(model, plan) == ("no 6 consecutive blocks of 'blocks' are identical ('blocks.1' differs from "
                                      "'blocks.0' in the sharing of 'out_proj'): all 6 simulated")
+
+
+def test_a_per_position_setting_that_a_shorter_list_would_move_keeps_every_block():
+    plan = load_plan(str(PLANS / "mlp_tp.yaml"))
+    model = mlp.MLP(n_blocks=8)
+    model.config = types.SimpleNamespace(layer_types=["full"] * 8)  # as transformers' config, read by enumerate(self.layers)
+    assert isinstance(find_run(model, plan), BlockReuse)
+    model.config.layer_types = ["full"] * 6 + ["sliding"] * 2  # blocks.7 would read position 2's "full"
+    assert find_run(model, plan) == ("'config.layer_types' gives the blocks of 'blocks' settings by position that "
+                                     "a shorter list would move: all 8 simulated")
 
 
 def test_no_reuse_on_the_command_line_simulates_every_block_and_the_text_names_the_reused_ones():

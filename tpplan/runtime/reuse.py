@@ -140,7 +140,34 @@ def find_run(model: "nn.Module", plan: "Plan") -> BlockReuse | str | None:
     if best[1] < MIN_RUN:
         return f"no {MIN_RUN} consecutive blocks of '{container}' are identical ({_first_difference(fqns, signatures)}): all {len(fqns)} simulated"
     keys = tuple(fqn.rpartition(".")[2] for fqn in fqns)
-    return BlockReuse(container, keys, best[0], best[0] + best[1])
+    found = BlockReuse(container, keys, best[0], best[0] + best[1])
+    moved = _positional_setting(model, found)
+    if moved:
+        return f"{moved} gives the blocks of '{container}' settings by position that a shorter list would move: all {len(fqns)} simulated"
+    return found
+
+
+def _positional_setting(model: "nn.Module", reuse: BlockReuse) -> str | None:
+    """A per-block list outside the blocks (transformers' `config.layer_types`) that a
+    forward indexes by position (`enumerate(self.layers)`) and that reads differently at
+    a truncated copy's positions than at its blocks' own indices; None when there is none."""
+    from torch import nn
+
+    prefix = f"{reuse.container}." if reuse.container else ""
+    owners: list[tuple[str, Any]] = [(name, m) for name, m in model.named_modules() if not (prefix and name.startswith(prefix))]
+    for name, module in list(owners):
+        config = getattr(module, "config", None)
+        if hasattr(config, "__dict__") and not isinstance(config, nn.Module):
+            owners.append((f"{name}.config" if name else "config", config))
+    for owner, obj in owners:
+        for attribute, value in vars(obj).items():
+            if not isinstance(value, (list, tuple)) or len(value) != len(reuse.keys):
+                continue
+            for blocks in (2, 3):
+                kept = [reuse.keys.index(k) for k in reuse.kept(blocks)]
+                if any(_value(value[position]) != _value(value[index]) for position, index in enumerate(kept)):
+                    return f"'{owner}.{attribute}'" if owner else f"'{attribute}'"
+    return None
 
 
 def _shared(model: "nn.Module") -> set[int]:
