@@ -164,7 +164,8 @@ def _peak_module(parents: list[str], phase: str, root: str) -> str:
     names = [p for p in parents if p != "Global"]
     if not names:  # no module running: the loss, or the optimizer
         return {"forward": "loss", "backward": "loss (backward)"}.get(phase, phase)
-    innermost = max(names, key=lambda n: (n.count("."), len(n)))
+    # sorted first: modules active together (w1 and w3 in backward) tie, and a set's order varies by process
+    innermost = max(sorted(names), key=lambda n: (n.count("."), len(n)))
     fqn = innermost[len(root) + 1:] if innermost.startswith(root + ".") else ("<root>" if innermost == root else innermost)
     return fqn if phase == "optimizer step" else f"{fqn} ({phase})"
 

@@ -142,8 +142,10 @@ def compose(reuse: "BlockReuse", short: tuple["PlannedStep", Timeline], long: tu
         held, parents, phase = b.highest[region]
         total = _plus(held, extra(), copies)
         if peak is None or total["total"] > peak[0]["total"]:
-            where = _peak_module(parents, phase, b.root)
-            peak = (total, reuse.rename(where, reuse.reused[-1]) if last_copy and reuse.under_template(where) else where)
+            where = _peak_module(parents, phase, b.root)  # "layers.1.attention (backward)"
+            if last_copy and reuse.under_template(where.partition(" (")[0]):
+                where = reuse.rename(where, reuse.reused[-1])
+            peak = (total, where)
     assert peak is not None, "a measured step has at least one op"
     held, where = peak
     step_a, step_b = planned_a.step, planned_b.step
