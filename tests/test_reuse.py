@@ -87,7 +87,8 @@ MEDIUM = ("llama_tp_sp.yaml", "test_reuse:llama12", 4, dict(fsdp=2, batch=2, seq
     ("llama_tp.yaml", "test_reuse:llama6", 2, dict(optimizer="adamw")),
     MEDIUM,
     ("mlp_tp.yaml", "test_reuse:mlp8", 2, dict(optimizer="sgd", fsdp=2)),
-    ("hf/llama_tp.yaml", "test_reuse:hf_llama6", 2, dict(batch=2, seq=16)),
+    # transformers' build is the slowest part: in the slow suite (pytest -m slow)
+    pytest.param("hf/llama_tp.yaml", "test_reuse:hf_llama6", 2, dict(batch=2, seq=16), marks=pytest.mark.slow),
 ])
 def test_reused_blocks_plan_exactly_the_step_of_the_whole_simulation(plan, model, tp, train):
     reused, whole = both(PLANS / plan, model, tp, **train)
