@@ -41,6 +41,9 @@ JSON_OUTPUT = """\
   `parameters`, `step_time_s` and `steps`; with `--checkpoint`, `"checkpoint": {"path", "format": "hf"|"dcp",
   "files", "tensors", "loaded", "missing", "allowed_missing", "unexpected", "checkpoint_bytes",
   "rank_read_bytes": [int per rank], "dtypes"}` (else null), with `--save`, `"saved": {"path", "format"}`,
+  with memory planning `"memory"` (the per-rank peak by category, `peak_module`, `fits`, `after_step`, and
+  `"block_reuse": {"container", "blocks", "from", "reused": [fqn], "simulated": [fqn]}`, the blocks simulated
+  once and reused, or null), `"comm_bytes"` and `"optimizer_comms"`,
   and `"notes": [str]`, what the run chose or changed for the user (a default `--tp`, dropout off for `--check`)."""
 
 

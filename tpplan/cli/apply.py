@@ -138,6 +138,13 @@ def apply(
             show_default=False,
         ),
     ] = None,
+    no_reuse: Annotated[
+        bool,
+        typer.Option(
+            "--no-reuse",
+            help="Memory planning: simulate every block, not identical repeated blocks once (the report names the blocks it reused).",
+        ),
+    ] = False,
     device: Annotated[Device, typer.Option("--device", help="Device of each rank; auto: cuda, then npu, then cpu. Picks the backend: nccl, hccl, gloo.")] = Device.auto,
     format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (one object; cli.md lists its keys).")] = ApplyFormat.text,
     checkpoint: Annotated[
@@ -194,6 +201,7 @@ def apply(
     options = ApplyOptions(
         plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout,
         checkpoint=checkpoint, save=save, save_format=save_format.value, allow_missing=tuple(allow_missing or ()), train=train,
+        reuse_blocks=not no_reuse,
     )
     under_torchrun = not dry_run and "RANK" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0

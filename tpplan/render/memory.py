@@ -33,6 +33,8 @@ def render_memory(memory: MemoryReport, sweep: list[DegreeFit], console) -> None
         table.add_row(Text(name), Text(human_bytes(held)), Text(_bar(held, peak), style=_COLORS[name]))
     table.add_row(Text("peak", style="bold"), Text(human_bytes(peak), style="bold"), Text(f"at {memory.peak_module}"))
     console.print(table)
+    if memory.reuse is not None:
+        console.print(f"blocks: {memory.reuse.describe()}; --no-reuse simulates them all")
     if memory.limit_bytes is not None:
         verdict = "[green]fits[/green]" if memory.fits else "[red]does not fit[/red]"
         console.print(f"limit {human_bytes(memory.limit_bytes)} per rank: {verdict} ({100 * peak / memory.limit_bytes:.0f}% of it)")

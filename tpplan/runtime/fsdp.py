@@ -56,12 +56,13 @@ def train_mesh(device_type: str, dp: int, tp: int, axis: str) -> "DeviceMesh":
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", axis))
 
 
-def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", reshard_after_forward: bool = True) -> list[str]:
-    """`fully_shard` each block and the root over `mesh["dp"]`; returns the wrapped fqns (root: "")."""
+def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", reshard_after_forward: bool = True, wrap: list[str] | None = None) -> list[str]:
+    """`fully_shard` each block (`wrap`, default `blocks(model)`) and the root over
+    `mesh["dp"]`; returns the wrapped fqns (root: "")."""
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp"]
-    wrapped = blocks(model)
+    wrapped = blocks(model) if wrap is None else wrap
     with _meshes_outside_fake_mode():
         for fqn in wrapped:
             fully_shard(model.get_submodule(fqn), mesh=dp_mesh, reshard_after_forward=reshard_after_forward)

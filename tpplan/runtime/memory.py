@@ -107,9 +107,10 @@ def counting(counts: Counter, sizes: Counter) -> Iterator[None]:
 # -- the tracker ----------------------------------------------------------------------
 
 
-def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool):
+def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool, recorder=None):
     """torch's tracker, told to remember where the peak happens (the modules
-    active when the peak last rose, and the pass)."""
+    active when the peak last rose, and the pass), and to show every op's
+    memory to `recorder.observe(tracker)` (reuse.Timeline) when given one."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -128,6 +129,8 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool):
                     self._peak_mem_snap[device] = dict(snapshot)
                     phase = "optimizer step" if self._in_opt else "backward" if self._mod_tracker.is_bw else "forward"
                     self.peak_site = (list(self._mod_tracker.parents), phase)
+            if recorder is not None:
+                recorder.observe(self)
 
     if fsdp:
         tracker = PeakSite(model, optimizer)
@@ -138,12 +141,31 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool):
     return tracker
 
 
+@contextlib.contextmanager
+def _propagation_untracked() -> Iterator[None]:
+    """DTensor's sharding propagation runs each new op once on global-shape tensors in
+    the active fake mode (`detect_fake_mode()`), to learn the output's metadata; under
+    the dry run's FakeTensorMode the tracker counts those transient full-size tensors
+    as this rank's memory, on the first use of each op and shape only (so a planned
+    peak depended on what ran before it in the process). A fresh mode per propagation,
+    as in eager mode, keeps them out of the count."""
+    from torch.distributed.tensor import _sharding_prop
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args: None
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
 def _peak_module(parents: list[str], phase: str, root: str) -> str:
     """The innermost active module, without the tracker's root-class prefix."""
     names = [p for p in parents if p != "Global"]
     if not names:  # no module running: the loss, or the optimizer
         return {"forward": "loss", "backward": "loss (backward)"}.get(phase, phase)
-    innermost = max(names, key=lambda n: (n.count("."), len(n)))
+    # sorted first: modules active together (w1 and w3 in backward) tie, and a set's order varies by process
+    innermost = max(sorted(names), key=lambda n: (n.count("."), len(n)))
     fqn = innermost[len(root) + 1:] if innermost.startswith(root + ".") else ("<root>" if innermost == root else innermost)
     return fqn if phase == "optimizer step" else f"{fqn} ({phase})"
 
@@ -194,10 +216,13 @@ def measure_training_step(
     loss_parallel: bool = False,
     fsdp: bool = False,
     seed: int = 0,
+    recorder=None,
 ) -> StepMemory:
     """Peak memory of this rank over a steady-state training step (the optimizer
     state made first, then `reset_mod_stats()` and the measured step), by
-    category, with the collectives of the step. Works on real and on fake tensors."""
+    category, with the collectives of the step. Works on real and on fake tensors.
+    `recorder` (reuse.Timeline) sees every op and the memory where the step's
+    forward, backward and optimizer step begin and end."""
     import torch
 
     from .fsdp import fake_friendly_meshes
@@ -205,20 +230,30 @@ def measure_training_step(
 
     optimizer = make_optimizer(optimizer_name, model)
     targets = make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
-    tracker = _tracker(model, optimizer, inputs, fsdp)
+    tracker = _tracker(model, optimizer, inputs, fsdp, recorder)
+    if recorder is not None:
+        recorder.begin(type(model).__name__)
+
+    def mark(name: str) -> None:
+        if recorder is not None:
+            recorder.mark(name, _categories(tracker.get_tracker_snapshot()))
+
     counts = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
     sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
     losses = []
-    with fake_friendly_meshes(), tracker:
+    with fake_friendly_meshes(), _propagation_untracked(), tracker:
         if optimizer is not None:
             _initialize_state(model, optimizer)
         tracker.reset_mod_stats()
+        mark("start")
         generator = torch.Generator().manual_seed(seed + 3)
         with loss_context(loss_parallel):
             with counting(counts["forward"], sizes["forward"]):
                 loss = training_loss(model(*inputs), targets, loss_parallel, generator)
+            mark("forward")
             with counting(counts["backward"], sizes["backward"]):
                 loss.backward()
+            mark("backward")
         if optimizer is not None:
             with counting(counts["optimizer"], sizes["optimizer"]):
                 optimizer.step()
@@ -263,6 +298,11 @@ class PlannedStep:
     memory: MemoryReport
     step: StepMemory
     blocks: list[str]
+    notes: list[str] = field(default_factory=list)  # what the planning chose (e.g. why no block was reused)
+
+
+# simulate(model, recorder=None, wrap=None) -> PlannedStep: one built model, sharded and measured
+Simulate = Callable[..., PlannedStep]
 
 
 def plan_memory(
@@ -274,12 +314,15 @@ def plan_memory(
     axis: str = "tp",
     loss_parallel: bool = False,
     run: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
+    strategy: "Callable[[nn.Module, Simulate], PlannedStep] | None" = None,
 ) -> PlannedStep:
     """Simulate world `dp x tp` (dp = `train.fsdp`) on fake tensors: `build()` the
     model, cast it to `train.dtype`, `shard(model, mesh)` (the plan), FSDP2 on dp,
     and measure one training step on `make_inputs(model)`. `run(fn)` wraps the
-    step (the dry run's failure locator)."""
-    from .fsdp import fake_friendly_meshes, shard_data_parallel, train_mesh
+    step (the dry run's failure locator). `strategy(model, simulate)` decides how
+    the built model is simulated (reuse.block_reuse: repeated blocks once);
+    without one, it is simulated whole."""
+    from .fsdp import train_mesh
     from .simulate import fake_tensors, simulated_world
 
     dp = train.dp
@@ -288,11 +331,22 @@ def plan_memory(
         with fake_tensors():
             with _default_dtype(torch_dtype(train.dtype)):
                 model = build()
-            inputs = make_inputs(model)
-            with fake_friendly_meshes():
-                shard(model, mesh)
-            wrapped = shard_data_parallel(model, mesh) if dp > 1 else []
-            step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, loss_parallel, fsdp=dp > 1))
+
+            def simulate(model: "nn.Module", recorder=None, wrap: list[str] | None = None) -> PlannedStep:
+                return _simulate(model, make_inputs(model), shard, mesh, tp, train, loss_parallel, run, recorder, wrap)
+
+            return (strategy or (lambda model, simulate: simulate(model)))(model, simulate)
+
+
+def _simulate(model, inputs, shard, mesh, tp: int, train: TrainOptions, loss_parallel: bool, run, recorder, wrap) -> PlannedStep:
+    """The plan, FSDP2 (on `wrap`, default: the model's blocks) and one measured step of a built model."""
+    from .fsdp import fake_friendly_meshes, shard_data_parallel
+
+    dp = train.dp
+    with fake_friendly_meshes():
+        shard(model, mesh)
+    wrapped = shard_data_parallel(model, mesh, wrap=wrap) if dp > 1 else []
+    step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, loss_parallel, fsdp=dp > 1, recorder=recorder))
     first_param = next(model.parameters(), None)
     memory = MemoryReport(
         tp=tp,

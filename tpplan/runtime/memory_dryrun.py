@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .memory import plan_memory
+from .reuse import block_reuse
 
 
 def dry_run_memory(options, plan, factory, report, event: Callable[[str], None]) -> None:
@@ -63,7 +64,13 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
             plan.mesh_axis,
             plan.loss_parallel,
             run,
+            None if not options.reuse_blocks else block_reuse(plan, event),
         )
+        reused = planned.memory.reuse
+        if reused is not None:  # the report names every module and parameter of the whole model
+            scratch.modules, scratch.rule_of = reused.expand_dict(scratch.modules), reused.expand_dict(scratch.rule_of)
+            scratch.params = reused.expand_params(scratch.params)
+        scratch.notes = planned.notes
         scratch.memory = planned.memory
         scratch.comms = {phase: planned.step.comms[phase] for phase in ("forward", "backward")}
         scratch.comm_bytes = {phase: planned.step.comm_bytes[phase] for phase in ("forward", "backward")}
@@ -91,6 +98,7 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     best = results[chosen]
     for name in ("modules", "rule_of", "rule_where", "params", "comms", "memory", "comm_bytes", "optimizer_comms", "tp", "dp", "world_size"):
         setattr(report, name, getattr(best, name))
+    report.notes += best.notes
     report.memory_sweep = sweep if len(degrees) > 1 else []
     if len(degrees) > 1:
         why = "the smallest that fits" if fitting else ("none fits: the largest" if train.memory_limit is not None else "the largest")

@@ -25,6 +25,7 @@ class MemoryReport:
     dtype: str = ""
     optimizer: str = ""
     steady: dict[str, int] = field(default_factory=dict)  # after the step (gradients freed): what stays between steps
+    reuse: Any = None  # reuse.BlockReuse: the blocks simulated once and reused, when there were
 
     @property
     def fits(self) -> bool | None:
@@ -45,6 +46,7 @@ class MemoryReport:
             "dtype": self.dtype,
             "optimizer_name": self.optimizer,
             "after_step": dict(self.steady),
+            "block_reuse": self.reuse.to_json() if self.reuse is not None else None,
         }
 
 

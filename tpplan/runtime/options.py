@@ -63,3 +63,4 @@ class ApplyOptions:
     save_format: str = "dcp"
     allow_missing: tuple[str, ...] = ()
     train: TrainOptions = TrainOptions()  # memory planning (dry run), FSDP2 and the optimizer of --steps
+    reuse_blocks: bool = True  # memory planning: simulate identical repeated blocks once (runtime/reuse.py)

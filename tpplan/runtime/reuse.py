@@ -1,0 +1,290 @@
+"""Cost by what differs, not by depth: repeated blocks are simulated once.
+
+The memory plan of a decoder whose blocks are identical (the same modules,
+parameter and buffer shapes, attributes, and the same plan rules) costs the
+same at 4 blocks and at 126 when the repeated blocks are not all simulated:
+`block_reuse(plan)` finds the longest run of identical blocks in the list FSDP
+wraps (the largest `ModuleList`, e.g. `layers`), simulates the model truncated
+to 2 and to 3 blocks of that run (every other block kept, every name kept), and
+composes the full step from the two (`timeline.compose`): what one more block
+adds, times the blocks left out. The run's first block, its last and one in its
+middle (the template) are simulated; the others are reused from the template.
+
+A model whose blocks differ, or whose truncated copy cannot be simulated, is
+simulated whole, with a note that says why. `--no-reuse` simulates it whole.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..core.plan import Plan
+    from .memory import PlannedStep, Simulate
+
+# Below this many identical blocks, two truncated runs (2 + 3 blocks) cost about as much as the whole.
+MIN_RUN = 6
+
+
+@dataclass(frozen=True)
+class BlockReuse:
+    """Which blocks of `container` were reused: `keys[start:stop]` are identical;
+    `keys[start]`, the template `keys[start + 1]` and `keys[stop - 1]` were
+    simulated, the blocks between the template and the last were not."""
+
+    container: str  # "layers"
+    keys: tuple[str, ...]  # every block's key in the container, in order ("0", ..., "125")
+    start: int
+    stop: int
+
+    def fqn(self, key: str) -> str:
+        return f"{self.container}.{key}" if self.container else key
+
+    @property
+    def template(self) -> str:
+        return self.fqn(self.keys[self.start + 1])
+
+    @property
+    def reused(self) -> tuple[str, ...]:
+        return tuple(self.fqn(k) for k in self.keys[self.start + 2:self.stop - 1])
+
+    def kept(self, run_blocks: int) -> list[str]:
+        """The keys of a copy that keeps `run_blocks` (2 or 3) blocks of the run: its first, (the template,) its last."""
+        run = [self.keys[self.start], *self.keys[self.start + 1:self.start + run_blocks - 1], self.keys[self.stop - 1]]
+        return [*self.keys[:self.start], *run, *self.keys[self.stop:]]
+
+    @property
+    def simulated(self) -> list[str]:
+        return [self.fqn(k) for k in self.kept(3)]
+
+    def describe(self) -> str:
+        first, last = self.keys[self.start + 2], self.keys[self.stop - 2]
+        shown = self.fqn(first) if first == last else f"{self.fqn(first)}-{last}"
+        return f"{shown} reused from {self.template} ({len(self.simulated)} of {len(self.keys)} blocks of '{self.container}' simulated)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"container": self.container, "blocks": len(self.keys), "from": self.template,
+                "reused": list(self.reused), "simulated": self.simulated}
+
+    def rename(self, name: str, block: str) -> str:
+        """`name` under the template, moved under `block`."""
+        return block + name[len(self.template):]
+
+    def under_template(self, name: str) -> bool:
+        return name == self.template or name.startswith(self.template + ".")
+
+    def expand(self, named: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """(fqn, value) pairs of the simulated copy, in module order, with the
+        template's pairs repeated for every reused block after the template's own:
+        the pairs of the whole model, in its order."""
+        out: list[tuple[str, Any]] = []
+        template: list[tuple[str, Any]] = []
+
+        def flush() -> None:
+            for block in self.reused:
+                out.extend((self.rename(name, block), value) for name, value in template)
+            template.clear()
+
+        for name, value in named:
+            if not self.under_template(name) and template:
+                flush()
+            if self.under_template(name):
+                template.append((name, value))
+            out.append((name, value))
+        flush()
+        return out
+
+    def expand_dict(self, by_fqn: dict[str, Any]) -> dict[str, Any]:
+        return dict(self.expand(by_fqn.items()))
+
+    def expand_params(self, layouts: list) -> list:
+        """ParamLayouts of the whole model from the simulated copy's."""
+        return [dataclasses.replace(p, name=name) for name, p in self.expand((p.name, p) for p in layouts)]
+
+
+# -- which blocks are identical -------------------------------------------------------
+
+
+def find_run(model: "nn.Module", plan: "Plan") -> BlockReuse | str | None:
+    """The longest run of identical blocks (at least MIN_RUN) of the list FSDP wraps;
+    a note when the list is long enough but its blocks differ; None when there is
+    nothing to reuse (no such list, a short one, or a plan that does not resolve:
+    the whole simulation reports its problems)."""
+    from .fsdp import blocks
+
+    fqns = blocks(model)
+    if len(fqns) < MIN_RUN:
+        return None
+    container = fqns[0].rpartition(".")[0]
+    claimed, problems = plan.claim(model)
+    if problems:
+        return None
+    if container in claimed:
+        return f"the plan's rule '{claimed[container].pattern}' shards '{container}' itself: all {len(fqns)} blocks simulated"
+    shared = _shared(model)
+    signatures = _indices_as_such([_signature(model.get_submodule(fqn), fqn, claimed, shared) for fqn in fqns], fqns)
+    start, length, best = 0, 1, (0, 1)
+    for i in range(1, len(fqns)):
+        length = length + 1 if signatures[i] == signatures[i - 1] else 1
+        start = start if length > 1 else i
+        if length > best[1]:
+            best = (start, length)
+    if best[1] < MIN_RUN:
+        return f"no {MIN_RUN} consecutive blocks of '{container}' are identical ({_first_difference(fqns, signatures)}): all {len(fqns)} simulated"
+    keys = tuple(fqn.rpartition(".")[2] for fqn in fqns)
+    found = BlockReuse(container, keys, best[0], best[0] + best[1])
+    moved = _positional_setting(model, found)
+    if moved:
+        return f"{moved} gives the blocks of '{container}' settings by position that a shorter list would move: all {len(fqns)} simulated"
+    return found
+
+
+def _positional_setting(model: "nn.Module", reuse: BlockReuse) -> str | None:
+    """A per-block list outside the blocks (transformers' `config.layer_types`) that a
+    forward indexes by position (`enumerate(self.layers)`) and that reads differently at
+    a truncated copy's positions than at its blocks' own indices; None when there is none."""
+    from torch import nn
+
+    prefix = f"{reuse.container}." if reuse.container else ""
+    owners: list[tuple[str, Any]] = [(name, m) for name, m in model.named_modules() if not (prefix and name.startswith(prefix))]
+    for name, module in list(owners):
+        config = getattr(module, "config", None)
+        if hasattr(config, "__dict__") and not isinstance(config, nn.Module):
+            owners.append((f"{name}.config" if name else "config", config))
+    for owner, obj in owners:
+        for attribute, value in vars(obj).items():
+            if not isinstance(value, (list, tuple)) or len(value) != len(reuse.keys):
+                continue
+            for blocks in (2, 3):
+                kept = [reuse.keys.index(k) for k in reuse.kept(blocks)]
+                if any(_value(value[position]) != _value(value[index]) for position, index in enumerate(kept)):
+                    return f"'{owner}.{attribute}'" if owner else f"'{attribute}'"
+    return None
+
+
+def _shared(model: "nn.Module") -> set[int]:
+    """Ids of the modules, parameters and buffers the model holds more than once (tied, or one block twice)."""
+    seen = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    seen.update(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    seen.update(id(b) for _, b in model.named_buffers(remove_duplicate=False))
+    return {key for key, n in seen.items() if n > 1}
+
+
+def _indices_as_such(signatures: list[list[tuple[str, str, Any]]], fqns: list[str]) -> list[list[tuple[str, str, Any]]]:
+    """An attribute that is its block's own index in every block that has it (`layer_idx`)
+    does not make blocks differ: it reads "index"."""
+    indices = [int(k) if (k := fqn.rpartition(".")[2]).isdigit() else None for fqn in fqns]
+    not_index = {(rel, aspect) for signature, index in zip(signatures, indices)
+                 for rel, aspect, value in signature if aspect.startswith("attribute ") and (value != index or isinstance(value, bool))}
+    return [[(rel, aspect, "index" if aspect.startswith("attribute ") and (rel, aspect) not in not_index else value)
+             for rel, aspect, value in signature] for signature in signatures]
+
+
+def _signature(block: "nn.Module", fqn: str, claimed: dict, shared: set[int]) -> list[tuple[str, str, Any]]:
+    """What makes a block behave as it does, relative to the block: (module path, aspect, value)."""
+    from torch import nn
+
+    internals = set(vars(nn.Module())) - {"training"}
+    out: list[tuple[str, str, Any]] = []
+    for rel, module in block.named_modules(remove_duplicate=False):
+        rule = claimed.get(f"{fqn}.{rel}" if rel else fqn)
+        # held twice (one module in every block, tied weights): the block's own, so that no run
+        # counts it once per block
+        held = [id(module), *(id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)]
+        out += [(rel, "type", type(module)), (rel, "sharing", fqn if any(i in shared for i in held) else None),
+                (rel, "rule", rule.pattern if rule else None)]
+        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for name, t in tensors.items():
+                shape = None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, type(t))
+                out.append((rel, f"{kind} {name}", (shape, name in module._non_persistent_buffers_set)))
+        out += [(rel, f"attribute {name}", _value(v)) for name, v in vars(module).items() if name not in internals]
+        hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+        out.append((rel, "hooks", tuple(len(h) for h in hooks)))
+    return out
+
+
+def _value(value: Any) -> Any:
+    """An attribute as compared between blocks: plain values by value, tensors by shape, others by identity."""
+    import enum
+
+    import torch
+
+    if value is None or isinstance(value, (bool, int, str, float, complex, torch.dtype, torch.device, enum.Enum)):
+        return value
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_value(v) for v in value))
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    return ("object", id(value))
+
+
+def _first_difference(fqns: list[str], signatures: list) -> str:
+    for i in range(1, len(fqns)):
+        if signatures[i] != signatures[i - 1]:
+            ours, theirs = signatures[i], signatures[i - 1]
+            where = next(((o[0], o[1]) for o, t in zip(ours, theirs) if o != t), None)
+            if where is None:
+                return f"'{fqns[i]}' has {'more' if len(ours) > len(theirs) else 'fewer'} submodules than '{fqns[i - 1]}'"
+            return f"'{fqns[i]}' differs from '{fqns[i - 1]}' in the {where[1]} of '{where[0] or '<block>'}'"
+    return "every block differs"
+
+
+# -- the strategy ---------------------------------------------------------------------
+
+
+def block_reuse(plan: "Plan", event: Callable[[str], None] = lambda text: None) -> "Callable[[nn.Module, Simulate], PlannedStep]":
+    """plan_memory's strategy: simulate the repeated blocks once when the model has
+    them, else (or when the truncated copies cannot be simulated) the whole model."""
+    from ..core.problems import PlanError, first_line
+    from .timeline import CompositionError, Timeline, compose
+
+    def whole(model: "nn.Module", simulate: "Simulate", note: str | None) -> "PlannedStep":
+        planned = simulate(model)
+        planned.notes += [note] if note else []
+        return planned
+
+    def strategy(model: "nn.Module", simulate: "Simulate") -> "PlannedStep":
+        found = find_run(model, plan)
+        if not isinstance(found, BlockReuse):
+            return whole(model, simulate, found)
+        whole_note = f"all {len(found.keys)} blocks of '{found.container}' simulated"
+        try:
+            short, long = _truncated_copy(model, found, 2), _truncated_copy(model, found, 3)
+        except Exception as exc:  # deepcopy runs the model's own code (__deepcopy__, pickling hooks): any error
+            return whole(model, simulate, f"the model cannot be copied to simulate its repeated blocks once ({first_line(exc)}): {whole_note}")
+        nearby = (found.fqn(found.keys[found.stop - 1]), found.fqn(found.keys[found.start]))
+        timelines = (Timeline(), Timeline(found.template, *nearby))
+        try:
+            event(f"simulating {found.describe()}")
+            planned = [simulate(copied, recorder=timeline, wrap=[found.fqn(k) for k in found.kept(n)])
+                       for copied, timeline, n in zip((short, long), timelines, (2, 3))]
+            return compose(found, *zip(planned, timelines))
+        except (PlanError, CompositionError) as exc:
+            return whole(model, simulate, f"the model truncated to fewer blocks of '{found.container}' could not be simulated "
+                         f"({first_line(exc)}): {whole_note}")
+
+    return strategy
+
+
+def _truncated_copy(model: "nn.Module", reuse: BlockReuse, run_blocks: int) -> "nn.Module":
+    """A copy of `model` whose container keeps `reuse.kept(run_blocks)` under their own
+    names (so the plan's rules and the report's names stay those of the model);
+    `model` itself is left whole."""
+    container = model.get_submodule(reuse.container)
+    full = container._modules
+    keep = set(reuse.kept(run_blocks))
+    container._modules = {k: m for k, m in full.items() if k in keep}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            return copy.deepcopy(model)
+    finally:
+        container._modules = full
