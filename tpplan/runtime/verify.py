@@ -28,6 +28,7 @@ from .simulate import (
     allowed_diff,
     default_inputs,
     forward_backward,
+    local_ranks,
     max_abs_diff,
     output_tensors,
     scalar_loss,
@@ -203,12 +204,10 @@ def check_parity(
     scalar_loss(ref_out).backward()
     reference_steps = _adamw_steps(_with_grads(reference), inputs, steps) if steps else []
 
-    from torch.distributed._local_tensor import LocalTensorMode
-
     def values(t):
         return [value for _, value in _rank_values(t)]
 
-    with simulated_world(tp), LocalTensorMode(tp):
+    with simulated_world(tp), local_ranks(tp):
         _apply(plan, model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
         with recording(model) as got_records:
             out, comms = forward_backward(model, inputs)

@@ -35,8 +35,8 @@ def partial_grad_params(ctx, leak) -> list[str] | None:
 
 def findings(ctx):
     """(leak, parameter names) for every leak this rule reports (TP321 and TP322 skip them)."""
-    if ctx.flow is None:
-        return []
+    if ctx.flow is None or not ctx.splits:
+        return []  # at TP 1 each rank's share of a gradient is all of it
     cached = ctx.__dict__.get("_partial_grad")
     if cached is None:
         cached = [(leak, names) for leak in ctx.flow.leaks if (names := partial_grad_params(ctx, leak)) is not None]
