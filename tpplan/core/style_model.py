@@ -110,6 +110,7 @@ class StyleSemantics:
     outputs: Literal["first", "layouts", "none"] = "none"
     replicated_input: bool = False
     input_option: str | None = None  # the option that declares the first input's layout
+    sums_output_grad: bool = False  # backward all-reduces the gradient of the module's output
 
     def placement(self, kind: str | None, param: str) -> str | None:
         """The placement text parameter `param` of a `kind` module gets; None when

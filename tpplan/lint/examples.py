@@ -112,3 +112,27 @@ class GlobalHeadsLM(nn.Module):
 
 def global_heads_lm() -> GlobalHeadsLM:
     return GlobalHeadsLM()
+
+
+class PrefixMLP(nn.Module):
+    """An MLP whose hidden features are averaged over the positions so far (a running
+    mean, `cumsum` over the sequence) before the down projection: per feature, so a
+    feature shard passes through it, but the layout flow does not model `cumsum`."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        hidden = F.gelu(self.up(h))
+        steps = torch.arange(1, tokens.shape[1] + 1, device=tokens.device, dtype=hidden.dtype)
+        h = h + self.down(hidden.cumsum(dim=1) / steps[:, None])
+        return self.head(h)
+
+
+def prefix_mlp() -> PrefixMLP:
+    return PrefixMLP()

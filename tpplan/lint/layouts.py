@@ -17,6 +17,9 @@ What can go wrong is recorded as findings that the TP32x rules turn into problem
   the plan leaves alone that has parameters, an op that mixes it with full
   tensors or reduces over the sharded dim, or the model's output;
 - `Mixed`: a DTensor meets a plain tensor (torch raises);
+- `Stop`: a plain shard or partial meets an op the flow does not model (or not
+  with these arguments): its layout is unknown from there on, nothing it
+  reaches is judged (TP328 says so);
 - `Handoff`: a plain shard correctly annotated by the next style (TP324 checks
   that each degree divides it evenly);
 - `ColwiseInput`, `CallSite`, `OutputSite`: facts for the arity and
@@ -107,6 +110,14 @@ class Mixed:
 
 
 @dataclass(frozen=True)
+class Stop:
+    value: Lay  # plain S or P, with its source
+    op: str  # the op's name
+    fqn: str  # the module the op runs in
+    shape: tuple  # the full shape of the value
+
+
+@dataclass(frozen=True)
 class Handoff:
     value: Lay  # plain S, correctly declared by the consumer
     consumer: str
@@ -147,6 +158,8 @@ class FlowReport:
     leaks: list = field(default_factory=list)
     mixed: list = field(default_factory=list)
     handoffs: list = field(default_factory=list)
+    stops: list = field(default_factory=list)
+    grad_sums: list = field(default_factory=list)  # grad_sums.GradSum: where a summed output's gradient goes
     colwise_inputs: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
