@@ -4,14 +4,15 @@ no error in passes `apply --dry-run --check`, and a plan with a TP32x error fail
 it (tpplan.lint.verdicts). The disagreements that remain are listed in
 verdict_cases.KNOWN with their reasons, and the list must stay true.
 
-By default: the reference plans and every rule example at one degree, a few
-fuzzed plans and two families; `-m slow` adds every degree, the transformers
-plans, more fuzzed plans and every family. `python tests/test_verdicts.py`
+By default (about 30 s): two reference plans and the layout-flow rules' examples
+(TP32x) at one degree, a few fuzzed plans and one family; `-m slow` adds every
+degree, every shipped plan and rule example, more fuzzed plans and every family. `python tests/test_verdicts.py`
 prints every verdict and the counts.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -20,13 +21,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from lint_helpers import lint, only
 from test_lint_fuzz import mutated
-from verdict_cases import KNOWN, REFERENCE, degrees, rule_examples, shipped, swept
+from verdict_cases import KNOWN, degrees, rule_examples, shipped, swept
 
 from tpplan import PlanError, load_plan
 from tpplan.lint import RULES
 from tpplan.lint.verdicts import Verdict, judge, tally
 
-FAMILIES = ["llama", "apertus"]  # by default; apertus: its TP325 confirmed by TP506
+FAMILIES = ["apertus"]  # by default: its TP325 confirmed by TP506 (test_hf_sweep runs llama's plan)
+DEFAULT_PLANS = ["plans/llama_tp.yaml", "plans/mlp_tp.yaml"]  # at their first degree
+# by default, the examples of the rules whose verdicts --check proves or refutes: the layout flow (TP32x)
+DEFAULT_EXAMPLES = re.compile(r"TP32\d")
 
 
 def expected(key: str) -> str:
@@ -73,7 +77,7 @@ def test_every_known_disagreement_names_a_case_and_a_reason():
 def _shipped_params():
     for case_id, path, model in shipped():
         for index, tp in enumerate(degrees(path)):
-            default = case_id.removeprefix("shipped:") in dict(REFERENCE) and index == 0
+            default = case_id.removeprefix("shipped:") in DEFAULT_PLANS and index == 0
             yield pytest.param(case_id, path, model, tp, marks=() if default else (pytest.mark.slow,), id=f"{case_id}@{tp}")
 
 
@@ -93,7 +97,8 @@ def _example_params():
     for code, rule in RULES.items():
         for which in ("failing", "passing"):
             for index, tp in enumerate(load_plan(text=getattr(rule, which)).mesh_sizes or [2]):
-                yield pytest.param(code, which, tp, marks=() if index == 0 else (pytest.mark.slow,), id=f"{code}-{which}@{tp}")
+                default = index == 0 and DEFAULT_EXAMPLES.fullmatch(code)
+                yield pytest.param(code, which, tp, marks=() if default else (pytest.mark.slow,), id=f"{code}-{which}@{tp}")
 
 
 @pytest.mark.usefixtures("no_process_group_leaks")
