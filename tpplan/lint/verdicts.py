@@ -97,18 +97,20 @@ def judge(plan_path: str | Path, model: str, tp: int) -> Verdict:
     errors = [p for p in problems if p.severity == "error"]
     lint, lint_text = tuple(p.code for p in errors), "\n".join(map(str, errors))
     disclosed = tuple(sorted({p.code for p in problems if p.code in _STOPPED}))
+    made = functools.partial(Verdict, str(plan_path), model, tp, lint, lint_text=lint_text, disclosed=disclosed)
     try:
         report = dry_run(ApplyOptions(plan=str(plan_path), model=model, tp=tp, check=True))
     except (UsageError, ModelRefError) as exc:  # the dry run cannot run as asked (no default inputs): nothing to compare
-        return Verdict(str(plan_path), model, tp, lint, ("not run",), lint_text, f"{type(exc).__name__}: {exc}", disclosed)
+        return made(("not run",), check_text=f"{type(exc).__name__}: {exc}")
     except Exception as exc:  # the CLI's exit 3 (tpplan's bug, or a style's untyped error): the run fails
-        return Verdict(str(plan_path), model, tp, lint, (f"raised {type(exc).__name__}",), lint_text, f"{type(exc).__name__}: {exc}", disclosed)
+        return made((f"raised {type(exc).__name__}",), check_text=f"{type(exc).__name__}: {exc}")
     failures = [p for p in report.problems if p.severity == "error"]
+    text = "\n".join(map(str, failures))
     if any(_CANNOT_CHECK in p.message for p in failures):  # the dry run says it cannot check this plan in one process
-        return Verdict(str(plan_path), model, tp, lint, ("not run",), lint_text, "\n".join(map(str, failures)), disclosed)
+        return made(("not run",), check_text=text)
     if not failures and report.check is None:
         raise RuntimeError(f"the dry run of {plan_path} did not check")  # it always checks when asked to
-    return Verdict(str(plan_path), model, tp, lint, tuple(p.code for p in failures), lint_text, "\n".join(map(str, failures)), disclosed)
+    return made(tuple(p.code for p in failures), check_text=text)
 
 
 def tally(verdicts: Iterable[Verdict]) -> Counter:
