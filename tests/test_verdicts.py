@@ -196,6 +196,20 @@ def test_layout_flow_errors_apply_only_at_degrees_that_split_tensors():
     assert only(lint(plan, "tpplan.models.mlp:tiny", tp=(1, 2)), "TP321").line == 3
 
 
+@pytest.mark.usefixtures("no_process_group_leaks")
+def test_a_whole_gate_meeting_a_local_shard_is_tp325_confirmed_by_tp506_and_sum_output_grad_fixes_it(tmp_path):
+    # found by the fuzzed plans' sum_output_grad: the gate's output gradient is each rank's share
+    without, fixed = tmp_path / "without.yaml", tmp_path / "fixed.yaml"
+    without.write_text("version: 1\nrules:\n  up: colwise\n  down: rowwise\n")
+    fixed.write_text("version: 1\nrules:\n  gate: sum_output_grad\n  up: colwise\n  down: rowwise\n")
+    verdict = assert_verdict("gate", str(without), "tpplan.lint.examples:gated_mlp", 2)
+    assert (verdict.lint, set(verdict.check)) == (("TP325",), {"TP506"})
+    assert verdict.lint_text.startswith(f"{without}:3:3: TP325 the local shard(-1) (2, 8, 64) that colwise 'up' ")
+    assert "meets, in 'mul', a whole tensor computed from parameters (returned by 'gate')" in verdict.lint_text
+    assert verdict.lint_text.endswith("add the rule 'gate: sum_output_grad' (its output's gradient summed over the mesh)")
+    assert assert_verdict("gate", str(fixed), "tpplan.lint.examples:gated_mlp", 2).lint == ()
+
+
 def test_a_dtensor_meeting_a_plain_tensor_is_reported_at_tp_1_too():
     rule = RULES["TP323"]
     assert "TP323" in [p.code for p in lint(rule.failing, rule.model, tp=(1,))]

@@ -136,3 +136,21 @@ class PrefixMLP(nn.Module):
 
 def prefix_mlp() -> PrefixMLP:
     return PrefixMLP()
+
+
+class GatedMLP(nn.Module):
+    """An MLP whose hidden features are scaled by a learned per-position gate: the gate
+    Linear's whole output meets each rank's slice of the hidden features."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.gate = nn.Linear(dim, 1)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)) * self.gate(x))
+
+
+def gated_mlp() -> GatedMLP:
+    return GatedMLP()

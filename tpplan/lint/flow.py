@@ -60,7 +60,9 @@ class _Interpreter:
         self.report = FlowReport()
         self.ops = OpSemantics(self.shape, self.where)
         self.sums = GradSums()
+        self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
         self.report.grad_sums = self.sums.found
+        self.report.shared_operands = self.sums.shared_operands
         self.own_params()
 
     def own_params(self) -> None:
@@ -208,6 +210,8 @@ class _Interpreter:
 
     def ret(self, event: Return) -> None:
         frame = self.frames.pop()
+        for node in event.flat:
+            self.producers.setdefault(node, frame.fqn)
         spec = frame.rule.spec if frame.rule else None
         if frame.owned or frame.dead:
             self.skip = 0
@@ -257,7 +261,9 @@ class _Interpreter:
     def op(self, op: Op) -> None:
         values = [self.value(n) for n in op.inputs]
         self.layouts_of(op, values)
-        self.sums.op(op.inputs, values, op.outputs, [self.value(n) for n in op.outputs])
+        results = [self.value(n) for n in op.outputs]
+        self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)
+        self.sums.op(op.inputs, values, op.outputs, results)
 
     def layouts_of(self, op: Op, values: list[Lay]) -> None:
         if all(v.kind == "R" and v.dt is False for v in values):

@@ -160,6 +160,7 @@ class FlowReport:
     handoffs: list = field(default_factory=list)
     stops: list = field(default_factory=list)
     grad_sums: list = field(default_factory=list)  # grad_sums.GradSum: where a summed output's gradient goes
+    shared_operands: list = field(default_factory=list)  # grad_sums.SharedOperand: partial gradients of activations
     colwise_inputs: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     outputs: list = field(default_factory=list)

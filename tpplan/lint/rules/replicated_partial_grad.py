@@ -60,6 +60,19 @@ def check(ctx):
             f"the ranks' copies drift apart in training; add the rule '{generalize(leak.fqn)}: local_params' (replicated "
             f"parameters whose gradients are summed over the mesh)"
         ))
+    if ctx.flow is None or not ctx.splits:
+        return
+    for found in ctx.flow.shared_operands:
+        src, ndim = found.value.src, len(found.shape)
+        inside = f" inside '{found.fqn}'" if found.fqn else ""
+        producer = f" (returned by '{found.producer}')" if found.producer else ""
+        fix = (f"add the rule '{generalize(found.producer)}: sum_output_grad' (its output's gradient summed over the mesh)"
+               if found.producer else "sum that tensor's gradient over the mesh (sum_output_grad on the module that returns it)")
+        yield Finding(ctx.at(src.rule), (
+            f"the local {shard_text(found.value.dim, ndim)} {found.shape} that {styled(src.fqn, src.rule)} returns meets, in "
+            f"'{found.op}'{inside}, a whole tensor computed from parameters{producer}: each rank's gradient of that tensor "
+            f"covers its own slice only (partial), so the parameters before it get a rank's share of their gradient; {fix}"
+        ))
 
 
 RULE = LintRule(

@@ -36,21 +36,23 @@ RULE = LintRule(
     why="""
         The sum is right only where each rank's gradient of the output is that
         rank's share, as for MLA's rotary key, which every rank uses against its
-        own heads. Where every rank computes the same from the whole output, each
+        own heads, or the gate of the example, which scales each rank's slice of
+        the hidden features. Where every rank computes the same from the whole output, each
         already holds the full gradient: the all-reduce multiplies it by the TP
         degree, and every gradient before it is wrong, with no error.
     """,
-    model="tpplan.models.mlp:tiny",
+    model="tpplan.lint.examples:gated_mlp",
     failing="""
         version: 1
         rules:
-          blocks.*.in_proj: sum_output_grad
+          gate: sum_output_grad
     """,
     passing="""
         version: 1
         rules:
-          blocks.*.in_proj: colwise
-          blocks.*.out_proj: rowwise
+          gate: sum_output_grad
+          up: colwise
+          down: rowwise
     """,
     check=check,
 )
