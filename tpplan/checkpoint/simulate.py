@@ -48,10 +48,9 @@ def forget_sharding_cache() -> None:
     cached outputs of rank 0, on rank 0's mesh, and read rank 0's slices; and a run
     under LocalTensorMode leaves per-rank sizes in it that a later fake-tensor run
     of the same shapes cannot read."""
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    propagator._propagate_tensor_meta_cached.cache_clear()
-    torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's copy
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python caches and the C++ fast path's copy
 
 
 @dataclass

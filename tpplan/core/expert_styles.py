@@ -224,4 +224,4 @@ class SumOutputGradSpec(StyleSpec):
         None, ge=1, description="How many of the output's last features get their gradient summed; default all of them."
     )
     # Forward is the module's own (its parameters stay plain): the lint follows its ops.
-    semantics = StyleSemantics(torch_class="tpplan.sharding.grad_sum:SumOutputGrad")
+    semantics = StyleSemantics(torch_class="tpplan.sharding.grad_sum:SumOutputGrad", sums_output_grad=True)

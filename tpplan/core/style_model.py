@@ -129,6 +129,7 @@ class StyleSemantics:
     feature_sharded_output: bool = False
     experts: Literal["whole", "each"] | None = None
     opaque: bool = False
+    sums_output_grad: bool = False  # backward all-reduces the gradient of the module's output
 
     def placement(self, kind: str | None, param: str) -> PlacementSpec | None:
         """The placement parameter `param` of a `kind` module gets; None when the

@@ -102,6 +102,14 @@ class LintContext:
         self.modules: dict[str, nn.Module] = dict(model.named_modules())
         self.matched, self.resolution_problems = resolve(plan, self.modules)
 
+    @property
+    def splits(self) -> bool:
+        """Whether a checked degree splits tensors. At TP 1 a shard or a partial sum is
+        the whole tensor, so a layout the flow finds wrong (TP320-TP322, TP324, TP325)
+        still computes one device's values there; mixing a DTensor with a plain tensor
+        (TP323) fails at any degree."""
+        return any(tp > 1 for tp in self.tp_sizes)
+
     # -- locations -----------------------------------------------------------------
 
     def plan_location(self) -> tuple:

@@ -116,3 +116,45 @@ class GlobalHeadsLM(nn.Module):
 
 def global_heads_lm() -> GlobalHeadsLM:
     return GlobalHeadsLM()
+
+
+class PrefixMLP(nn.Module):
+    """An MLP whose hidden features are averaged over the positions so far (a running
+    mean, `cumsum` over the sequence) before the down projection: per feature, so a
+    feature shard passes through it, but the layout flow does not model `cumsum`."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        hidden = F.gelu(self.up(h))
+        steps = torch.arange(1, tokens.shape[1] + 1, device=tokens.device, dtype=hidden.dtype)
+        h = h + self.down(hidden.cumsum(dim=1) / steps[:, None])
+        return self.head(h)
+
+
+def prefix_mlp() -> PrefixMLP:
+    return PrefixMLP()
+
+
+class GatedMLP(nn.Module):
+    """An MLP whose hidden features are scaled by a learned per-position gate: the gate
+    Linear's whole output meets each rank's slice of the hidden features."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.gate = nn.Linear(dim, 1)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)) * self.gate(x))
+
+
+def gated_mlp() -> GatedMLP:
+    return GatedMLP()

@@ -37,8 +37,10 @@ from .layouts import (
     Mixed,
     OutputSite,
     Source,
+    Stop,
     placement_lay,
 )
+from .grad_sums import GradSums
 from .ops import ELEMENTWISE, OpSemantics
 from .trace import Call, Op, Return, Trace
 
@@ -60,6 +62,10 @@ class _Interpreter:
         self.skip = 0
         self.report = FlowReport()
         self.ops = OpSemantics(self.shape, self.where)
+        self.sums = GradSums()
+        self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
+        self.report.grad_sums = self.sums.found
+        self.report.shared_operands = self.sums.shared_operands
         self.own_params()
 
     def own_params(self) -> None:
@@ -211,10 +217,13 @@ class _Interpreter:
 
     def ret(self, event: Return) -> None:
         frame = self.frames.pop()
+        for node in event.flat:
+            self.producers.setdefault(node, frame.fqn)
         spec = frame.rule.spec if frame.rule else None
         if frame.owned or frame.dead:
             self.skip = 0
             self.owned_outputs(frame, spec, event)
+            self.sums.passed((*frame.call.args, *frame.call.kwargs.values()), event.flat)
         else:
             frame.restore(self)
             if spec is not None and spec.semantics.outputs == "layouts":
@@ -227,6 +236,8 @@ class _Interpreter:
                         if node is not None and layout is not None:
                             if self.annotate(node, layout, False, frame, f"output {i}"):
                                 self.after(node, desired or layout, spec.use_local_output, frame)
+            if spec is not None and spec.semantics.sums_output_grad:
+                self.sums.returned(frame.fqn, frame.rule, event.flat)
         if not self.frames:  # the model's own output
             for node in event.flat:
                 have = self.value(node)
@@ -262,6 +273,12 @@ class _Interpreter:
 
     def op(self, op: Op) -> None:
         values = [self.value(n) for n in op.inputs]
+        self.layouts_of(op, values)
+        results = [self.value(n) for n in op.outputs]
+        self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)
+        self.sums.op(op.inputs, values, op.outputs, results)
+
+    def layouts_of(self, op: Op, values: list[Lay]) -> None:
         if all(v.kind == "R" and v.dt is False for v in values):
             lay = next((v for v in values if v.src is not None), REPLICATED)
             for node in op.outputs:
@@ -293,8 +310,9 @@ class _Interpreter:
             self.report.fused.append(outs)
             return self.set_all(op, Lay("?", None, None, outs.value.src))
         if outs is None:
-            src = next(v.src for v in values if v.kind != "R")
-            return self.set_all(op, Lay("?", False, None, src))
+            index, stopped = next((i, v) for i, v in enumerate(values) if v.kind != "R")
+            self.report.stops.append(Stop(stopped, op.name, self.where(), self.shape(op.inputs[index])))
+            return self.set_all(op, Lay("?", False, None, stopped.src))
         for node, lay in zip(op.outputs, outs):
             self.set(node, lay)
 

@@ -17,6 +17,9 @@ What can go wrong is recorded as findings that the TP32x rules turn into problem
   the plan leaves alone that has parameters, an op that mixes it with full
   tensors or reduces over the sharded dim, or the model's output;
 - `Mixed`: a DTensor meets a plain tensor (torch raises);
+- `Stop`: a plain shard or partial meets an op the flow does not model (or not
+  with these arguments): its layout is unknown from there on, nothing it
+  reaches is judged (TP328 says so);
 - `Handoff`: a plain shard correctly annotated by the next style (TP324 checks
   that each degree divides it evenly);
 - `Fused`: a fused projection's plain shard split into kinds (q, k, v) along its
@@ -110,6 +113,14 @@ class Mixed:
 
 
 @dataclass(frozen=True)
+class Stop:
+    value: Lay  # plain S or P, with its source
+    op: str  # the op's name
+    fqn: str  # the module the op runs in
+    shape: tuple  # the full shape of the value
+
+
+@dataclass(frozen=True)
 class Handoff:
     value: Lay  # plain S, correctly declared by the consumer
     consumer: str
@@ -161,6 +172,9 @@ class FlowReport:
     mixed: list = field(default_factory=list)
     handoffs: list = field(default_factory=list)
     fused: list = field(default_factory=list)
+    stops: list = field(default_factory=list)
+    grad_sums: list = field(default_factory=list)  # grad_sums.GradSum: where a summed output's gradient goes
+    shared_operands: list = field(default_factory=list)  # grad_sums.SharedOperand: partial gradients of activations
     colwise_inputs: list = field(default_factory=list)
     calls: list = field(default_factory=list)
     outputs: list = field(default_factory=list)

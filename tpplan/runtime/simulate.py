@@ -75,6 +75,24 @@ def fake_tensors(mode: Any = None) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
+def local_ranks(world_size: int) -> Iterator[None]:
+    """torch's `LocalTensorMode` over `world_size` ranks (one real value per rank), with
+    DTensor's sharding-propagation caches emptied on entry and on exit. Those caches
+    are keyed by global shapes but hold the local shapes of the rank that filled them:
+    after a fake pass (rank 0), an uneven shard would get rank 0's local shape on every
+    rank (`view` of 43 features where rank 2 holds 42), a failure torchrun never has."""
+    from torch.distributed._local_tensor import LocalTensorMode
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    try:
+        with LocalTensorMode(world_size):
+            yield
+    finally:
+        _clear_sharding_prop_cache()
+
+
+@contextlib.contextmanager
 def simulated_world(world_size: int) -> Iterator[None]:
     """Run the body with a fake default process group of `world_size` ranks (as rank 0).
 

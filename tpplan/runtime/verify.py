@@ -31,6 +31,7 @@ from .simulate import (
     allowed_diff,
     default_inputs,
     forward_backward,
+    local_ranks,
     max_abs_diff,
     output_tensors,
     scalar_loss,
@@ -224,14 +225,10 @@ def check_parity(
     scalar_loss(ref_out).backward()
     reference_steps = _adamw_steps(_with_grads(reference), inputs, steps) if steps else []
 
-    from torch.distributed._local_tensor import LocalTensorMode
-
     def values(t):
         return [value for _, value in _rank_values(t)]
 
-    from ..checkpoint.simulate import forget_sharding_cache
-
-    with simulated_world(tp), LocalTensorMode(tp), _finally(forget_sharding_cache):
+    with simulated_world(tp), local_ranks(tp):
         (shard or functools.partial(_apply, plan))(model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
         if checkpoint:
             from ..checkpoint.simulate import load_ranks
@@ -268,14 +265,6 @@ def check_parity(
     result.comms = comms
     result.notes = [dropout_note] if dropout_note else []
     return result
-
-
-@contextlib.contextmanager
-def _finally(fn: Callable[[], None]):
-    try:
-        yield
-    finally:
-        fn()
 
 
 def _tolerances(want: torch.Tensor, rtol: float | None, atol: float | None) -> tuple[float, float]:

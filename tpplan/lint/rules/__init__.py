@@ -29,6 +29,8 @@ from . import (
     tied_placement,
     trace_unavailable,
     uneven_handoff,
+    unmodelled_op,
+    unshared_grad_sum,
     unused_layout,
 )
 
@@ -51,6 +53,8 @@ RULES = rule_table([
     uneven_handoff.RULE,  # TP324
     replicated_partial_grad.RULE,  # TP325
     fused_projection.RULE,  # TP326
+    unshared_grad_sum.RULE,  # TP327
+    unmodelled_op.RULE,  # TP328
     trace_unavailable.RULE,  # TP329
     dry_run.RULE,  # TP330
     shared_input_comms.RULE,  # TP340

@@ -35,8 +35,8 @@ def partial_grad_params(ctx, leak) -> list[str] | None:
 
 def findings(ctx):
     """(leak, parameter names) for every leak this rule reports (TP321 and TP322 skip them)."""
-    if ctx.flow is None:
-        return []
+    if ctx.flow is None or not ctx.splits:
+        return []  # at TP 1 each rank's share of a gradient is all of it
     cached = ctx.__dict__.get("_partial_grad")
     if cached is None:
         cached = [(leak, names) for leak in ctx.flow.leaks if (names := partial_grad_params(ctx, leak)) is not None]
@@ -59,6 +59,19 @@ def check(ctx):
             f"every rank but compute on this rank's slice only, so each rank's gradient of them is its share (partial) and "
             f"the ranks' copies drift apart in training; add the rule '{generalize(leak.fqn)}: local_params' (replicated "
             f"parameters whose gradients are summed over the mesh)"
+        ))
+    if ctx.flow is None or not ctx.splits:
+        return
+    for found in ctx.flow.shared_operands:
+        src, ndim = found.value.src, len(found.shape)
+        inside = f" inside '{found.fqn}'" if found.fqn else ""
+        producer = f" (returned by '{found.producer}')" if found.producer else ""
+        fix = (f"add the rule '{generalize(found.producer)}: sum_output_grad' (its output's gradient summed over the mesh)"
+               if found.producer else "sum that tensor's gradient over the mesh (sum_output_grad on the module that returns it)")
+        yield Finding(ctx.at(src.rule), (
+            f"the local {shard_text(found.value.dim, ndim)} {found.shape} that {styled(src.fqn, src.rule)} returns meets, in "
+            f"'{found.op}'{inside}, a whole tensor computed from parameters{producer}: each rank's gradient of that tensor "
+            f"covers its own slice only (partial), so the parameters before it get a rank's share of their gradient; {fix}"
         ))
 
 

@@ -9,8 +9,8 @@ from .shard_leak import leak_message
 
 
 def check(ctx):
-    if ctx.flow is None:
-        return
+    if ctx.flow is None or not ctx.splits:
+        return  # no trace (TP329); or TP 1 only, where every layout is the whole tensor
     for leak in ctx.flow.leaks:
         if not leak.sequence or claims(ctx, leak):
             continue  # TP321; TP325 (a colwise output's heads reaching a per-head module)

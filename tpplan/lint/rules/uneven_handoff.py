@@ -8,8 +8,8 @@ from ..text import chunks_text, degrees_that_work, styled
 
 
 def check(ctx):
-    if ctx.flow is None:
-        return
+    if ctx.flow is None or not ctx.splits:
+        return  # no trace (TP329); or TP 1 only, where every layout is the whole tensor
     for handoff in ctx.flow.handoffs:
         src = handoff.value.src
         # Only the feature dim: its size is the model's; a sequence shard's size is the input's.
