@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 _TPPLAN = Path(__file__).resolve().parent.parent
 # tpplan's reference and example models are models like the user's: their errors
 # (a torch op failing on a line of their forward) are the model's.
-_MODELS = (_TPPLAN / "models", _TPPLAN / "hf_models.py", _TPPLAN / "lint" / "examples.py")
+_MODELS = (_TPPLAN / "models", _TPPLAN / "hf_models.py", _TPPLAN / "titan_models.py", _TPPLAN / "lint" / "examples.py")
 
 
 def raised_by_tpplan(exc: BaseException) -> bool:
