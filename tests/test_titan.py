@@ -38,8 +38,12 @@ def _torchtitan_tp(name: str, model, mesh) -> None:
         titan("models.llama3.infra.parallelize").apply_tp(model, mesh, False, False)
     elif name == "qwen3":
         titan("models.qwen3.infra.parallelize").apply_non_moe_tp(model, mesh, False, False, False, False)
-    else:
+    elif name == "deepseek_v3":
         titan("models.deepseek_v3.infra.parallelize").apply_non_moe_tp(model, mesh, False, False, False)
+    else:
+        parallelize = titan("models.llama4.infra.parallelize")
+        parallelize.apply_non_moe_tp(model, mesh, False, False)
+        parallelize.apply_moe_ep_tp(model, mesh, None, None, None)  # TP only: experts sharded on their hidden dim
 
 
 def _model(name: str):
@@ -103,3 +107,21 @@ def test_qwen3_plan_wrong_on_gpu_too_fails_here_at_its_rule(tmp_path):
     assert [(p.code, p.line) for p in report.problems] == [("TP502", 22)]
     assert "mixed torch.Tensor and DTensor" in report.problems[0].message
     assert Counter(p.code for p in report.problems)["TP507"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [2, 4])
+def test_llama4_with_whole_experts_passes_check_with_fewer_collectives_than_torchtitans_sharded_experts(tp):
+    plan = PLANS / "llama4_tp.yaml"
+    with torch.device("meta"):
+        model = _model("llama4")
+    assert [p.code for p in lint_model(load_plan(plan), model, [tp])] == ["TP360"]  # the experts stay whole: said, a warning
+    report = dry_run(ApplyOptions(plan=str(plan), model="tpplan.titan_models:llama4", tp=tp, check=True))
+    assert report.ok and report.check.passed, [str(p) for p in report.problems]
+    # the MoE's replicated output needs no reduce-scatter forward, nor its replicated
+    # router and experts an all-reduce of their input gradients backward
+    assert report.comms == {"forward": {"all_gather": 6, "reduce_scatter": 3}, "backward": {"all_gather": 5, "reduce_scatter": 3}}
+    assert torchtitan_comms("llama4", tp) == {
+        "forward": {"all_gather": 6, "reduce_scatter": 5},
+        "backward": {"all_gather": 5, "all_reduce": 6, "reduce_scatter": 3},
+    }

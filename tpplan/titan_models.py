@@ -7,6 +7,8 @@ development section). Its model modules import the training stack but only one
 CUDA-only piece: `torchtitan.models.moe.kernels` imports triton for expert
 parallelism's token permutation. `titan()` puts a module without triton in its
 place, whose functions raise, so the models import on CPU; nothing here calls them.
+The MoE router's `torch.histc` on integer tensors is CUDA-only too: `llama4()`
+gives torchtitan's moe module a `torch` whose histc counts integers in float.
 
 Every factory builds from a small config (dim 64, 2 layers, 8 query heads and
 4 KV heads, vocab 256) so that TP 2 and 4 divide every sharded dim, and never
@@ -63,3 +65,48 @@ def deepseek_v3():
         moe_inter_dim=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
     )
     return model.DeepSeekV3Model(args)
+
+
+class _TorchWithCpuHistc(types.ModuleType):
+    """torch, but `histc` of an integer tensor counts in float as it does on CUDA
+    (CPU's histc takes floating tensors only); the router's counts are exact either way."""
+
+    def __init__(self, torch: types.ModuleType):
+        super().__init__("torch")
+        self._torch = torch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def histc(self, input, *args, **kwargs):
+        if not input.is_floating_point():
+            return self._torch.histc(input.float(), *args, **kwargs).to(input.dtype)
+        return self._torch.histc(input, *args, **kwargs)
+
+
+def _cpu_router() -> None:
+    import torch
+
+    moe = titan("models.moe.moe")
+    if not isinstance(moe.torch, _TorchWithCpuHistc):
+        moe.torch = _TorchWithCpuHistc(torch)
+
+
+def llama4():
+    """torchtitan's Llama 4 with MoE in every layer (4 experts, top-1, one shared expert),
+    experts computed by the for-loop (CPU has no float32 grouped_mm)."""
+    _cpu_router()
+    model = titan("models.llama4.model.model")
+    args_module = titan("models.llama4.model.args")
+    moe_args = titan("models.moe.moe").MoEArgs(num_experts=4, num_shared_experts=1, top_k=1, use_grouped_mm=False, load_balance_coeff=None)
+    args = args_module.TransformerModelArgs(**SMALL, multiple_of=64, moe_args=moe_args, interleave_moe_layer_step=1)
+    import torch
+
+    built = model.Transformer(args)
+    # GroupedExperts' weights are torch.empty until torchtitan's init_weights, whose
+    # trunc_normal_ reads values (fake tensors cannot): its std, with normal_
+    with torch.no_grad():
+        for layer in built.layers.values():
+            for weight in layer.moe.experts.parameters():
+                weight.normal_(0.0, 0.02)
+    return built
