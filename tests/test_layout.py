@@ -143,6 +143,7 @@ MAY_IMPORT = {
     "hf": {"core", "sharding"},
     "models": set(),
     "hf_models": set(),
+    "titan_models": set(),
 }
 # The one way down a layer: Plan.apply (SPEC §5's API) compiles and applies styles, lazily.
 ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.compile"), ("tpplan.core.plan", "tpplan.sharding.tied")}

@@ -212,7 +212,7 @@ def test_runtime_codes_are_documented_beside_their_names():
     assert names == {
         "TP500": "model-factory", "TP501": "apply-failed", "TP502": "forward-failed",
         "TP503": "ranks-disagree", "TP504": "collective-failed", "TP505": "check-mismatch",
-        "TP506": "replicas-diverge",
+        "TP506": "replicas-diverge", "TP507": "no-dtensor-rule",
     }
 
 

@@ -1,13 +1,15 @@
 """Located application: the plan applied to a model, and the model run, with a
 failure of the user's model or plan turned into a problem at the rule that caused
-it (TP501 while sharding, TP502 in the forward or backward): torch's errors, the
-model's, and the `StyleInputError`s tpplan's styles raise for input they cannot
+it (TP501 while sharding, TP502 in the forward or backward, TP507 where torch
+itself has no DTensor rule for an op the plan's DTensors reach): torch's errors,
+the model's, and the `StyleInputError`s tpplan's styles raise for input they cannot
 take. Any other exception raised in tpplan's own code is a tpplan bug: it escapes
 unchanged, for the CLI to show as one."""
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,6 +122,7 @@ class FailureLocator:
     def __init__(self, plan: Plan, model: "nn.Module", rules: dict[str, Rule], tp: int):
         self.plan, self.model, self.rules, self.tp = plan, model, rules, tp
         self.stack: list[tuple[str, str]] = []  # (fqn, input shapes)
+        self.dtensor_from: str | None = None  # the last planned module whose output was a DTensor
 
     @contextlib.contextmanager
     def tracking(self) -> Iterator[None]:
@@ -131,6 +134,7 @@ class FailureLocator:
             handles.append(module.register_forward_pre_hook(self._enter(name), prepend=True))
             handles.append(module.register_forward_hook(self._exit(name)))
         self.stack.clear()
+        self.dtensor_from = None
         try:
             yield
         finally:
@@ -147,10 +151,15 @@ class FailureLocator:
         def hook(module, args, output):
             if self.stack and self.stack[-1][0] == name:
                 self.stack.pop()
+            if name in self.rules and _holds_dtensor(output):
+                self.dtensor_from = name
 
         return hook
 
     def problem(self, exc: BaseException) -> Problem:
+        op = no_rule_op(exc)
+        if op is not None:
+            return self._no_rule_problem(op)
         if not self.stack:
             return error("TP502", f"the backward (or the loss) fails at TP {self.tp}: {_reason(exc)}", self.plan.file)
         site, shapes = self.stack[-1]
@@ -167,6 +176,20 @@ class FailureLocator:
         if rule is None:
             return error("TP502", message + "; no rule of the plan shards this module or its children", self.plan.file)
         return rule.problem("TP502", f"{message}; {evidence}")
+
+    def _no_rule_problem(self, op: str) -> Problem:
+        """TP507: torch's limit, not the plan's; located at the rule whose DTensor
+        output reached the op (the last planned module that returned one)."""
+        where = f"in the forward of '{self.stack[-1][0] or '<root>'}'" if self.stack else "in the backward"
+        message = (
+            f"torch has no DTensor rule for {op} on cuda (nor on the simulating CPU), reached {where} at TP {self.tp}: "
+            "the plan runs into a limit of torch, not a mistake of its own"
+        )
+        hint = "hand the module plain tensors before the op (use_local_output: true on the rule, or a prepare_module_input rule with use_local_output: true)"
+        rule = self.rules.get(self.dtensor_from) if self.dtensor_from is not None else None
+        if rule is None:
+            return error("TP507", f"{message}; {hint}", self.plan.file)
+        return rule.problem("TP507", f"{message}; DTensor inputs reach it from rule '{rule.pattern}' ({rule.spec.style}, {rule.where}); {hint}")
 
     def _blame(self, site: str) -> tuple[Rule | None, str]:
         """The rule most likely at fault, and the shapes that show it: an uneven shard
@@ -213,6 +236,23 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, StyleInputError):
         return f"{exc.what}; {exc.fix}"
     return first_line(exc)
+
+
+_NO_RULE = re.compile(r"Operator (\S+?)(?:\.default)? does not have a sharding strategy registered")
+
+
+def no_rule_op(exc: BaseException) -> str | None:
+    """`aten.X` when `exc` is DTensor's "no sharding strategy" error for it."""
+    found = _NO_RULE.search(str(exc)) if isinstance(exc, NotImplementedError) else None
+    return found.group(1) if found else None
+
+
+def _holds_dtensor(output: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, (tuple, list)):
+        return any(_holds_dtensor(item) for item in output)
+    return isinstance(output, DTensor)
 
 
 def _within(fqn: str, ancestor: str) -> bool:

@@ -98,7 +98,9 @@ def simulated_world(world_size: int) -> Iterator[None]:
 
     Reentrant for the same size: inside an active simulated world of that size
     it changes nothing. The group is destroyed on exit, so worlds of different
-    sizes can follow each other in one process.
+    sizes can follow each other in one process. Inside, ops whose CPU form has
+    no DTensor rule but whose CUDA form has one get the CUDA rule
+    (`device_rules.cuda_rules`): the world simulates the cluster, not the CPU.
     """
     if world_size < 1:
         raise ValueError(f"world_size ({world_size}) must be at least 1")
@@ -112,9 +114,12 @@ def simulated_world(world_size: int) -> Iterator[None]:
         )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from .device_rules import cuda_rules
+
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield
+        with cuda_rules():
+            yield
     finally:
         dist.destroy_process_group()
 

@@ -43,7 +43,11 @@ def check(ctx, earlier):
                 break
         # A failure in every way the model can run is the plan's; the most faithful run says why.
         for problem in failure or ():
-            yield Finding((problem.file, problem.line, problem.column), f"at tp ({tp}) the shape-level dry run fails: {problem.message}")
+            at = (problem.file, problem.line, problem.column)
+            if problem.code == "TP507":  # torch's limit, not the plan's failure: said as such, not as an error of the plan
+                yield Finding(at, f"at tp ({tp}) the shape-level dry run stops at a limit of torch (TP507): {problem.message}", severity="warning")
+            else:
+                yield Finding(at, f"at tp ({tp}) the shape-level dry run fails: {problem.message}")
 
 
 def _simulate(ctx, tp: int, mode: str):
