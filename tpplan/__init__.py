@@ -16,6 +16,7 @@ _EXPORTS = {
     "load_checkpoint": "checkpoint.load",
     "save_checkpoint": "checkpoint.save",
     "CheckpointError": "checkpoint.errors",
+    "AsyncSave": "checkpoint.asyncsave",
     **dict.fromkeys(
         [
             "NoParallel",
