@@ -98,6 +98,19 @@ def resume(model, optimizer, data: Batches, path: str) -> int:
     return info.step
 
 
+def init_process_group(backend: str) -> None:
+    """dist.init_process_group, with a store prefix per torchrun attempt: torch 2.13's
+    torchrun --standalone keeps its store across restarts, and restarted ranks would
+    otherwise read the dead ranks' gloo addresses (and hang connecting to them)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        dist.init_process_group(backend)
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=int(os.environ["RANK"]), world_size=world)
+
+
 def resume_from(args) -> str | None:
     """--resume, or after torchrun restarted the ranks (a rank died) the --save root, once it holds a step."""
     if args.resume:
@@ -133,7 +146,7 @@ def main() -> None:
     if distributed:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = parallelize(model, plan, args.tp, device)
         dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         use_loss_parallel = plan.loss_parallel  # the head keeps the logits sharded on the vocabulary

@@ -84,7 +84,7 @@ def check(outcome: dict) -> None:
     assert outcome["left_behind"] == [], outcome
 
 
-@pytest.mark.parametrize("seed", [0, 5])
+@pytest.mark.parametrize("seed", [0, 8])  # a tensor write on rank 1; a late commit step on rank 0
 def test_a_rank_killed_during_a_save_leaves_the_latest_checkpoint_loadable_and_equal(tmp_path, seed):
     outcome = trial(tmp_path, "tp", seed)
     print(seed, outcome)
