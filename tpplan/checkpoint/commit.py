@@ -124,11 +124,15 @@ class Save:
             from .load import _reason
 
             reason = _reason(exc)
+        full = _full(str(Path(self.target).parent))  # torch's serializer can hide ENOSPC behind its own error
+        if full and "No space left" not in reason:
+            reason += f"; {full}"
         return fail("TP608", f"saving to {self.target!r} failed: {reason} (the previous checkpoint is left as it was)", self.target)
 
     def failed_async(self, exc: BaseException) -> CheckpointError:
+        error = self.failed(exc)  # before the staging directory goes: the free space it filled
         self.abandon()
-        return self.failed(exc)
+        return error
 
     def _hear(self, verdict):
         """Rank 0's verdict, on every rank."""
@@ -139,3 +143,13 @@ class Save:
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+
+def _full(directory: str) -> str | None:
+    """'the file system of DIR is full (N bytes free)' when under 1 MiB is left, else None."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None
+    free = stat.f_bavail * stat.f_frsize
+    return f"the file system of {directory!r} is full ({free} bytes free)" if free < (1 << 20) else None

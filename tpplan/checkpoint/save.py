@@ -116,8 +116,9 @@ def save_checkpoint(
     except BaseException as exc:  # OS errors, DCP's CheckpointException (a BaseException) with every rank's failure
         if isinstance(exc, KeyboardInterrupt):
             raise
+        error = save.failed(exc)  # before the staging directory goes: the free space it filled
         save.abandon()
-        raise save.failed(exc) from None
+        raise error from None
     save.finish(metadata)
     return target
 
