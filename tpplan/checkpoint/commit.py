@@ -93,7 +93,10 @@ class Save:
         try:
             save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
             write_manifest(self.staging, step=self.step, save_id=save_id, format=self.format)
-            atomic.fsync_files(self.staging)  # DCP synced its files; the hf writer and the directory need it
+            if self.format == "dcp":  # FileSystemWriter(sync_files=True) synced every file: the entries remain
+                atomic.fsync_dir(self.staging)
+            else:  # the safetensors writer does not sync
+                atomic.fsync_files(self.staging)
             atomic.publish(self.staging, self.target)
         except OSError as exc:
             self.abandon()
