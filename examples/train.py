@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
 
 import torch

@@ -157,7 +157,7 @@ def test_two_jobs_saving_to_one_root_the_second_is_refused(tmp_path):
 
 
 FULL_DISK = """
-import json, os, subprocess, sys, torch
+import json, os, sys, torch
 from tpplan import CheckpointError, load_checkpoint, save_checkpoint
 from tpplan.models import mlp
 where, out = sys.argv[1], {}
