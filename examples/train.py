@@ -11,16 +11,24 @@ dp dim, AdamW, and torch's loss_parallel() when the plan asks for it.
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 10 --save ckpt
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 20 --resume ckpt
 
+    # survive a killed rank: torchrun restarts the ranks, which resume from ckpt's latest step
+    torchrun --nproc-per-node 4 --max-restarts 3 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 \
+        --steps 20 --save ckpt --save-every 5
+
 Every rank builds the model from the same seed, `load_plan(...).apply` shards
 it over the tp dim, `fully_shard` (per block, then the root) shards it again
 over dp. The data is a fixed random token stream: step N's global batch is the
 same on every run, and dp rank r trains on rows r::dp of it, so the mean loss
 over dp ranks equals the one-device loss of the whole batch.
 
-`--save DIR` writes the sharded weights with `tpplan.save_checkpoint` (DCP) and
-AdamW's sharded state with torch's `get_optimizer_state_dict` + `dcp.save`;
-`--resume DIR` loads both into the freshly sharded model (each rank its own
-shards) and continues at the next step of the data stream.
+`--save DIR` makes DIR a training root: `tpplan.save_checkpoint(..., step=N)`
+writes DIR/step-N atomically after the last step and every `--save-every N`
+steps (the sharded weights, AdamW's sharded state, and in `extra` the data
+stream's position and the RNG state), keeping the `--keep` newest.
+`--resume DIR` loads the latest complete step into the freshly sharded model
+(each rank its own shards) and continues the data stream where it stopped;
+after torchrun restarts the ranks (`--max-restarts`), they resume from `--save`
+by themselves. `--async-save` writes in the background while training goes on.
 """
 
 from __future__ import annotations
@@ -28,14 +36,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import json
 import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -51,12 +56,17 @@ def build(ref: str, device: torch.device) -> torch.nn.Module:
         return getattr(importlib.import_module(module), fn)()
 
 
-def batches(vocab: int, batch: int, seq: int):
-    """(tokens, next tokens) of a fixed random stream: the same on every rank and run."""
-    generator = torch.Generator().manual_seed(1)
-    while True:
-        stream = torch.randint(0, vocab, (batch, seq + 1), generator=generator)
-        yield stream[:, :-1], stream[:, 1:]
+class Batches:
+    """(tokens, next tokens) of a fixed random stream: the same on every rank and run.
+    Its position is its generator's state (saved in the checkpoint's extra)."""
+
+    def __init__(self, vocab: int, batch: int, seq: int):
+        self.vocab, self.batch, self.seq = vocab, batch, seq
+        self.generator = torch.Generator().manual_seed(1)
+
+    def __next__(self):
+        stream = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.generator)
+        return stream[:, :-1], stream[:, 1:]
 
 
 def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int, device: torch.device):
@@ -73,23 +83,41 @@ def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int, device: torc
     return mesh
 
 
-def save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, path: str) -> None:
-    """Weights through tpplan (DCP), the optimizer state through DCP, the step as JSON (every rank calls it)."""
-    tpplan.save_checkpoint(model, os.path.join(path, "model"))
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=os.path.join(path, "optimizer"))
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        with open(os.path.join(path, "step.json"), "w") as f:
-            json.dump({"step": step}, f)
+def save(model, optimizer, step: int, data: Batches, args) -> "tpplan.AsyncSave | str":
+    """DIR/step-N: weights and AdamW state (each rank its shards), the data position and RNG (every rank calls it)."""
+    extra = {"data": data.generator.get_state(), "rng": torch.get_rng_state()}
+    return tpplan.save_checkpoint(model, args.save, step=step, keep=args.keep, optimizer=optimizer, extra=extra, async_save=args.async_save)
 
 
-def resume(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> int:
-    """Load what `save` wrote into the sharded model and its optimizer; the last step done."""
-    tpplan.load_checkpoint(model, os.path.join(path, "model"))
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    with open(os.path.join(path, "step.json")) as f:
-        return json.load(f)["step"]
+def resume(model, optimizer, data: Batches, path: str) -> int:
+    """The latest complete step of `path` into the sharded model and its optimizer; the last step done."""
+    info = tpplan.load_checkpoint(model, path, optimizer=optimizer)
+    data.generator.set_state(info.extra["data"])
+    torch.set_rng_state(info.extra["rng"])
+    return info.step
+
+
+def init_process_group(backend: str) -> None:
+    """dist.init_process_group, with a store prefix per torchrun attempt: torch 2.13's
+    torchrun --standalone keeps its store across restarts, and restarted ranks would
+    otherwise read the dead ranks' gloo addresses (and hang connecting to them)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == "0":
+        dist.init_process_group(backend)
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}", store), rank=int(os.environ["RANK"]), world_size=world)
+
+
+def resume_from(args) -> str | None:
+    """--resume, or after torchrun restarted the ranks (a rank died) the --save root, once it holds a step."""
+    if args.resume:
+        return args.resume
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and args.save and os.path.exists(os.path.join(args.save, "latest")):
+        return args.save
+    return None
 
 
 def main() -> None:
@@ -101,8 +129,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4, help="global batch (split over dp ranks)")
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--save", metavar="DIR", help="save the weights and optimizer state after the last step")
-    parser.add_argument("--resume", metavar="DIR", help="continue from what --save wrote")
+    parser.add_argument("--save", metavar="DIR", help="save step checkpoints (weights, optimizer, data position) here after the last step")
+    parser.add_argument("--save-every", type=int, metavar="N", help="also save every N steps")
+    parser.add_argument("--keep", type=int, default=3, help="how many of the newest step checkpoints to keep")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints in the background (dcp.async_save)")
+    parser.add_argument("--resume", metavar="DIR", help="continue from the latest complete step --save wrote")
     args = parser.parse_args()
 
     distributed = "RANK" in os.environ  # under torchrun; else one device, no plan
@@ -114,16 +145,18 @@ def main() -> None:
     if distributed:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = parallelize(model, plan, args.tp, device)
         dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         use_loss_parallel = plan.loss_parallel  # the head keeps the logits sharded on the vocabulary
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    done = resume(model, optimizer, args.resume) if args.resume else 0
+    data = Batches(vocab, args.batch, args.seq)
+    source = resume_from(args)
+    done = resume(model, optimizer, data, source) if source else 0
+    if source and (not distributed or dist.get_rank() == 0):
+        print(f"resumed from {source} at step {done}", flush=True)
 
-    data = batches(vocab, args.batch, args.seq)
-    for _ in range(done):  # the batches the resumed run has seen
-        next(data)
+    pending = None
     for step in range(done + 1, args.steps + 1):
         tokens, targets = (t[dp_rank::dp].to(device) for t in next(data))
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
@@ -138,10 +171,12 @@ def main() -> None:
             dist.all_reduce(value, group=mesh["dp"].get_group())
             value /= dp
         if not distributed or dist.get_rank() == 0:
-            print(f"step {step} loss {value.item():.6f}", flush=True)
+            print(f"step {step} loss {value.item()!r}", flush=True)  # every digit: resumed runs compare bitwise
+        if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            pending = save(model, optimizer, step, data, args)
 
-    if args.save:
-        save(model, optimizer, args.steps, args.save)
+    if pending is not None and args.async_save:
+        pending.wait()  # the last checkpoint is committed before the job ends
     if distributed:
         dist.destroy_process_group()
         os._exit(0)  # torch 2.13 gloo may abort during interpreter shutdown after DTensor collectives

@@ -335,14 +335,39 @@ def test_corrupt_and_truncated_files_are_named(saved, tmp_path):
     assert "names files that are missing: model-00001-of-" in str(load_error("llama", gone))
 
 
-def test_a_truncated_dcp_file_fails_while_reading_and_says_the_model_is_partly_loaded(saved, tmp_path):
+def test_a_truncated_dcp_file_is_found_before_anything_is_allocated(saved, tmp_path):
     model = meta("llama")
     load_checkpoint(model, saved["llama"])
     save_checkpoint(model, tmp_path / "dcp")
     data = next((tmp_path / "dcp").glob("*.distcp"))
-    os.truncate(data, data.stat().st_size // 3)
+    size = data.stat().st_size
+    os.truncate(data, size // 3)
+    error = load_error("llama", tmp_path / "dcp")  # the manifest's sizes
+    assert f"TP609 incomplete checkpoint {tmp_path / 'dcp'}: files differ in size from its manifest: __0_0.distcp ({size // 3} bytes, saved {size})" in str(error)
+    (tmp_path / "dcp/.tpplan-checkpoint.json").unlink()  # a DCP checkpoint of another tool: the .metadata's offsets
+    fresh = meta("llama")
+    with pytest.raises(CheckpointError, match=r"TP609 .* shard files are shorter than its .metadata says: __0_0.distcp \(\d+ of \d+ bytes\)"):
+        load_checkpoint(fresh, tmp_path / "dcp")
+    assert all(p.device.type == "meta" for p in fresh.parameters())  # nothing allocated
+    os.truncate(data, 0)
+    data.unlink()
+    assert "shard files its .metadata names are missing: __0_0.distcp" in str(load_error("llama", tmp_path / "dcp"))
+
+
+def test_a_read_that_fails_half_way_says_the_model_is_partly_loaded(saved, tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = meta("llama")
+    load_checkpoint(model, saved["llama"])
+    save_checkpoint(model, tmp_path / "dcp")
+
+    def failing(self, plan, planner):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(FileSystemReader, "read_data", failing)
     error = load_error("llama", tmp_path / "dcp")
-    assert "TP605" in str(error) and "the model is left partly loaded" in str(error)
+    assert "TP605" in str(error) and "Input/output error" in str(error) and "the model is left partly loaded" in str(error)
+    monkeypatch.undo()
     (tmp_path / "dcp/.metadata").write_bytes(b"garbage")
     error = load_error("llama", tmp_path / "dcp")
     assert "TP605 the DCP metadata" in str(error) and ".metadata cannot be read" in str(error)
@@ -378,7 +403,7 @@ def test_save_to_an_unwritable_path(saved, tmp_path):
     model = meta("llama")
     load_checkpoint(model, saved["llama"])
     (tmp_path / "file").write_text("x")
-    with pytest.raises(CheckpointError, match="TP608 saving to"):
+    with pytest.raises(CheckpointError, match=f"TP608 '{tmp_path / 'file'}' is a file: the checkpoint directory '{tmp_path / 'file' / 'sub'}' cannot be created in it"):
         save_checkpoint(model, tmp_path / "file" / "sub")
 
 
@@ -386,6 +411,6 @@ def test_checkpoint_errors_are_plan_errors_with_documented_codes():
     from tpplan.lint.codes import find
 
     assert issubclass(CheckpointError, PlanError)
-    for code in ("TP600", "TP601", "TP602", "TP603", "TP604", "TP605", "TP606", "TP607", "TP608"):
+    for code in ("TP600", "TP601", "TP602", "TP603", "TP604", "TP605", "TP606", "TP607", "TP608", "TP609"):
         assert find(code) is not None
     assert run("rules", "TP603").exit_code == 0

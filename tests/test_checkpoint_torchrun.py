@@ -55,7 +55,7 @@ def test_load_train_save_and_reshard_across_tp_degrees(tmp_path):
     assert (ckpt["format"], ckpt["loaded"], ckpt["missing"], ckpt["unexpected"]) == ("hf", 21, [], [])
     assert ckpt["rank_read_bytes"] == [report["params"]["per_rank_bytes"]] * 2 < [ckpt["checkpoint_bytes"]] * 2
     assert report["saved"] == {"path": str(tmp_path / "tp2"), "format": "dcp"}
-    assert sorted(p.name for p in (tmp_path / "tp2").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one part per rank
+    assert sorted(p.name for p in (tmp_path / "tp2").iterdir()) == [".metadata", ".tpplan-checkpoint.json", "__0_0.distcp", "__1_0.distcp"]  # one part per rank, the manifest
     trained = loaded_on_one_device(tmp_path / "tp2")  # 2 -> 1
     assert not torch.allclose(trained, original)
 

@@ -65,7 +65,22 @@ CODE_DOCS = {
         computed as the constructor writes them), or give the module a
         `reset_parameters()` that fills them.
     """),
-    "TP608": ("save-failed", "Writing the checkpoint failed (the directory is not writable, the disk is full); the message names the path."),
+    "TP608": ("save-failed", """
+        Writing the checkpoint failed: the path is a file, a directory cannot be
+        created or written, the disk is full, or another job is saving to the
+        same directory (its lock file is held). The message names the path.
+        Saves are staged beside the target and renamed into place only when
+        every rank has finished, so the previous checkpoint there is left as it was.
+    """),
+    "TP609": ("incomplete-checkpoint", """
+        The directory is not a complete checkpoint: shard files without a DCP
+        `.metadata` (a save that did not finish), shard files the metadata names
+        missing or shorter than it says, files its manifest
+        (`.tpplan-checkpoint.json`) lists missing or of another size, a `step-N`
+        directory holding another step, or a training root whose `latest` marker
+        names a missing step. Nothing is loaded. tpplan's own saves never leave
+        one (they are staged and renamed); load an earlier step, or save again.
+    """),
 }
 
 UNREADABLE = "TP600"

@@ -33,13 +33,15 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .buffers import init_weights_with_buffers, is_transformers, moved, recompute_buffers, takes_nan
+from .asyncsave import wait_pending
 from .errors import CheckpointError, fail, quiet, some
 from .experts import checkpoint_view, load_planner, part_targets
 from .inspect import Match, match
 from .source import locate, read_metadata
+from .training import restore, targets_for_load
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +58,9 @@ class LoadResult:
     initialized: list[str] = field(default_factory=list)  # missing keys allowed by allow_missing, initialised instead
     read_bytes: int = 0  # checkpoint bytes this rank reads (its shards)
     recomputed_buffers: list[str] = field(default_factory=list)
+    step: int | None = None  # the training step of a step-N checkpoint (a training root: its latest)
+    extra: Any = None  # what save_checkpoint(extra=...) saved on this rank (rank 0's at another world size)
+    directory: str = ""  # the checkpoint directory read (a training root: its latest step-N)
     match: Match | None = field(default=None, repr=False)
 
 
@@ -66,6 +71,7 @@ def load_checkpoint(
     dtype: "torch.dtype | None" = None,
     allow_missing: Iterable[str] = (),
     device: "torch.device | str | None" = None,
+    optimizer: "torch.optim.Optimizer | None" = None,
 ) -> LoadResult:
     """Load `path` into `model` in place (parallelized by a plan or not, on the meta
     device or materialized). Each rank allocates and reads only its local shards.
@@ -77,31 +83,41 @@ def load_checkpoint(
     module's `reset_parameters()`). `device`: where meta tensors are materialized
     (default: the device of the parameters' mesh, else of the model, else cpu).
 
+    A training root (what `save_checkpoint(..., step=N)` writes) loads its latest
+    complete step; `optimizer` (created over the materialized model) gets its
+    saved state back; the result's `.step` and `.extra` are what was saved.
+
     Raises `CheckpointError` (a `PlanError`) naming keys and files: TP600 unreadable
     path, TP601 missing, TP602 unexpected, TP603 shape, TP604 dtype, TP605 corrupt,
-    TP606 another model's checkpoint, TP607 a buffer that cannot be recomputed.
+    TP606 another model's checkpoint, TP607 a buffer that cannot be recomputed,
+    TP609 an incomplete checkpoint (a save that did not finish).
     Everything but TP605 during the read (which says so) leaves the model untouched.
     """
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
+    wait_pending()  # an asynchronous save still in flight is committed first
     source = locate(path)
     read_metadata(source)
     found = match(model, source, allow_missing)
     if found.problems:
         raise CheckpointError(found.problems)
+    if optimizer is not None and source.format != "dcp":
+        raise fail("TP601", f"{source.path} is a safetensors checkpoint: it holds no optimizer state (load it without optimizer=)", source.where)
+    held = targets_for_load(model, optimizer, source.keys, source.where)
     target = _target_device(model, device)
     state, initialized, fresh = _materialize(model, found, dtype, target)
     _initialize(model, initialized, source.where)
     filled = init_weights_with_buffers(model, target)
+    no_dist = _no_dist(state)
     try:
         with torch.no_grad(), quiet():
             dcp.load(
-                state,
+                {**state, **held},
                 storage_reader=source.reader(),
                 planner=load_planner(mappable=fresh, allow_partial_load=False),
-                no_dist=_no_dist(state),
+                no_dist=no_dist,
             )
     except (Exception, CheckpointException) as exc:  # safetensors, pickle, OS errors (DCP's is a BaseException)
         raise fail(
@@ -111,6 +127,7 @@ def load_checkpoint(
             source.where,
         ) from None
     recomputed = filled + recompute_buffers(model, source.where)
+    extra = restore(model, optimizer, held)
     rank = _rank_in_meshes(model)
     return LoadResult(
         path=str(path),
@@ -119,6 +136,9 @@ def load_checkpoint(
         initialized=[e.names[0] for e in found.allowed_missing],
         read_bytes=_rank_bytes(found, rank),
         recomputed_buffers=recomputed,
+        step=source.step,
+        extra=extra,
+        directory=source.directory,
         match=found,
     )
 

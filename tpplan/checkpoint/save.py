@@ -14,19 +14,28 @@ Tied parameters are saved once, under their first name (transformers' convention
 
 Saving into the directory a model was loaded from is safe: tensors that are
 still views of files there (`mapped.py`) are copied into memory first.
+
+Saves are atomic (`commit.py`): written into a staging directory beside the
+target, then renamed into place by rank 0 after every rank's files are synced.
+With `step=N` the target is `ROOT/step-N` of a training root (`steps.py`), with
+the optimizer state and `extra` beside the model (`training.py`), recorded as the
+latest only then; `async_save=True` writes in the background (`asyncsave.py`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
-from typing import TYPE_CHECKING
+import warnings
+from typing import TYPE_CHECKING, Any
 
+from . import asyncsave, commit
 from .errors import fail, quiet
 from .experts import checkpoint_view, save_planner
 from .inspect import expected_tensors
 from .mapped import release
+from .steps import step_dir
+from .training import state_for_save
 
 if TYPE_CHECKING:
     import torch
@@ -50,62 +59,102 @@ def state_to_save(model: "nn.Module", dtype: "torch.dtype | None" = None) -> dic
     return state
 
 
-def save_checkpoint(model: "nn.Module", path: str | os.PathLike, *, format: str = "dcp", dtype: "torch.dtype | None" = None) -> str:
-    """Save `model` (sharded or not) to the directory `path`; every rank of the
-    model's mesh must call it. `dtype` casts floating-point tensors (e.g. an fp32
-    model saved as bfloat16). Returns the path. Raises CheckpointError TP608."""
+def save_checkpoint(
+    model: "nn.Module",
+    path: str | os.PathLike,
+    *,
+    format: str = "dcp",
+    dtype: "torch.dtype | None" = None,
+    step: int | None = None,
+    keep: int | None = None,
+    optimizer: "torch.optim.Optimizer | None" = None,
+    extra: Any = None,
+    async_save: bool = False,
+) -> "str | asyncsave.AsyncSave":
+    """Save `model` (sharded or not) to the directory `path`, atomically; every rank
+    of the model's mesh must call it. `dtype` casts floating-point tensors (e.g. an
+    fp32 model saved as bfloat16).
+
+    Training checkpoints: `step=N` writes `path/step-N` and records it in
+    `path/latest` once complete; `keep=K` then removes all but the K newest steps;
+    `optimizer` adds its state (torch's `get_optimizer_state_dict`), `extra` any
+    picklable value of this rank (data position, RNG states). `async_save=True`
+    returns an `AsyncSave` at once (`.wait()`), the write going on in the background.
+
+    Returns the checkpoint's directory. Raises CheckpointError TP608 naming the
+    path (unwritable, a file, full disk, another job saving there); the previous
+    checkpoint at the path is left as it was."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.tensor import DTensor
 
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-    target = os.fspath(path)
+    if step is not None and (not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an integer >= 0, not {step!r}")
+    if keep is not None and (step is None or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an integer >= 1 and needs step= (got keep={keep!r}, step={step!r})")
+    if format == "hf" and (optimizer is not None or extra is not None or async_save):
+        raise ValueError("optimizer=, extra= and async_save=True need format='dcp' (safetensors hold tensors of the model only)")
+    asyncsave.wait_pending()  # one save at a time: the previous asynchronous one is committed first
+    root = os.fspath(path)
+    target = step_dir(root, step) if step is not None else root
     release(model, target)  # tensors still viewing files there (a load from `path`) are copied before they are overwritten
     state = state_to_save(model, dtype)
-    real_group = dist.is_initialized() and dist.get_backend() != "fake"
     sharded = any(isinstance(t, DTensor) or hasattr(t, "__create_chunk_list__") for t in state.values())
+    state.update(state_for_save(model, optimizer, extra))
+    real_group = dist.is_initialized() and dist.get_backend() != "fake"
     if dist.is_initialized() and not real_group and sharded:
         raise ValueError("save_checkpoint needs real ranks (torchrun): the fake process group of a simulation cannot gather the shards")
-    distributed = real_group and sharded  # every rank writes its shards
-    rank = dist.get_rank() if real_group else 0
-    writes = distributed or rank == 0  # unsharded under a process group: rank 0 writes alone
+    save = commit.Save(root=root, target=target, step=step, keep=keep, format=format,
+                       distributed=real_group and sharded, rank=dist.get_rank() if real_group else 0, real_group=real_group)
+    save.prepare()
+    writes = save.distributed or save.rank == 0  # unsharded under a process group: rank 0 writes alone
+    if async_save:
+        return asyncsave.start(target, step, lambda: _write_async(state, save) if writes else None, save.finish_async, save.failed_async)
     try:
-        Path(target).mkdir(parents=True, exist_ok=True)  # on every rank: an unwritable path fails them all alike
-        if real_group:
-            dist.barrier()
-        if writes:
-            _write(model, state, target, format, distributed, rank)
-        if real_group:
-            dist.barrier()
-    except OSError as exc:
-        raise fail("TP608", f"saving to {target!r} failed: {exc.strerror or exc}", target) from None
-    except (Exception, CheckpointException) as exc:  # DCP's (a BaseException) wraps every rank's failure
-        from .load import _reason
-
-        raise fail("TP608", f"saving to {target!r} failed: {_reason(exc)}", target) from None
+        metadata = _write(model, state, save) if writes else None
+    except BaseException as exc:  # OS errors, DCP's CheckpointException (a BaseException) with every rank's failure
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        error = save.failed(exc)  # before the staging directory goes: the free space it filled
+        save.abandon()
+        raise error from None
+    save.finish(metadata)
     return target
 
 
-def _write(model: "nn.Module", state: dict, target: str, format: str, distributed: bool, rank: int) -> None:
+def _write(model: "nn.Module", state: dict, save: "commit.Save"):
+    """Write `state` into the save's staging directory; DCP's Metadata (None for hf)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    if format == "dcp":
+    if save.format == "dcp":
         from torch.distributed.checkpoint import FileSystemWriter
 
-        with quiet():
-            dcp.save(state, storage_writer=FileSystemWriter(target, overwrite=True), planner=save_planner(), no_dist=not distributed)
-        return
+        with quiet():  # sync_files: each rank fsyncs its files before DCP writes .metadata
+            return dcp.save(state, storage_writer=FileSystemWriter(save.staging, sync_files=True), planner=save_planner(), no_dist=not save.distributed)
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
-    writer = HuggingFaceStorageWriter(target, save_distributed=distributed, enable_consolidation=distributed)
+    writer = HuggingFaceStorageWriter(save.staging, save_distributed=save.distributed, enable_consolidation=save.distributed)
     with quiet():
-        dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not distributed)
-    if distributed:
+        dcp.save(state, storage_writer=writer, planner=save_planner(), no_dist=not save.distributed)
+    if save.distributed:
         dist.barrier()  # the coordinator consolidated every rank's shards
-    if rank == 0:
-        shutil.rmtree(os.path.join(target, "sharded"), ignore_errors=True)
+    if save.rank == 0:
+        shutil.rmtree(os.path.join(save.staging, "sharded"), ignore_errors=True)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(target)
+            config.save_pretrained(save.staging)
+    return None
+
+
+def _write_async(state: dict, save: "commit.Save"):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    group = asyncsave.process_group() if save.distributed else None
+    if not save.distributed:  # DCP's thread warns that it assumes one process: the intent (quiet() cannot reach a thread)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with quiet():
+        return dcp.async_save(state, storage_writer=FileSystemWriter(save.staging, sync_files=True), planner=save_planner(),
+                              process_group=group, no_dist=not save.distributed)

@@ -16,7 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .complete import manifest_problem, read_manifest, unfinished, verify
 from .errors import fail, some
+from .steps import is_root, latest
+from .training import RESERVED
 
 INDEX = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
@@ -34,6 +37,8 @@ class Source:
     where: str
     tensors: dict[str, Any] = field(default_factory=dict)  # key -> TensorStorageMetadata
     file_of: dict[str, str] = field(default_factory=dict)  # key -> the file holding it (hf)
+    keys: set[str] = field(default_factory=set)  # every key of the metadata (the model's, the optimizer's, extra)
+    step: int | None = None  # the training step it holds (a step-N checkpoint)
     _tmp: Any = None  # a TemporaryDirectory that must live as long as the reader
 
     def reader(self):
@@ -175,11 +180,23 @@ def locate(path: str | os.PathLike) -> Source:
         raise fail("TP600", f"{text!r} is not a checkpoint: give a .safetensors file, a directory of them, or a DCP directory", text)
     if DCP_METADATA in entries:
         return _dcp(p, text)
+    if INDEX in entries or any(name.endswith(".safetensors") for name in entries):
+        problem = manifest_problem(p) if read_manifest(p) is not None else None
+        if problem is not None:
+            raise fail("TP609", f"incomplete checkpoint {p}: {problem}", text)
     if INDEX in entries:
         return _hf_index(p, p / INDEX, text)
     found = [p / name for name in entries if name.endswith(".safetensors")]
     if found:
         return _hf_files(p, found, str(found[0]) if len(found) == 1 else str(p), text, own_dir=True)
+    why = unfinished(p, entries)
+    if why is not None:
+        raise fail("TP609", f"incomplete checkpoint {p}: {why}", text)
+    if is_root(p, entries):  # a training root: its latest complete step
+        directory, step = latest(p)
+        source = locate(directory)
+        source.step = step
+        return source
     shown = some(entries) if entries else "it is empty"
     raise fail(
         "TP600",
@@ -189,7 +206,9 @@ def locate(path: str | os.PathLike) -> Source:
 
 
 def _dcp(directory: Path, text: str) -> Source:
-    return Source(text, "dcp", str(directory), [str(directory / DCP_METADATA)], str(directory / DCP_METADATA))
+    manifest = read_manifest(directory)
+    step = manifest.get("step") if manifest else None
+    return Source(text, "dcp", str(directory), [str(directory / DCP_METADATA)], str(directory / DCP_METADATA), step=step)
 
 
 def _hf_index(directory: Path, index: Path, text: str) -> Source:
@@ -229,7 +248,13 @@ def read_metadata(source: Source):
         metadata = reader.read_metadata()
     except Exception as exc:  # safetensors or unpickling errors: named by file below
         raise _corrupt(source, exc) from None
-    source.tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    if source.format == "dcp":
+        verify(source.directory, metadata, source.where)  # TP609: missing or short shards, mixed saves
+    source.keys = set(metadata.state_dict_metadata)
+    source.tensors = {
+        k: v for k, v in metadata.state_dict_metadata.items()
+        if isinstance(v, TensorStorageMetadata) and not k.startswith(f"{RESERVED}.")  # the optimizer's: training.py
+    }
     if source.format == "hf":
         link_to = {os.path.join(source.directory, os.path.basename(f)): f for f in source.files}
         for index, info in metadata.storage_data.items():

@@ -160,7 +160,7 @@ def apply(
     ] = None,
     save: Annotated[
         Optional[str],
-        typer.Option("--save", metavar="PATH", help="After the run, save the sharded model to this directory (torchrun only).", show_default=False),
+        typer.Option("--save", metavar="PATH", help="After the run, save the sharded model to this directory (torchrun only), atomically: staged beside it and renamed into place once every rank has written its files.", show_default=False),
     ] = None,
     save_format: Annotated[
         SaveFormat,

@@ -1,0 +1,181 @@
+"""The file-system half of an atomic save (no torch, no collectives): the staging
+directory beside the target, fsync, the rename into place, the lock, leftovers.
+
+    parent/.NAME.staging-XXXX   what a save writes (loads never look at it)
+    parent/.NAME.old-XXXX       the previous copy while it is being removed
+    parent/.NAME.lock           a plain save's lock (a training root: ROOT/.lock)
+
+`publish` swaps the staging directory and the target in one `renameat2
+(RENAME_EXCHANGE)` (Linux): at every instant `path` is either the old complete
+checkpoint or the new one. Where the kernel or file system cannot exchange, it
+renames the old copy aside, then the new one in (a kill between the two leaves
+the old copy at `.NAME.old-XXXX`, which the next save puts back).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+STAGING = ".staging-"
+OLD = ".old-"
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_HELD: dict[str, tuple[int, bool]] = {}  # realpath of a lock file -> (its open descriptor, kept for life)
+
+
+class SaveRefused(Exception):
+    """The target cannot be saved to; the message names the path and why."""
+
+
+def check_target(target: str) -> None:
+    """SaveRefused when `target` is a file or its parent cannot hold a staging directory."""
+    p = Path(target)
+    if p.exists() and not p.is_dir():
+        raise SaveRefused(f"{target!r} is a file, not a checkpoint directory: remove it or save elsewhere")
+    parent = p.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise SaveRefused(f"{str(parent)!r} is a file: the checkpoint directory {target!r} cannot be created in it") from None
+    except OSError as exc:
+        raise SaveRefused(f"cannot create {str(parent)!r}: {exc.strerror or exc}") from None
+
+
+def acquire(lock_file: str, *, keep: bool) -> None:
+    """Take the exclusive lock `lock_file` (flock: released by the kernel when the
+    process dies, so a killed job never leaves a stale lock). `keep`: held until
+    the process exits (a training root: no other job may save there meanwhile)."""
+    import fcntl
+
+    key = os.path.realpath(lock_file)
+    if key in _HELD:
+        return
+    try:
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise SaveRefused(f"cannot create the lock file {lock_file!r}: {exc.strerror or exc}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise SaveRefused(
+            f"another job is saving to {str(Path(lock_file).parent)!r} ({holder} holds {lock_file!r}): "
+            "give each job its own checkpoint directory"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    _HELD[key] = (fd, keep)
+
+
+def release(lock_file: str) -> None:
+    """Give back a lock taken with keep=False (a kept lock stays until exit)."""
+    import fcntl
+
+    key = os.path.realpath(lock_file)
+    fd, keep = _HELD.get(key, (None, True))
+    if fd is not None and not keep:
+        del _HELD[key]
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def new_staging(target: str) -> str:
+    """A fresh, empty staging directory beside `target` (same file system: the rename is atomic)."""
+    p = Path(target)
+    try:
+        return tempfile.mkdtemp(prefix=f".{p.name}{STAGING}", dir=p.parent)
+    except OSError as exc:
+        raise SaveRefused(f"cannot write in {str(p.parent)!r}: {exc.strerror or exc}") from None
+
+
+def leftovers(target: str) -> list[Path]:
+    """Staging and old-copy directories of earlier saves of `target`, killed or failed."""
+    p = Path(target)
+    prefixes = (f".{p.name}{STAGING}", f".{p.name}{OLD}")
+    try:
+        return sorted(e for e in p.parent.iterdir() if e.name.startswith(prefixes) and e.is_dir())
+    except OSError:
+        return []
+
+
+def clean(target: str) -> None:
+    """Remove what killed saves of `target` left; an old copy whose swap was cut short
+    (no `target`) goes back into place first."""
+    for entry in leftovers(target):
+        if entry.name.startswith(f".{Path(target).name}{OLD}") and not os.path.lexists(target):
+            os.rename(entry, target)
+            fsync_dir(str(Path(target).parent))
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def fsync_dir(path: str) -> None:
+    """Make the directory's entries (files created, renamed) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_files(directory: str) -> None:
+    """fsync every file of `directory` (and the directory): what the writer did not sync itself."""
+    for entry in os.scandir(directory):
+        if entry.is_file():
+            fd = os.open(entry.path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(directory)
+
+
+def publish(staging: str, target: str) -> None:
+    """Put the complete `staging` directory at `target`, durably; the previous copy
+    at `target` is removed only once the new one is in place."""
+    parent = str(Path(target).parent)
+    if not os.path.lexists(target):
+        os.rename(staging, target)
+        fsync_dir(parent)
+        return
+    if _exchange(staging, target):
+        fsync_dir(parent)
+        shutil.rmtree(staging)  # now the previous copy
+        return
+    old = staging.replace(STAGING, OLD, 1)
+    os.rename(target, old)
+    os.rename(staging, target)
+    fsync_dir(parent)
+    shutil.rmtree(old)
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically; False where the system cannot (then nothing moved)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), b)
+
+
+def write_text(path: str, text: str) -> None:
+    """Replace the file `path` with `text` atomically and durably (tmp, fsync, rename)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(str(Path(path).parent))

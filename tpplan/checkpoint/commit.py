@@ -1,0 +1,158 @@
+"""The ranks' side of an atomic save: rank 0 prepares the staging directory and
+commits it; every rank hears its verdict, so they fail or succeed together.
+
+    prepare   rank 0: the target can be written (not a file, parent creatable),
+              the lock, the leftovers of killed saves removed, a fresh staging
+              directory; broadcast (its name, or why not) to every rank
+    (write)   every rank writes its files into staging and fsyncs them (DCP's
+              FileSystemWriter(sync_files=True)), rank 0 the .metadata last
+    finish    barrier; rank 0: the manifest, fsync, rename into place, then
+              the `latest` marker and the retention of a training root;
+              broadcast the verdict
+
+A rank killed anywhere in between leaves the target as it was (the staging
+directory is ignored by loads, removed by the next save).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import atomic, steps
+from .complete import write_manifest
+from .errors import CheckpointError, fail
+
+
+@dataclass
+class Save:
+    root: str  # the training root (step= given), else the target itself
+    target: str
+    step: int | None
+    keep: int | None
+    format: str
+    distributed: bool  # every rank writes its shards
+    rank: int
+    real_group: bool  # a process group of real ranks: verdicts are broadcast
+    staging: str = ""
+
+    @property
+    def _lock_file(self) -> str:
+        if self.step is not None:
+            return os.path.join(self.root, steps.LOCK)
+        p = Path(self.target)
+        return str(p.parent / f".{p.name}.lock")
+
+    def prepare(self) -> None:
+        """Every rank: the staging directory to write into, or TP608 on all of them."""
+        verdict = None
+        if self.rank == 0:
+            try:
+                if self.step is not None and os.path.exists(self.root) and not os.path.isdir(self.root):
+                    raise atomic.SaveRefused(f"{self.root!r} is a file, not a checkpoint directory: remove it or save elsewhere")
+                atomic.check_target(self.target)
+                atomic.acquire(self._lock_file, keep=self.step is not None)  # a training root stays this job's
+                if self.step is not None:
+                    steps.clean_root(self.root)
+                atomic.clean(self.target)
+                verdict = ("ok", atomic.new_staging(self.target))
+            except atomic.SaveRefused as exc:
+                atomic.release(self._lock_file)
+                verdict = ("error", str(exc))
+            except OSError as exc:
+                atomic.release(self._lock_file)
+                verdict = ("error", f"preparing to save to {self.target!r} failed: {exc.strerror or exc}")
+        kind, value = self._hear(verdict)
+        if kind == "error":
+            raise fail("TP608", value, self.target)
+        self.staging = value
+
+    def finish(self, metadata) -> None:
+        """Every rank, after its write: rank 0 commits; TP608 on all ranks if it could not."""
+        if self.real_group:
+            import torch.distributed as dist
+
+            dist.barrier()  # every rank's files are written and synced
+        verdict = None
+        if self.rank == 0:
+            try:
+                self.finish_async(metadata)
+                verdict = ("ok", "")
+            except CheckpointError as exc:
+                verdict = ("error", exc.problems[0].message)
+        kind, value = self._hear(verdict)
+        if kind == "error":
+            raise fail("TP608", value, self.target)
+
+    def finish_async(self, metadata) -> None:
+        """Rank 0 (no collectives: also run when an asynchronous write completes): the commit."""
+        if self.rank != 0:
+            return
+        try:
+            save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+            write_manifest(self.staging, step=self.step, save_id=save_id, format=self.format)
+            if self.format == "dcp":  # FileSystemWriter(sync_files=True) synced every file: the entries remain
+                atomic.fsync_dir(self.staging)
+            else:  # the safetensors writer does not sync
+                atomic.fsync_files(self.staging)
+            atomic.publish(self.staging, self.target)
+        except OSError as exc:
+            self.abandon()
+            raise fail("TP608", f"saving to {self.target!r} failed: {exc.strerror or exc} (the previous checkpoint is left as it was)", self.target) from None
+        try:
+            if self.step is not None:
+                steps.record(self.root, self.step)
+                steps.retain(self.root, self.step, self.keep)
+        except OSError as exc:
+            raise fail("TP608", f"{self.target!r} is saved, but recording it in {self.root!r} failed: {exc.strerror or exc}", self.target) from None
+        finally:
+            atomic.release(self._lock_file)
+
+    def abandon(self) -> None:
+        """Rank 0: a failed save's staging directory goes (the target was never touched)."""
+        if self.rank == 0:
+            if self.staging:
+                shutil.rmtree(self.staging, ignore_errors=True)
+            atomic.release(self._lock_file)
+
+    def failed(self, exc: BaseException) -> CheckpointError:
+        """The TP608 of a write that failed (OS error, DCP's report of every rank's failure)."""
+        if isinstance(exc, CheckpointError):
+            return exc
+        if isinstance(exc, OSError):
+            reason = exc.strerror or str(exc)
+        else:
+            from .load import _reason
+
+            reason = _reason(exc)
+        full = _full(str(Path(self.target).parent))  # torch's serializer can hide ENOSPC behind its own error
+        if full and "No space left" not in reason:
+            reason += f"; {full}"
+        return fail("TP608", f"saving to {self.target!r} failed: {reason} (the previous checkpoint is left as it was)", self.target)
+
+    def failed_async(self, exc: BaseException) -> CheckpointError:
+        error = self.failed(exc)  # before the staging directory goes: the free space it filled
+        self.abandon()
+        return error
+
+    def _hear(self, verdict):
+        """Rank 0's verdict, on every rank."""
+        if not self.real_group:
+            return verdict
+        import torch.distributed as dist
+
+        box = [verdict]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _full(directory: str) -> str | None:
+    """'the file system of DIR is full (N bytes free)' when under 1 MiB is left, else None."""
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None
+    free = stat.f_bavail * stat.f_frsize
+    return f"the file system of {directory!r} is full ({free} bytes free)" if free < (1 << 20) else None
