@@ -275,8 +275,18 @@ class _Interpreter:
         values = [self.value(n) for n in op.inputs]
         self.layouts_of(op, values)
         results = [self.value(n) for n in op.outputs]
-        self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)
+        if not self.in_local_params():
+            self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)
         self.sums.op(op.inputs, values, op.outputs, results)
+
+    def in_local_params(self) -> bool:
+        """Inside a planned module with parameters of its own that computes on local tensors
+        (local_params): its style sums their gradients, whatever they meet."""
+        return any(
+            f.rule is not None and f.rule.spec.semantics.inputs == "layouts" and f.fqn in self.modules
+            and any(p is not None for p in self.modules[f.fqn]._parameters.values())
+            for f in self.frames
+        )
 
     def layouts_of(self, op: Op, values: list[Lay]) -> None:
         if all(v.kind == "R" and v.dt is False for v in values):
