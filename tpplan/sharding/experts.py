@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..core import expert_styles
-from ..core.expert_styles import not_experts, unknown_params
+from ..core.expert_styles import not_experts
 from ..core.problems import StyleInputError
 from .expert_dispatch import rank_values
 
@@ -221,11 +221,10 @@ class ExpertTensorParallel(LocalForward):
         self.params = dict(params or {})
 
     def _placements(self, module: nn.Module, mesh: DeviceMesh) -> dict[str, Placement]:
-        placements = expert_tp_defaults(module)
-        unknown = set(self.params) - set(placements)
-        if unknown:
-            raise unknown_params(module, unknown, placements)
-        return {**placements, **self.params}
+        base = expert_styles.expert_tp_base(module, self.name, self.params)
+        placements = {**{name: p.to_torch() for name, p in base.items()}, **self.params}
+        expert_styles.check_param_dims(module, self.name, {n: getattr(p, "dim", None) for n, p in placements.items()})
+        return placements
 
     def _local_param(self, name: str, param: DTensor) -> torch.Tensor:
         if not all(p.is_replicate() for p in param.placements):

@@ -1,4 +1,5 @@
-"""TP305: expert styles on a module without fused experts, or a degree that does not
+"""TP305: expert styles on a module without the expert dim first on its parameters (or, for
+expert_tp on a layout other than transformers', without params), or a degree that does not
 divide what they shard (the experts for expert_parallel, their intermediate dim for expert_tp)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _sharded_sizes(module, rule) -> list[tuple[str, int, int]]:
 
 
 def check(ctx):
-    from ...core.expert_styles import is_experts_module
+    from ...core.expert_styles import is_experts_module, not_experts
 
     for fqn, rule in ctx.matched.items():
         style, experts = rule.spec.style, rule.spec.semantics.experts
@@ -28,12 +29,8 @@ def check(ctx):
             continue
         module = ctx.modules[fqn]
         if not is_experts_module(module):
-            own = ", ".join(n for n, _ in module.named_parameters(recurse=False)) or "none"
-            yield Finding(ctx.at(rule), (
-                f"{style} shards a module with fused 3-D expert parameters (gate_up_proj or up_proj, and down_proj), "
-                f"but '{fqn or '<root>'}' ({type(module).__name__}; own parameters: {own}; {rule_ref(rule)}) has none: "
-                "put the rule on the experts module itself (transformers: mlp.experts)"
-            ))
+            exc = not_experts(style, module)  # its text ends with the fix
+            yield Finding(ctx.at(rule), f"'{fqn or '<root>'}' ({rule_ref(rule)}): {exc}")
             continue
         try:
             sizes = _sharded_sizes(module, rule)
