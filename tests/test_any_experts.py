@@ -199,3 +199,19 @@ def test_all_to_all_refuses_the_sorted_call_before_moving_tokens():
     with simulated_world(2), pytest.raises(ValueError, match="use dispatch: all_reduce"):
         parallelize_module(experts, tp_mesh(2), AllToAllExpertParallel())
         experts(torch.randn(4, 16), torch.tensor([1, 1, 1, 1]))
+
+
+def test_torchtitan_call_on_real_ranks_runs_each_ranks_exact_slice_and_matches_one_device():
+    """Real ranks (torchrun, gloo) take the exact slice, no padding: rank 0's experts 0-1
+    compute 3 rows, rank 1's experts 2-3 compute 7."""
+    from pathlib import Path
+
+    from test_torchrun import torchrun
+
+    root = Path(__file__).resolve().parent.parent
+    result = torchrun(2, "tests/grouped_experts_worker.py", pythonpath=root, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert max(report["diffs"].values()) < 1e-5, report["diffs"]
+    assert report["rows"] == [3, 7]
+    assert report["forward"] == {"all_reduce": 1} and report["backward"] == {"all_reduce": 1}

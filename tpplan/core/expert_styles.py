@@ -1,6 +1,7 @@
 """tpplan's styles beyond torch's (SPEC §2a), as entries of the style table:
-expert_tp and expert_parallel on fused 3-D expert modules, local_params for
-a module whose parameters are replicated inside a sharded region, and
+expert_tp and expert_parallel on expert modules (every own parameter with the expert
+dim first, any layout), local_params for a module whose parameters are replicated
+inside a sharded region, and
 sum_output_grad for a whole module whose output every rank's shard uses. No torch here;
 the styles themselves are in sharding/experts.py, expert_parallel.py, params.py and
 sharding/grad_sum.py.

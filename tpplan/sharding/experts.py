@@ -1,6 +1,8 @@
-"""Styles for fused 3-D MoE expert modules (transformers 5's `experts` modules:
-`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, optional `*_bias`; gpt-oss stores
-them transposed, `[E, H, 2I]` with gate and up interleaved).
+"""Styles for MoE expert modules whose parameters have the expert dim first: transformers
+5's `experts` modules (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, optional `*_bias`;
+gpt-oss stores them transposed, `[E, H, 2I]` with gate and up interleaved), for which
+expert TP has defaults, and any other layout with its placements given in `params`
+(torchtitan's GroupedExperts: `w1 [E, hidden, dim]`, `w2 [E, dim, hidden]`, `w3`).
 
 - `ExpertTensorParallel`: every expert sharded on its intermediate dim (a packed
   gate/up tensor as `_StridedShard`, so each rank holds matching gate and up
