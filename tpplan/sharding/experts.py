@@ -198,7 +198,10 @@ class ExpertTensorParallel(LocalForward):
             over the defaults: `gate_up_proj` `_StridedShard(1, 2)` ([E, 2I, H],
             gate and up halves; `Shard(2)` for gpt-oss's interleaved [E, H, 2I]),
             `down_proj` `Shard(2)` ([E, H, I]; `Shard(1)` transposed), `gate_up_proj_bias`
-            like the gate/up dim, `down_proj_bias` and others `Replicate()`.
+            like the gate/up dim, `down_proj_bias` and others `Replicate()`. Any other
+            layout with the expert dim first (torchtitan's GroupedExperts) has no
+            defaults: every parameter not named is `Replicate()`, so name what to shard
+            (`{"w1": Shard(1), "w2": Shard(2), "w3": Shard(1)}`).
         input_layouts (Placement, optional): layout of the hidden states. Default Replicate.
         output_layouts (Placement, optional): the partial output is reduced to it:
             Replicate (all-reduce, the default) or Shard(d) (reduce-scatter).
