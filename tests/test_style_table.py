@@ -145,12 +145,12 @@ def test_expert_tp_places_a_transposed_packed_gate_up_on_its_last_dim():
     }
 
 
-def test_expert_styles_refuse_a_module_without_fused_experts():
+def test_expert_styles_refuse_a_module_without_the_expert_dim_first():
     from tpplan.core.problems import StyleInputError
     from tpplan.core.schema import rule_spec
 
     for style in ("expert_tp", "expert_parallel"):
-        with pytest.raises(StyleInputError, match=f"{style} needs a module with fused 3-D expert parameters .*Linear has: weight, bias"):
+        with pytest.raises(StyleInputError, match=rf"{style} needs a module whose own parameters all have the expert dim first .*Linear has: weight \[2, 2\], bias \[2\]"):
             rule_spec(style).param_placements(torch.nn.Linear(2, 2))
     with pytest.raises(StyleInputError, match="params names no parameter of .*: 'up_proj'"):
         rule_spec({"style": "expert_tp", "params": {"up_proj": "shard(1)"}}).param_placements(_experts())

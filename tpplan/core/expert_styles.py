@@ -1,6 +1,7 @@
 """tpplan's styles beyond torch's (SPEC §2a), as entries of the style table:
-expert_tp and expert_parallel on fused 3-D expert modules, local_params for
-a module whose parameters are replicated inside a sharded region, and
+expert_tp and expert_parallel on expert modules (every own parameter with the expert
+dim first, any layout), local_params for a module whose parameters are replicated
+inside a sharded region, and
 sum_output_grad for a whole module whose output every rank's shard uses. No torch here;
 the styles themselves are in sharding/experts.py, expert_parallel.py, params.py and
 sharding/grad_sum.py.
@@ -32,10 +33,26 @@ def _own_parameters(module: Any) -> dict[str, Any]:
     return {name: p for name, p in module._parameters.items() if p is not None}
 
 
-def is_experts_module(module: Any) -> bool:
-    """A module holding fused 3-D expert weights (its own `gate_up_proj`/`up_proj` and `down_proj`)."""
+def expert_count(module: Any) -> int | None:
+    """E when every own parameter is at least 2-D with the expert dim first (one common
+    first size): any layout, transformers' fused experts and torchtitan's GroupedExperts
+    (w1 [E, hidden, dim], w2 [E, dim, hidden], w3) alike; else None."""
     own = _own_parameters(module)
-    return DOWN in own and (GATE_UP in own or UP in own) and own[DOWN].dim() == 3
+    firsts = {p.shape[0] for p in own.values() if p.dim() >= 2}
+    if not own or len(firsts) != 1 or any(p.dim() < 2 for p in own.values()):
+        return None
+    return firsts.pop()
+
+
+def is_experts_module(module: Any) -> bool:
+    """A module of stacked expert weights: its own parameters all have the expert dim first."""
+    return expert_count(module) is not None
+
+
+def is_transformers_experts(module: Any) -> bool:
+    """transformers' fused layout (own `gate_up_proj`/`up_proj` and a 3-D `down_proj`): expert_tp has defaults for it."""
+    own = _own_parameters(module)
+    return is_experts_module(module) and DOWN in own and (GATE_UP in own or UP in own) and own[DOWN].dim() == 3
 
 
 def experts_layout(module: Any) -> tuple[bool, bool]:
@@ -73,11 +90,15 @@ def expert_tp_placements(module: Any) -> dict[str, PlacementSpec]:
     return placements
 
 
+def _shapes(module: Any) -> str:
+    own = _own_parameters(module)
+    return ", ".join(f"{name} {list(p.shape)}" for name, p in own.items()) or "no parameters"
+
+
 def not_experts(style: str, module: Any) -> StyleInputError:
-    own = ", ".join(_own_parameters(module)) or "none"
     return StyleInputError(
-        f"{style} needs a module with fused 3-D expert parameters (gate_up_proj or up_proj, and down_proj); "
-        f"{type(module).__name__} has: {own}",
+        f"{style} needs a module whose own parameters all have the expert dim first (at least 2-D, one common "
+        f"first size E); {type(module).__name__} has: {_shapes(module)}",
         "put the rule on the experts module itself (transformers: mlp.experts)",
     )
 
@@ -92,6 +113,40 @@ def unknown_params(module: Any, unknown: set[str], known) -> StyleInputError:
 def _experts_only(module: Any, style: str) -> None:
     if not is_experts_module(module):
         raise not_experts(style, module)
+
+
+def expert_tp_base(module: Any, style: str, given) -> dict[str, PlacementSpec]:
+    """expert_tp's placements before the plan's `params` (the names `given`): transformers'
+    defaults for its layout; for any other layout every parameter replicated, so the
+    plan must name what to shard. Refusals are StyleInputErrors."""
+    _experts_only(module, style)
+    if is_transformers_experts(module):
+        placed = expert_tp_placements(module)
+    elif not given:
+        raise StyleInputError(
+            f"{style} has no default placements for {type(module).__name__} (own parameters: {_shapes(module)}): "
+            "only transformers' gate_up_proj/up_proj + down_proj layout has them",
+            "give params: the placement of each weight, e.g. {w1: shard(1), w2: shard(2), w3: shard(1)} "
+            "for torchtitan's GroupedExperts",
+        )
+    else:
+        placed = {name: _REPLICATE for name in _own_parameters(module)}
+    unknown = set(given) - set(placed)
+    if unknown:
+        raise unknown_params(module, unknown, placed)
+    return placed
+
+
+def check_param_dims(module: Any, style: str, dims: dict) -> None:
+    """Every sharded dim ({name: dim or None}) exists on its parameter: a StyleInputError
+    at the rule, not torch's error from inside distribute_tensor."""
+    own = _own_parameters(module)
+    for name, dim in dims.items():
+        if dim is not None and not -own[name].dim() <= dim < own[name].dim():
+            raise StyleInputError(
+                f"{style} shards '{name}' {list(own[name].shape)} of {type(module).__name__} on dim {dim}, which it does not have",
+                f"give '{name}' a dim in 0..{own[name].dim() - 1} (the expert dim is 0)",
+            )
 
 
 
@@ -116,35 +171,42 @@ _EXPERT_SEMANTICS = dict(runs_module=True, inputs="first_tensor", outputs="first
 
 
 class ExpertTPSpec(_ExpertOptions):
-    """Shard every expert of a fused 3-D expert module (transformers' `experts`) on its
-    intermediate dim; the partial output is reduced to `output_layouts`."""
+    """Shard every expert of an experts module (parameters with the expert dim first:
+    transformers' fused `experts`, torchtitan's GroupedExperts) on its intermediate dim, the
+    placements from `params` over transformers' defaults; the module's own forward runs on
+    the local shards and the partial output is reduced to `output_layouts`."""
 
     style: Literal["expert_tp"]
     params: dict[str, Layout] | None = Field(
         None,
         description="Placement per own parameter, over the defaults: gate_up_proj packed_shard(1, 2) "
         "([E, 2I, H]; shard(2) for gpt-oss's interleaved [E, H, 2I]), down_proj shard(2) ([E, H, I]; "
-        "shard(1) transposed), gate_up_proj_bias like its gate/up dim, down_proj_bias replicate.",
+        "shard(1) transposed), gate_up_proj_bias like its gate/up dim, down_proj_bias replicate. Any other "
+        "layout whose parameters have the expert dim first (torchtitan's GroupedExperts: w1 [E, hidden, dim], "
+        "w2 [E, dim, hidden], w3) has no defaults: name what to shard, e.g. {w1: shard(1), w2: shard(2), "
+        "w3: shard(1)}; parameters not named stay replicated.",
     )
     semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertTensorParallel", experts="each", **_EXPERT_SEMANTICS)
 
     def param_placements(self, module):
-        _experts_only(module, self.style)
-        placed = expert_tp_placements(module)
-        unknown = set(self.params or {}) - set(placed)
-        if unknown:
-            raise unknown_params(module, unknown, placed)
-        return {**placed, **(self.params or {})}
+        placed = {**expert_tp_base(module, self.style, self.params or {}), **(self.params or {})}
+        check_param_dims(module, self.style, {n: p.dim if p.kind == "shard" else None for n, p in placed.items()})
+        return placed
 
 
 class ExpertParallelSpec(_ExpertOptions):
-    """Whole experts per rank: shard(0) of the expert dim of every fused expert parameter."""
+    """Whole experts per rank: shard(0) of the expert dim of every own parameter of an experts
+    module (any layout with the expert dim first). Called as transformers' experts
+    (hidden_states, top_k_index, top_k_weights) or as torchtitan's GroupedExperts
+    (x sorted by expert, num_tokens_per_expert [E]; dispatch all_reduce only)."""
 
     style: Literal["expert_parallel"]
     dispatch: Literal["all_reduce", "all_to_all"] = Field(
         "all_reduce",
         description="all_reduce: tokens replicated, each rank runs its experts on the tokens routed "
-        "to them, one all-reduce sums the ranks' outputs. all_to_all: tokens "
+        "to them, one all-reduce sums the ranks' outputs (transformers' (hidden_states, top_k_index, "
+        "top_k_weights) call, or torchtitan's GroupedExperts(x sorted by expert, num_tokens_per_expert): each "
+        "rank runs its experts' slice of x). all_to_all (transformers' call only): tokens "
         "sharded over the mesh (sequence parallelism; the experts get the rank's local [T, H] tokens): "
         "each token travels to the rank holding its expert and back, torchtitan-style "
         "(forward 3 all-to-alls: counts, tokens, results; backward 2); input_layouts and "

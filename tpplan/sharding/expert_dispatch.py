@@ -43,7 +43,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..core.problems import ModelError
 
-__all__ = ["Routed", "dispatch", "combine", "UnsimulatableDispatch", "rank_values", "route_local", "combine_local"]
+__all__ = [
+    "Routed", "dispatch", "combine", "UnsimulatableDispatch", "rank_values", "route_local", "combine_local",
+    "counts_argument", "route_sorted", "combine_sorted",
+]
 
 
 class UnsimulatableDispatch(ModelError, NotImplementedError):
@@ -200,3 +203,51 @@ def combine(output: torch.Tensor, routed: Routed, mesh: DeviceMesh) -> torch.Ten
     inverse = torch.argsort(routed.order)
     pairs = back[inverse].view(tokens, top_k, -1)
     return (pairs * routed.weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
+
+
+def counts_argument(args: tuple, kwargs: dict, num_experts: int) -> bool:
+    """Called as torchtitan's GroupedExperts: (x sorted by expert, num_tokens_per_expert),
+    told by the second argument, a 1-D integer tensor of E counts."""
+    counts = kwargs.get("num_tokens_per_expert", args[1] if len(args) > 1 else None)
+    return (
+        isinstance(counts, torch.Tensor)
+        and counts.dim() == 1
+        and counts.shape[0] == num_experts
+        and not counts.is_floating_point()
+        and not counts.is_complex()
+    )
+
+
+def route_sorted(
+    x: torch.Tensor, counts: torch.Tensor, mesh: DeviceMesh, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """all_reduce dispatch of tokens already sorted by expert (torchtitan's call): every rank
+    holds all of `x` [N, D] and `counts` [E]; its E/n experts' tokens are one slice of x.
+    Returns (rows, local counts [E/n], row of x per row, 1/0 mask per row). Where every rank
+    must run one program (LocalTensorMode) each local expert gets as many rows as the
+    largest count of any rank's expert, the extra rows masked out; a real rank takes its
+    slice exactly."""
+    ranks = mesh.size()
+    local = num_experts // ranks
+    counts = counts.to(torch.int64)
+    me = rank_values(mesh, [float(r) for r in range(ranks)], x).to(torch.int64)  # [1]
+    starts = (counts.cumsum(0) - counts).view(ranks, local)[me].reshape(local)
+    mine = counts.view(ranks, local)[me].reshape(local)
+    per = _capacity(mine, x.shape[0], num_experts)
+    if per is None:  # a real rank: exactly its rows
+        start, total = int(starts[0]), int(mine.sum())
+        row = torch.arange(start, start + total, device=x.device)
+        return x[start : start + total], mine, row, torch.ones(total, 1, dtype=x.dtype, device=x.device)
+    slot = torch.arange(per, device=x.device)
+    valid = (slot < mine[:, None]).reshape(-1, 1).to(x.dtype)
+    row = (starts[:, None] + slot).reshape(-1).clamp(max=max(x.shape[0] - 1, 0))
+    padded = torch.full((local,), per, dtype=counts.dtype, device=x.device)
+    return x[row], padded, row, valid
+
+
+def combine_sorted(output: torch.Tensor, row: torch.Tensor, valid: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """This rank's share of the experts' output, shaped like x: its rows' results written
+    to their places in a zero output (padding rows masked out); the style all-reduces it."""
+    out = output[: row.shape[0]] * valid.to(output.dtype)
+    total = torch.zeros((x.shape[0], output.shape[-1]), dtype=output.dtype, device=output.device)
+    return total.index_add(0, row, out)

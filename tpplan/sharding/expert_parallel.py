@@ -1,5 +1,5 @@
 """`expert_parallel`: whole experts per rank (Shard(0) of the expert dim of every
-own parameter of a fused 3-D experts module), one class per way tokens reach them
+own parameter of an experts module, any layout with the expert dim first), one class per way tokens reach them
 (the plan's `dispatch`; the style table picks the class):
 
 - `AllReduceExpertParallel` (`dispatch: all_reduce`): tokens replicated over the
@@ -10,8 +10,11 @@ own parameter of a fused 3-D experts module), one class per way tokens reach the
   (expert_dispatch.dispatch / combine).
 
 The module is called as transformers calls its experts:
-`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`, and its own
-forward runs on the rows each rank computes. As torchtitan's ExpertParallel, what
+`experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`, or (all_reduce
+only) as torchtitan calls its GroupedExperts: `experts(x [N, D] sorted by expert,
+num_tokens_per_expert [E])` (told by that 1-D integer second argument; each rank runs its
+experts' slice of x, expert_dispatch.route_sorted). Its own forward runs on the rows each
+rank computes. As torchtitan's ExpertParallel, what
 one call needs between the hooks (the routing) is kept on the style object.
 """
 
@@ -26,8 +29,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from ..core.problems import StyleInputError
-from .expert_dispatch import Routed, combine, combine_local, dispatch, route_local
-from .experts import DOWN, LocalForward
+from .expert_dispatch import Routed, combine, combine_local, combine_sorted, counts_argument, dispatch, route_local, route_sorted
+from ..core.expert_styles import expert_count
+from .experts import LocalForward
 
 __all__ = ["ExpertParallel", "AllReduceExpertParallel", "AllToAllExpertParallel"]
 
@@ -37,7 +41,7 @@ _ALIASES = ((), ("router_indices",), ("routing_weights",))  # gpt-oss's names
 
 def _experts(module: nn.Module) -> int:
     """The module's expert count (its parameters' global shape: they stay DTensors)."""
-    return module._parameters[DOWN].shape[0]
+    return expert_count(module)
 
 
 def _count_experts(module: nn.Module, count: int) -> None:
@@ -111,16 +115,27 @@ class AllReduceExpertParallel(ExpertParallel):
     def __init__(self, *, input_layouts: Placement | None = None, output_layouts: Placement | None = None, use_local_output: bool = True):
         super().__init__(input_layouts=input_layouts, output_layouts=output_layouts, use_local_output=use_local_output)
         self._routed: tuple[torch.Tensor, torch.Tensor] | None = None  # (token per row, hidden states) of the call
+        self._sorted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, mask, x): torchtitan's call
 
     def _local_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        hidden, index, weights, kwargs = self._routing_inputs(module, args, kwargs)
         experts = _experts(module)
+        if counts_argument(args, kwargs, experts):  # torchtitan's GroupedExperts(x, num_tokens_per_expert)
+            counts = kwargs.pop("num_tokens_per_expert", None)
+            x, counts, rest = args[0], (args[1] if counts is None else counts), args[2:]
+            rows, local_counts, row, valid = route_sorted(x, counts, self.mesh, experts)
+            self._sorted = (row, valid, x)
+            _count_experts(module, experts // self.mesh.size())
+            return (rows, local_counts, *rest), kwargs
+        hidden, index, weights, kwargs = self._routing_inputs(module, args, kwargs)
         rows, expert, weight, token = route_local(hidden, index, weights, self.mesh, experts)
         self._routed = (token, hidden)
         _count_experts(module, experts // self.mesh.size())
         return (rows, expert, weight, *args[3:]), kwargs
 
     def _local_output(self, module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+        if self._sorted is not None:
+            (row, valid, x), self._sorted = self._sorted, None
+            return combine_sorted(output, row, valid, x)
         token, hidden = self._routed
         self._routed = None
         return combine_local(output, token, hidden)
@@ -149,6 +164,13 @@ class AllToAllExpertParallel(ExpertParallel):
         self._routed: Routed | None = None
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        if counts_argument(args, kwargs, _experts(module)):
+            raise StyleInputError(
+                f"expert_parallel with dispatch all_to_all on {type(module).__name__}: it is called as torchtitan's "
+                "GroupedExperts(x, num_tokens_per_expert), tokens already sorted by expert, which this dispatch "
+                "does not take (it routes each rank's tokens itself from top_k_index)",
+                "use dispatch: all_reduce (every rank runs its experts' slice of x)",
+            )
         hidden, index, weights, kwargs = self._routing_inputs(module, args, kwargs)
         hidden, index, weights = (v.to_local() if isinstance(v, DTensor) else v for v in (hidden, index, weights))
         experts = _experts(module)

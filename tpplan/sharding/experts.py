@@ -1,6 +1,8 @@
-"""Styles for fused 3-D MoE expert modules (transformers 5's `experts` modules:
-`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, optional `*_bias`; gpt-oss stores
-them transposed, `[E, H, 2I]` with gate and up interleaved).
+"""Styles for MoE expert modules whose parameters have the expert dim first: transformers
+5's `experts` modules (`gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`, optional `*_bias`;
+gpt-oss stores them transposed, `[E, H, 2I]` with gate and up interleaved), for which
+expert TP has defaults, and any other layout with its placements given in `params`
+(torchtitan's GroupedExperts: `w1 [E, hidden, dim]`, `w2 [E, dim, hidden]`, `w3`).
 
 - `ExpertTensorParallel`: every expert sharded on its intermediate dim (a packed
   gate/up tensor as `_StridedShard`, so each rank holds matching gate and up
@@ -33,7 +35,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..core import expert_styles
-from ..core.expert_styles import not_experts, unknown_params
+from ..core.expert_styles import not_experts
 from ..core.problems import StyleInputError
 from .expert_dispatch import rank_values
 
@@ -196,7 +198,10 @@ class ExpertTensorParallel(LocalForward):
             over the defaults: `gate_up_proj` `_StridedShard(1, 2)` ([E, 2I, H],
             gate and up halves; `Shard(2)` for gpt-oss's interleaved [E, H, 2I]),
             `down_proj` `Shard(2)` ([E, H, I]; `Shard(1)` transposed), `gate_up_proj_bias`
-            like the gate/up dim, `down_proj_bias` and others `Replicate()`.
+            like the gate/up dim, `down_proj_bias` and others `Replicate()`. Any other
+            layout with the expert dim first (torchtitan's GroupedExperts) has no
+            defaults: every parameter not named is `Replicate()`, so name what to shard
+            (`{"w1": Shard(1), "w2": Shard(2), "w3": Shard(1)}`).
         input_layouts (Placement, optional): layout of the hidden states. Default Replicate.
         output_layouts (Placement, optional): the partial output is reduced to it:
             Replicate (all-reduce, the default) or Shard(d) (reduce-scatter).
@@ -221,11 +226,10 @@ class ExpertTensorParallel(LocalForward):
         self.params = dict(params or {})
 
     def _placements(self, module: nn.Module, mesh: DeviceMesh) -> dict[str, Placement]:
-        placements = expert_tp_defaults(module)
-        unknown = set(self.params) - set(placements)
-        if unknown:
-            raise unknown_params(module, unknown, placements)
-        return {**placements, **self.params}
+        base = expert_styles.expert_tp_base(module, self.name, self.params)
+        placements = {**{name: p.to_torch() for name, p in base.items()}, **self.params}
+        expert_styles.check_param_dims(module, self.name, {n: getattr(p, "dim", None) for n, p in placements.items()})
+        return placements
 
     def _local_param(self, name: str, param: DTensor) -> torch.Tensor:
         if not all(p.is_replicate() for p in param.placements):

@@ -1,4 +1,5 @@
-"""TP305: expert styles on a module without fused experts, or a degree that does not
+"""TP305: expert styles on a module without the expert dim first on its parameters (or, for
+expert_tp on a layout other than transformers', without params), or a degree that does not
 divide what they shard (the experts for expert_parallel, their intermediate dim for expert_tp)."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _sharded_sizes(module, rule) -> list[tuple[str, int, int]]:
 
 
 def check(ctx):
-    from ...core.expert_styles import is_experts_module
+    from ...core.expert_styles import is_experts_module, not_experts
 
     for fqn, rule in ctx.matched.items():
         style, experts = rule.spec.style, rule.spec.semantics.experts
@@ -28,12 +29,8 @@ def check(ctx):
             continue
         module = ctx.modules[fqn]
         if not is_experts_module(module):
-            own = ", ".join(n for n, _ in module.named_parameters(recurse=False)) or "none"
-            yield Finding(ctx.at(rule), (
-                f"{style} shards a module with fused 3-D expert parameters (gate_up_proj or up_proj, and down_proj), "
-                f"but '{fqn or '<root>'}' ({type(module).__name__}; own parameters: {own}; {rule_ref(rule)}) has none: "
-                "put the rule on the experts module itself (transformers: mlp.experts)"
-            ))
+            exc = not_experts(style, module)  # its text ends with the fix
+            yield Finding(ctx.at(rule), f"'{fqn or '<root>'}' ({rule_ref(rule)}): {exc}")
             continue
         try:
             sizes = _sharded_sizes(module, rule)
@@ -65,17 +62,21 @@ RULE = LintRule(
     code="TP305",
     name="expert-divisibility",
     severity="error",
-    summary="expert_tp / expert_parallel on a module without fused experts, or a degree that does not divide them.",
+    summary="expert_tp / expert_parallel on a module without the expert dim first, params it cannot take, or a degree that does not divide them.",
     what="""
         For every rule with `expert_tp` or `expert_parallel`: the module must
-        hold fused 3-D expert parameters (transformers' `experts` modules:
-        `gate_up_proj` or `up_proj`, and `down_proj`). For every TP degree
+        have the expert dim first on every own parameter (at least 2-D, one
+        common first size E: transformers' fused `experts`, torchtitan's
+        `GroupedExperts` with `w1`/`w2`/`w3`). `expert_tp` has default
+        placements only for transformers' layout (`gate_up_proj` or `up_proj`,
+        and `down_proj`); any other layout needs `params`, and the checks read
+        the placements the plan declares. For every TP degree
         checked, `expert_parallel` (either dispatch: `all_reduce` on replicated
         tokens, `all_to_all` on sharded tokens) needs the degree to divide the
         number of experts E (each rank holds E / tp whole experts); `expert_tp` needs it
         to divide every dim it shards: the intermediate size I of each packed
         gate/up block (`packed_shard(D, 2)` splits each of the 2 blocks) and of
-        `down_proj`. `params` must name the module's own parameters.
+        `down_proj`. `params` must name the module's own parameters, on dims they have.
     """,
     why="""
         The styles split these dims evenly, like colwise splits out_features:
