@@ -95,9 +95,13 @@ def test_dry_run_check_says_values_cannot_be_simulated():
 
 def test_shipped_plan_is_clean_and_the_lint_guards_the_dispatch(tmp_path):
     plan = load_plan(ROOT / PLAN)
-    assert [str(p) for p in check_model(plan, meta_model("tpplan.hf_models:qwen3_moe"), [2, 4])] == []
+    problems = check_model(plan, meta_model("tpplan.hf_models:qwen3_moe"), [2, 4])
+    # No error; the one warning says that the flow stops where the MoE block flattens its
+    # sequence shard into tokens (no contiguous shard of the global tokens): --check decides.
+    assert [(p.code, p.severity, p.line) for p in problems] == [("TP328", "warning", 32)]
+    assert "returns at 'view' inside 'model.layers.0.mlp'" in problems[0].message
     # TP305: 4 experts over 8 ranks.
-    assert [p.code for p in check_model(plan, meta_model("tpplan.hf_models:qwen3_moe"), [8])] == ["TP305"]
+    assert [p.code for p in check_model(plan, meta_model("tpplan.hf_models:qwen3_moe"), [8]) if p.severity == "error"] == ["TP305"]
     # all_to_all on replicated tokens (the all_reduce plan's layout): the flow sees it.
     replicated = (ROOT / "plans/hf/qwen3_moe_ep.yaml").read_text().replace("dispatch: all_reduce", "dispatch: all_to_all")
     problems = check_model(load_plan(text=replicated), meta_model("tpplan.hf_models:qwen3_moe"), [2])

@@ -193,6 +193,11 @@ class OpSemantics:
             reps = op.args[1:] if len(op.args) > 1 and not isinstance(op.args[1], tuple) else (op.args[1] if len(op.args) > 1 else ())
             new = dim + len(out) - len(shape)
             moved = new if len(reps) == len(out) and reps[new] == 1 else None
+        elif name == "repeat_interleave":
+            # Each element repeated in place along `dim` (GQA's KV heads): a shard of that
+            # dim, or of another, stays a contiguous shard of the result.
+            reps, along = _arg(op, 1, "repeats"), _dims(_arg(op, 2, "dim"), len(shape))
+            moved = dim if isinstance(reps, int) and along is not None else None
         elif name in ("transpose", "swapaxes", "swapdims"):
             pair = _dims((_arg(op, 1, "dim0"), _arg(op, 2, "dim1")), len(shape))
             moved = None if pair is None else pair[1] if dim == pair[0] else pair[0] if dim == pair[1] else dim

@@ -34,7 +34,7 @@ from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
 from .locate import FailureLocator, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import build_model, load_callable, make_inputs, model_failure
+from .modelref import ModelRefError, build_model, load_callable, make_inputs, model_failure
 from .options import ApplyOptions, ApplyOptionsError
 
 
@@ -293,6 +293,7 @@ def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, e
     come from it); False when an earlier pass did."""
     import torch
 
+    from .simulate import NoDefaultInputs
     from .verify import check_parity
 
     tp = report.tp
@@ -315,6 +316,8 @@ def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, e
                               checkpoint=options.checkpoint, allow_missing=options.allow_missing)
     except (PlanError, _Mismatch):
         raise
+    except NoDefaultInputs as exc:  # the reference's inputs, made inside check_parity: a usage error, as without --check
+        raise ModelRefError(str(exc)) from None
     except Exception as exc:  # value-dependent code in the model, or a run only real values cannot simulate
         if raised_by_tpplan(exc):
             raise  # tpplan's own code: a bug, shown as one

@@ -245,6 +245,10 @@ def _first_leaf(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+class NoDefaultInputs(ValueError):
+    """The model's first module is no Embedding or Linear: the user must pass --inputs."""
+
+
 def default_inputs(model: nn.Module, batch: int = 2, seq: int = 8, generator: torch.Generator | None = None) -> torch.Tensor:
     """Example inputs from the model's first module with parameters: token ids below
     `num_embeddings` for an Embedding, random floats of `in_features` for a Linear.
@@ -260,7 +264,7 @@ def default_inputs(model: nn.Module, batch: int = 2, seq: int = 8, generator: to
         if isinstance(module, nn.Linear):
             return torch.randn(batch, seq, module.in_features, generator=gen, device=weight.device, dtype=weight.dtype)
     found = f"{first[0]!r} is a {type(first[1]).__name__}" if first else "it has no parameters"
-    raise ValueError(
+    raise NoDefaultInputs(
         f"cannot make default inputs: the first module of {type(model).__name__} must be an Embedding "
         f"or a Linear, but {found}; pass the inputs explicitly (--inputs MOD:FN)"
     )
