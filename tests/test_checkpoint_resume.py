@@ -76,6 +76,7 @@ def killed_run(tmp_path, monkeypatch, *torchrun_args: str):
     return root, torchrun(2, *torchrun_args, "tests/train_killed.py", *ARGS, "--save", str(root), timeout=400)
 
 
+@pytest.mark.slow  # 2 torchrun jobs (~25 s): the default suite keeps a seeded kill during a save
 def test_max_restarts_resumes_a_killed_rank_bitwise_on_the_uninterrupted_run(uninterrupted, tmp_path, monkeypatch):
     want_root, want = uninterrupted
     root, result = killed_run(tmp_path, monkeypatch, "--max-restarts", "1")

@@ -80,6 +80,7 @@ def test_an_unreadable_checkpoint_stops_every_rank_before_sharding(tmp_path):
     assert f'File "{ROOT / "tpplan"}' not in result.stderr  # torchrun prints its own traceback; ours, none
 
 
+@pytest.mark.slow  # ~24 s; the MoE checkpoint is loaded rank by rank in one process by default (test_checkpoint_moe)
 def test_moe_checkpoint_loads_into_expert_tp_on_two_gloo_ranks(tmp_path):
     """A Qwen3-MoE checkpoint (transformers writes its experts per expert) into expert_tp
     (packed gate/up as _StridedShard) at TP 2, checked against one device."""

@@ -42,7 +42,7 @@ def _cli(*args: str):
     return CliRunner().invoke(app, list(args), env={"FORCE_COLOR": None, "NO_COLOR": None})
 
 
-@pytest.mark.parametrize("family, nproc", [("qwen3_moe", 2), ("qwen3_moe", 4), ("gpt_oss", 2)])
+@pytest.mark.parametrize("family, nproc", [("qwen3_moe", 2), pytest.param("qwen3_moe", 4, marks=pytest.mark.slow), ("gpt_oss", 2)])
 def test_experts_module_matches_one_device_with_ragged_splits_on_real_ranks(family, nproc):
     result = torchrun(nproc, "tests/a2a_worker.py", family, pythonpath=ROOT, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -60,7 +60,7 @@ def test_experts_module_matches_one_device_with_ragged_splits_on_real_ranks(fami
     assert report["forward"] == {"all_to_all": 3} and report["backward"] == {"all_to_all": 2}
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_shipped_sequence_parallel_plan_passes_check_on_real_ranks(nproc):
     steps = ("--steps", "2") if nproc == 2 else ()
     result = torchrun(

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("plan, extra", [
-    ("llama_tp.yaml", []),  # TP alone, two dp replicas
+    pytest.param("llama_tp.yaml", [], marks=pytest.mark.slow),  # TP alone, two dp replicas (the second case covers TP too)
     ("llama_tp_sp_loss_parallel.yaml", ["--fsdp", "2"]),  # FSDP2 on dp, TP with SP on tp, loss_parallel
 ], ids=["tp", "fsdp-tp-sp-loss-parallel"])
 def test_adamw_steps_match_one_device_on_a_two_by_two_mesh(plan, extra):
@@ -39,6 +39,7 @@ def _losses(text: str) -> list[float]:
     return [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", text, re.MULTILINE)]
 
 
+@pytest.mark.slow  # ~30 s; resume is bitwise-checked by test_checkpoint_faults and the slow test_checkpoint_resume
 def test_the_example_trainer_on_four_ranks_resumes_on_the_one_device_loss_curve(tmp_path):
     # 2 steps on a (dp 2, tp 2) mesh, saved; a new job resumes them to 4: the losses of
     # both parts must be the one-device run's 4 steps (weights and AdamW state restored).
