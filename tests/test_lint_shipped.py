@@ -8,18 +8,13 @@ from pathlib import Path
 
 import pytest
 from lint_helpers import meta_model
+from verdict_cases import REFERENCE  # the reference plans and their models, one list for both tests
 
 from tpplan import load_plan
 from tpplan.lint.checks import check_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
-REFERENCE = [
-    ("plans/llama_tp.yaml", "tpplan.models.llama:tiny"),
-    ("plans/llama_tp_sp.yaml", "tpplan.models.llama:tiny"),
-    ("plans/llama_tp_sp_loss_parallel.yaml", "tpplan.models.llama:tiny"),
-    ("plans/mlp_tp.yaml", "tpplan.models.mlp:tiny"),
-]
 
 
 @pytest.mark.parametrize("plan, model", REFERENCE)
