@@ -7,19 +7,17 @@ one JSON line: max diffs, the split sizes of each rank, the collective counts.""
 
 import copy
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tpplan import hf_models
-from tpplan.runtime.simulate import collective_name
 from tpplan.sharding import expert_dispatch
 from tpplan.sharding.expert_parallel import AllToAllExpertParallel
+from worker_common import collectives, finish, grad_diffs
 
 
 def main(family: str) -> None:
@@ -71,18 +69,12 @@ def main(family: str) -> None:
     diffs = {"output": (out - ref[mine]).abs().max().item(),
              "hidden grad": (h.grad - rh.grad[mine]).abs().max().item(),
              "weights grad": (w.grad - rw.grad[mine]).abs().max().item()}
-    for name, p in experts.named_parameters():
-        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        diffs[f"{name} grad"] = (full - dict(reference.named_parameters())[name].grad).abs().max().item()
+    diffs.update(grad_diffs(experts, reference))
     splits = [None] * world
     dist.all_gather_object(splits, seen[0])
-    counts = lambda mode: {collective_name(op): n for op, n in mode.get_comm_counts().items() if n}
     if rank == 0:
-        print(json.dumps({"diffs": diffs, "splits": splits, "forward": counts(fwd), "backward": counts(bwd)}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+        print(json.dumps({"diffs": diffs, "splits": splits, "forward": collectives(fwd), "backward": collectives(bwd)}), flush=True)
+    finish()
 
 
 if __name__ == "__main__":

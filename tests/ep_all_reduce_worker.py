@@ -7,19 +7,17 @@ experts computed, the routed pairs each rank holds the experts of, the collectiv
 
 import copy
 import json
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 from tpplan import hf_models
-from tpplan.runtime.simulate import collective_name
 from tpplan.sharding.expert_parallel import AllReduceExpertParallel
+from worker_common import collectives, finish, grad_diffs
 
 
 def main(family: str) -> None:
@@ -54,22 +52,16 @@ def main(family: str) -> None:
     (ref * cos).sum().backward()
     diffs = {"output": (out - ref).abs().max().item(), "hidden grad": (h.grad - rh.grad).abs().max().item(),
              "weights grad": (w.grad - rw.grad).abs().max().item()}
-    for name, p in experts.named_parameters():
-        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        diffs[f"{name} grad"] = (full - dict(reference.named_parameters())[name].grad).abs().max().item()
+    diffs.update(grad_diffs(experts, reference))
     local = n_experts // world
     mine = ((index >= rank * local) & (index < (rank + 1) * local)).sum().item()
     gathered = [None] * world
     dist.all_gather_object(gathered, (rows[0], mine))
-    counts = lambda mode: {collective_name(op): n for op, n in mode.get_comm_counts().items() if n}
     if rank == 0:
         print(json.dumps({"diffs": diffs, "rows": [r for r, _ in gathered], "routed": [m for _, m in gathered],
                           "tokens": tokens, "top_k": k, "experts": n_experts,
-                          "forward": counts(fwd), "backward": counts(bwd)}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+                          "forward": collectives(fwd), "backward": collectives(bwd)}), flush=True)
+    finish()
 
 
 if __name__ == "__main__":

@@ -13,14 +13,13 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from grouped_experts import GroupedExperts  # noqa: E402
-from tpplan.runtime.simulate import collective_name  # noqa: E402
 from tpplan.sharding.expert_parallel import AllReduceExpertParallel  # noqa: E402
+from worker_common import collectives, finish, grad_diffs  # noqa: E402
 
 
 def main() -> None:
@@ -44,18 +43,12 @@ def main() -> None:
     xr = x.clone().requires_grad_()
     (reference(xr, counts) * cos).sum().backward()
     diffs = {"output": (out - reference(x, counts)).abs().max().item(), "x grad": (xs.grad - xr.grad).abs().max().item()}
-    for name, p in experts.named_parameters():
-        full = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        diffs[f"{name} grad"] = (full - getattr(reference, name).grad).abs().max().item()
+    diffs.update(grad_diffs(experts, reference))
     gathered = [None] * world
     dist.all_gather_object(gathered, rows[0])
-    names = lambda mode: {collective_name(op): n for op, n in mode.get_comm_counts().items() if n}
     if rank == 0:
-        print(json.dumps({"diffs": diffs, "rows": gathered, "forward": names(fwd), "backward": names(bwd)}), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+        print(json.dumps({"diffs": diffs, "rows": gathered, "forward": collectives(fwd), "backward": collectives(bwd)}), flush=True)
+    finish()
 
 
 if __name__ == "__main__":
