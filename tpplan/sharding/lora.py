@@ -81,9 +81,11 @@ class LoraParallel(ParallelStyle):
     """The rule's style on `base_layer`, the derived styles on every adapter's
     `lora_A` and `lora_B` (see the module docstring)."""
 
-    def __init__(self, base: ParallelStyle, adapters: tuple[StyleSpec, StyleSpec], compile: Callable[[StyleSpec], ParallelStyle]):
+    def __init__(
+        self, base: ParallelStyle, spec: StyleSpec, adapters: tuple[StyleSpec, StyleSpec], compile: Callable[[StyleSpec], ParallelStyle]
+    ):
         super().__init__()
-        self.base = base
+        self.base, self.spec = base, spec
         self.adapters = adapters
         self.compile = compile  # sharding.compile's, a fresh style object per adapter
         self._parent: nn.Module | None = None
@@ -93,14 +95,13 @@ class LoraParallel(ParallelStyle):
         self._parent = parent
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        parts: list[tuple[nn.Module, Any]] = [(module.base_layer, self.base)]
+        parts: list[tuple[nn.Module, Any, StyleSpec]] = [(module.base_layer, self.base, self.spec)]
         for name in module.lora_A:
-            parts.append((module.lora_A[name], self.compile(self.adapters[0])))
-            parts.append((module.lora_B[name], self.compile(self.adapters[1])))
-        for part, style in parts:
-            bind = getattr(style, "bind_parent", None)
-            if bind is not None and self._parent is not None:
-                bind(self._parent)
+            parts.append((module.lora_A[name], self.compile(self.adapters[0]), self.adapters[0]))
+            parts.append((module.lora_B[name], self.compile(self.adapters[1]), self.adapters[1]))
+        for part, style, spec in parts:
+            if spec.needs_parent() and self._parent is not None:  # the table says which styles bind (colwise with heads)
+                style.bind_parent(self._parent)
             parallelize_module(part, device_mesh, style, src_data_rank=self.src_data_rank)
         return module
 
@@ -118,6 +119,6 @@ def for_module(
     adapters = adapter_specs(spec)
     if adapters is None:
         return style
-    wrapped = LoraParallel(style, adapters, compile)
+    wrapped = LoraParallel(style, spec, adapters, compile)
     wrapped.src_data_rank = style.src_data_rank
     return wrapped
