@@ -184,14 +184,18 @@ def blame(first: Difference, plan: Any, model: nn.Module, want) -> Located:
     return Located(first, rule, relation, claimed, call_order)
 
 
-def locate_across_ranks(plan: Any, model: nn.Module, reference: nn.Module, inputs: tuple, grads: dict[str, Any], gather, rank: int) -> Located | None:
+def locate_across_ranks(plan: Any, model: nn.Module, reference: nn.Module, inputs: tuple, grads: dict[str, Any], gather, rank: int,
+                        tp: int) -> Located | None:
     """Under torchrun, where a failed check starts: both sides run once more recording each
     module's output; every rank gathers every sharded output to full size (the same
     collectives in the same order on each rank) and compares it, and the ranks' first
     differences are gathered (`gather(obj)`: every rank's obj): the earliest wins. When
-    no output differs, the gradients (`grads` of the sharded run) are compared the same way."""
+    no output differs, the gradients (`grads` of the sharded run) are compared the same way.
+    Then, as in the dry run, the module whose own computation goes wrong is blamed
+    (`local_culprit.refine`, this process TP rank `rank % tp`: tp is the mesh's fastest dim)."""
     from torch.distributed.tensor import DTensor
 
+    from .local_culprit import real, refine
     from .simulate import allowed_diff, tolerance
 
     def full(t):
@@ -204,14 +208,18 @@ def locate_across_ranks(plan: Any, model: nn.Module, reference: nn.Module, input
         everyone = [d for d in gather(found and dataclasses.replace(found, rank=rank)) if d is not None]
         return min(everyone, key=lambda d: (d.index, d.rank), default=None)
 
+    got_inputs: list = []
+    want_inputs: list = []
     with torch.no_grad():
-        with recording(model) as got:
+        with recording(model, inputs=got_inputs) as got:
             model(*inputs)
         got = [(name, full(t)) for name, t in got]
-        with recording(reference) as want:
+        with recording(reference, inputs=want_inputs) as want:
             reference(*inputs)
     first = earliest(first_output_difference(got, want, lambda t: [t], allowed))
     if first is None:  # decided alike on every rank: each then gathers every gradient
         first = earliest(first_gradient_difference(grads, reference, lambda t: [full(t)], allowed, exhaustive=True))
-    return None if first is None else blame(first, plan, model, want)
-
+    if first is None:
+        return None
+    located = blame(first, plan, model, want)  # the same on every rank: `first` is gathered
+    return refine(located, model, want, want_inputs, got, got_inputs, real(tp, rank % tp, full, gather), allowed)

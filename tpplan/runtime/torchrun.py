@@ -314,7 +314,7 @@ def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", i
         return _gather(ctx, value, plan, "locating the check's differences")
 
     if not result.passed:
-        result.located = locate_across_ranks(plan, model, reference, inputs, grads, gather, ctx.rank)
+        result.located = locate_across_ranks(plan, model, reference, inputs, grads, gather, ctx.rank, tp)
     return add_to(result, differences_across_ranks(model, "after backward", gather, tp, grads), plan, model, order)
 
 

@@ -196,7 +196,7 @@ def check_parity(
     """
     from .dropout import for_check
     from .first_difference import locate, recording
-    from .local_culprit import refine
+    from .local_culprit import refine, simulated
     from .replicas import add_to, differences
 
     if dtype is not None:
@@ -244,7 +244,7 @@ def check_parity(
             result.located = locate(plan, model, reference, got_records, want_records, values,
                                     lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
             if result.located is not None:  # blame the module whose own computation goes wrong
-                result.located = refine(result.located, model, want_records, want_inputs, got_records, got_inputs, tp, values,
+                result.located = refine(result.located, model, want_records, want_inputs, got_records, got_inputs, simulated(tp, values),
                                         lambda want: allowed_diff(want, *_tolerances(want, rtol, atol)))
         replicas = differences(model, "after backward")
         if reference_steps:
