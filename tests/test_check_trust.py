@@ -157,15 +157,31 @@ def _torchrun_check(tmp_path, plan_text: str, model: str, *extra: str) -> dict:
     return json.loads(result.stdout)
 
 
-def test_under_torchrun_a_failed_check_names_the_first_differing_tensor_at_its_rule(tmp_path):
-    broken = (PLANS / "mlp_tp.yaml").read_text().replace("blocks.*.out_proj: rowwise", "blocks.*.out_proj: {style: rowwise, output_layouts: partial}")
-    report = _torchrun_check(tmp_path, broken, "tpplan.models.mlp:tiny")
+FUSED_PLAIN_COLWISE = """\
+version: 1
+rules:
+  blocks.*.attn.qkv: colwise
+  blocks.*.attn.proj: rowwise
+"""
+
+
+def test_under_torchrun_a_failed_check_names_the_first_differing_tensor_and_blames_the_rule_the_dry_run_blames(tmp_path):
+    # A fused qkv sharded plain colwise: each rank's local slice is right, the attention
+    # splits it into q, k and v as if whole, and attn.proj's output differs first.
+    report = _torchrun_check(tmp_path, FUSED_PLAIN_COLWISE, "tpplan.models.fused:tiny")
     [problem] = report["problems"]
-    assert (problem["code"], problem["file"], problem["line"], problem["column"]) == ("TP505", str(tmp_path / "plan.yaml"), 15, 3)
     assert problem["message"].startswith("--check failed: rank 0: output 0 differs by up to ")
-    # every rank gathered every module's output: blocks.0.in_proj's is a local shard, blocks.0.out_proj's differs first
-    assert "; the output of 'blocks.0.out_proj' is the first tensor that differs (rank 0: by up to " in problem["message"]
-    assert problem["message"].endswith("; located at rule 'blocks.*.out_proj' (its rule)")
+    # every rank gathered every module's output: blocks.0.attn.qkv's is a local shard, blocks.0.attn.proj's differs first
+    assert "; the output of 'blocks.0.attn.proj' is the first tensor that differs (rank 0: by up to " in problem["message"]
+    # ... but rerun on the single-device run's inputs, attn (not proj) computes wrong: the qkv rule is blamed
+    blame = ("; located at rule 'blocks.*.attn.qkv' (the rule of 'blocks.0.attn.qkv', the first planned module inside 'blocks.0.attn'; "
+             "given the single-device run's own inputs, 'blocks.0.attn' still computes wrong values, 'blocks.0.attn.proj' right ones)")
+    assert problem["message"].endswith(blame)
+    dry = dry_run(ApplyOptions(plan=str(tmp_path / "plan.yaml"), model="tpplan.models.fused:tiny", tp=2, check=True))
+    [simulated] = dry.problems
+    assert simulated.message.endswith(blame)
+    assert (problem["code"], problem["file"], problem["line"], problem["column"]) == (
+        simulated.code, simulated.file, simulated.line, simulated.column) == ("TP505", str(tmp_path / "plan.yaml"), 3, 3)
 
 
 def test_under_torchrun_diverging_replicas_are_found_by_checksum_after_backward_and_each_step(tmp_path):

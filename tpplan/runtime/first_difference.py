@@ -184,42 +184,56 @@ def blame(first: Difference, plan: Any, model: nn.Module, want) -> Located:
     return Located(first, rule, relation, claimed, call_order)
 
 
-def locate_across_ranks(plan: Any, model: nn.Module, reference: nn.Module, inputs: tuple, grads: dict[str, Any], gather, rank: int,
-                        tp: int) -> Located | None:
-    """Under torchrun, where a failed check starts: both sides run once more recording each
-    module's output; every rank gathers every sharded output to full size (the same
-    collectives in the same order on each rank) and compares it, and the ranks' first
-    differences are gathered (`gather(obj)`: every rank's obj): the earliest wins. When
-    no output differs, the gradients (`grads` of the sharded run) are compared the same way.
-    Then, as in the dry run, the module whose own computation goes wrong is blamed
-    (`local_culprit.refine`, this process TP rank `rank % tp`: tp is the mesh's fastest dim)."""
+@dataclass(frozen=True)
+class Recorded:
+    """One more forward of both sides under torchrun: each module call's output (the
+    sharded side's gathered to full size) and inputs, as `recording` gives them."""
+
+    got: list
+    got_inputs: list
+    want: list
+    want_inputs: list
+
+
+def full_size(t: Any) -> Any:
+    """A sharded tensor gathered to full size (a collective), a plain one as it is."""
     from torch.distributed.tensor import DTensor
 
-    from .local_culprit import real, refine
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def default_allowed(want: torch.Tensor) -> float:
     from .simulate import allowed_diff, tolerance
 
-    def full(t):
-        return t.full_tensor() if isinstance(t, DTensor) else t
+    return allowed_diff(want, *tolerance(want.dtype))
 
-    def allowed(want):
-        return allowed_diff(want, *tolerance(want.dtype))
 
-    def earliest(found: Difference | None) -> Difference | None:
-        everyone = [d for d in gather(found and dataclasses.replace(found, rank=rank)) if d is not None]
-        return min(everyone, key=lambda d: (d.index, d.rank), default=None)
-
+def record_across_ranks(model: nn.Module, reference: nn.Module, inputs: tuple) -> Recorded:
+    """Both sides run once more recording each module's output and inputs; every rank
+    gathers every sharded output to full size (the same collectives in the same order)."""
     got_inputs: list = []
     want_inputs: list = []
     with torch.no_grad():
         with recording(model, inputs=got_inputs) as got:
             model(*inputs)
-        got = [(name, full(t)) for name, t in got]
+        got = [(name, full_size(t)) for name, t in got]
         with recording(reference, inputs=want_inputs) as want:
             reference(*inputs)
-    first = earliest(first_output_difference(got, want, lambda t: [t], allowed))
+    return Recorded(got, got_inputs, want, want_inputs)
+
+
+def locate_across_ranks(plan: Any, model: nn.Module, reference: nn.Module, recorded: Recorded, grads: dict[str, Any], gather,
+                        rank: int) -> Located | None:
+    """Under torchrun, where a failed check starts: every rank compares the `recorded`
+    outputs, and the ranks' first differences are gathered (`gather(obj)`: every rank's
+    obj): the earliest wins, so every rank returns the same. When no output differs,
+    the gradients (`grads` of the sharded run) are compared the same way."""
+
+    def earliest(found: Difference | None) -> Difference | None:
+        everyone = [d for d in gather(found and dataclasses.replace(found, rank=rank)) if d is not None]
+        return min(everyone, key=lambda d: (d.index, d.rank), default=None)
+
+    first = earliest(first_output_difference(recorded.got, recorded.want, lambda t: [t], default_allowed))
     if first is None:  # decided alike on every rank: each then gathers every gradient
-        first = earliest(first_gradient_difference(grads, reference, lambda t: [full(t)], allowed, exhaustive=True))
-    if first is None:
-        return None
-    located = blame(first, plan, model, want)  # the same on every rank: `first` is gathered
-    return refine(located, model, want, want_inputs, got, got_inputs, real(tp, rank % tp, full, gather), allowed)
+        first = earliest(first_gradient_difference(grads, reference, lambda t: [full_size(t)], default_allowed, exhaustive=True))
+    return None if first is None else blame(first, plan, model, recorded.want)

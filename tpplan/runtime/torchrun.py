@@ -294,9 +294,12 @@ def _timed_step(ctx: _Rank, locator: FailureLocator, model: "nn.Module", inputs:
 def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict,
            order: list, tp: int, copy_weights: bool = True) -> CheckResult:
     """This rank's comparison with a single device, merged over the ranks; a failure
-    located at its first differing tensor, and the replicas compared across ranks
-    (`order`: the module calls of the run, for the rule to blame)."""
-    from .first_difference import locate_across_ranks
+    located at its first differing tensor and then at the module whose own computation
+    goes wrong (`local_culprit`: each rank reruns a module on its own chunk, that of
+    its TP coordinate `rank % tp`, tp being the mesh's fastest dim), and the replicas compared across ranks (`order`: the module
+    calls of the run, for the rule to blame)."""
+    from .first_difference import default_allowed, full_size, locate_across_ranks, record_across_ranks
+    from .local_culprit import real, refine
     from .replicas import add_to, differences_across_ranks
     from .verify import compare_with_reference, merge_ranks
 
@@ -314,7 +317,11 @@ def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", i
         return _gather(ctx, value, plan, "locating the check's differences")
 
     if not result.passed:
-        result.located = locate_across_ranks(plan, model, reference, inputs, grads, gather, ctx.rank, tp)
+        recorded = record_across_ranks(model, reference, inputs)
+        result.located = locate_across_ranks(plan, model, reference, recorded, grads, gather, ctx.rank)
+        if result.located is not None:  # as in the dry run: blame the module whose own computation goes wrong
+            result.located = refine(result.located, model, recorded.want, recorded.want_inputs, recorded.got, recorded.got_inputs,
+                                    real(tp, ctx.rank % tp, full_size, gather), default_allowed)
     return add_to(result, differences_across_ranks(model, "after backward", gather, tp, grads), plan, model, order)
 
 
