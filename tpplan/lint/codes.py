@@ -117,7 +117,9 @@ _RUNTIME_CODES = {
     "TP504": ("collective-failed", "A collective failed or timed out (--timeout): another rank died, hung or never started."),
     "TP505": ("check-mismatch", "--check: the outputs or gradients of the parallelized model differ from the single-device reference; "
               "the message names the first differing tensor and the problem is located at the rule of its module "
-              "(or its closest planned ancestor)."),
+              "(or its closest planned ancestor), or, when that module computes right from the single-device run's own "
+              "inputs, at the rule of the first enclosing module that still computes wrong (a fused qkv sharded plain "
+              "colwise: the qkv rule, not the proj rule after it)."),
     "TP506": ("replicas-diverge", "A parameter replicated over the TP mesh (or its gradient) holds different values on different ranks "
               "after backward or an optimizer step (--check; the dry run sees every rank's values): it computes on sharded "
               "activations whose gradient is never reduced (e.g. a learnable scale between a colwise and a rowwise Linear, "
