@@ -58,15 +58,35 @@ def qwen3():
     return model.Qwen3Model(args)
 
 
+_DEEPSEEK_SMALL: dict[str, Any] = dict(
+    dim=64, n_layers=2, n_heads=8, vocab_size=256, max_seq_len=64, inter_dim=128,
+    moe_inter_dim=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+)
+
+
 def deepseek_v3():
     """torchtitan's DeepSeek-V3 with MLA attention (q_lora_rank 0) and dense
     feed-forwards only (n_dense_layers = n_layers): its MoE is left out."""
     model = titan("models.deepseek_v3.model.model")
-    args = titan("models.deepseek_v3.model.args").DeepSeekV3ModelArgs(
-        dim=64, n_layers=2, n_dense_layers=2, n_heads=8, vocab_size=256, max_seq_len=64, inter_dim=128,
-        moe_inter_dim=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    )
+    args = titan("models.deepseek_v3.model.args").DeepSeekV3ModelArgs(**_DEEPSEEK_SMALL, n_dense_layers=2)
     return model.DeepSeekV3Model(args)
+
+
+def deepseek_v3_moe():
+    """torchtitan's DeepSeek-V3 as its debugmodel is laid out: a dense first layer, then
+    MoE (here 4 experts, top-2, softmax scores applied after the experts, two shared
+    experts in one FeedForward, the load-balancing expert_bias buffer), experts
+    computed by the for-loop (CPU has no float32 grouped_mm)."""
+    _cpu_router()
+    model = titan("models.deepseek_v3.model.model")
+    moe_args = titan("models.moe.moe").MoEArgs(
+        num_experts=4, num_shared_experts=2, top_k=2, score_func="softmax", route_norm=False,
+        score_before_experts=False, use_grouped_mm=False,
+    )
+    args = titan("models.deepseek_v3.model.args").DeepSeekV3ModelArgs(**_DEEPSEEK_SMALL, n_dense_layers=1, moe_args=moe_args)
+    # set only by update_from_config (a JobConfig's expert_parallel_comm_backend), read by every MoE layer
+    args.moe_impl = "standard"
+    return _init_experts(model.DeepSeekV3Model(args))
 
 
 class _TorchWithCpuHistc(types.ModuleType):
@@ -102,13 +122,17 @@ def llama4():
     args_module = titan("models.llama4.model.args")
     moe_args = titan("models.moe.moe").MoEArgs(num_experts=4, num_shared_experts=1, top_k=1, use_grouped_mm=False, load_balance_coeff=None)
     args = args_module.TransformerModelArgs(**SMALL, multiple_of=64, moe_args=moe_args, interleave_moe_layer_step=1)
+    return _init_experts(model.Transformer(args))
+
+
+def _init_experts(built):
+    """GroupedExperts' weights are torch.empty until torchtitan's init_weights, whose
+    trunc_normal_ reads values (fake tensors cannot): its std, with normal_."""
     import torch
 
-    built = model.Transformer(args)
-    # GroupedExperts' weights are torch.empty until torchtitan's init_weights, whose
-    # trunc_normal_ reads values (fake tensors cannot): its std, with normal_
     with torch.no_grad():
         for layer in built.layers.values():
-            for weight in layer.moe.experts.parameters():
-                weight.normal_(0.0, 0.02)
+            if getattr(layer, "moe_enabled", True):
+                for weight in layer.moe.experts.parameters():
+                    weight.normal_(0.0, 0.02)
     return built
