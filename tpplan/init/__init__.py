@@ -54,11 +54,8 @@ def infer_plan(model: "nn.Module | Callable[[], nn.Module]", tp: Sequence[int] |
                ep: bool = False, loss_parallel: bool = False, inputs: str | None = None) -> "Plan":
     """A proven plan for `model` (a module, or a factory that builds one: a factory lets
     the check rebuild it; a module is copied). `tp`: the degrees (default: every degree
-    in 2..8 the model's dims allow). The YAML text is `plan.source_text`."""
-    inferred = run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs)
-    plan = inferred.plan
-    plan.source_text = inferred.text
-    return plan
+    in 2..8 the model's dims allow). Its YAML, as `tpplan init` writes it, is `plan.text`."""
+    return run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs).plan
 
 
 def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = None, tp: Sequence[int] | None = None,
@@ -92,7 +89,7 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
         ref = ref or getattr(model, "__qualname__", "model")
         event("building the model on the meta device")
         meta = build_model(ref, "meta", factory)
-    ctx = LintContext(load_plan(text="version: 1\nrules: {}\n", file="<init>"), meta, [2])
+    ctx = LintContext(load_plan(text="version: 1\nrules: {}\n", file="<init>"), meta, [2], inputs=inputs)
     event("tracing the forward")
     if ctx.trace is None:
         raise PlanError([error("TP329", f"cannot infer a plan: the forward of {type(meta).__name__} cannot be traced ({ctx.trace_error})", ref)])
@@ -106,12 +103,13 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
               f"# proven with the lint and apply --dry-run{' --check' if checked else ''} at {degrees_text}."]
     description = f"Tensor parallelism inferred by tpplan init for {type(meta).__name__}" + (" with sequence parallelism" if sp else "") + "."
     proven, _ = prove(target, proposal, tp, name=name, description=description, header=header, on_event=event)
-    footer = _footer(proven, proposal.unplanned, checked)
+    unplanned = [u for u in proposal.unplanned if u.fqn not in proven.rules]  # the lint's edits planned some
+    footer = _footer(proven, unplanned, checked)
     from .prove import _text
 
     text = _text(proven.rules, [n for n, _ in meta.named_modules()], proven.degrees, proposal, name, description, header)
     text = text + "".join(f"{line}\n" for line in footer)
-    inferred = Inferred(text, proven, proposal.unplanned, checked)
+    inferred = Inferred(text, proven, unplanned, checked)
     compare = dict(compare or {})
     if auto_compare and getattr(getattr(meta, "config", None), "base_model_tp_plan", None):
         from .compare import transformers_plan
@@ -145,7 +143,7 @@ def _footer(proven: "Proven", unplanned: list, checked: bool) -> list[str]:
         whole.setdefault((generalize(u.fqn), u.why), None)
     if whole:
         lines.append("# Left whole on every rank:")
-        lines += [f"#   {fqn}: {why}" for fqn, why in whole]
+        lines += [f"#   {fqn or '(the model itself)'}: {why}" for fqn, why in whole]
     return lines
 
 

@@ -114,7 +114,10 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
                 outputs_of[owner].append(event.outputs[0])
     for fqn, proj in projections.items():
         _follow(proj, outputs_of[fqn], consumers, linear_of, output_nodes, trace)
-    starts = [n for fqn, reads in embeddings.items() if reads for n in outputs_of[fqn]]
+    # The stream starts where the model's input enters it: the token embedding, or a stem
+    # Linear that reads the input (a ViT's patch projection).
+    stems = [f for f, p in projections.items() if p.inputs & model_inputs]
+    starts = [n for fqn in [*(f for f, reads in embeddings.items() if reads), *stems] for n in outputs_of[fqn]]
     stream = _stream_nodes(starts, consumers, linear_of, trace)
     takers = {e.fqn for e in trace.events if isinstance(e, Call) and any(
         n in stream for n in (*e.args, *e.kwargs.values()) if n is not None)}

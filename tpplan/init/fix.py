@@ -42,7 +42,7 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
     tree = ModuleTree([n for n, _ in model.named_modules()])
     applied = []
     for _ in range(_ROUNDS):
-        ctx = LintContext(load_plan(text=_with_rules(data, rules), file=str(path)), model, degrees)
+        ctx = LintContext(load_plan(text=_with_rules(data, rules), file=str(path)), model, degrees, inputs=inputs)
         edits = [e for e in lint_edits(ctx) if e not in applied]
         if not edits:
             break

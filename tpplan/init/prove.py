@@ -97,6 +97,12 @@ def _sizes(group: Group) -> str:
     return "its sizes " + ", ".join(map(str, sizes))
 
 
+def _shape(group: Group) -> tuple:
+    from ..core.globs import generalize
+
+    return (group.kind, tuple((generalize(f), repr(v)) for f, v in group.rules.items()))
+
+
 def _first_key(group: Group) -> str:
     from ..core.globs import generalize
 
@@ -123,9 +129,10 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
             if not blamed:
                 raise PlanError([problem])  # nothing of the plan to blame: the model itself fails
         for group, why in blamed:
-            if group in groups:
-                groups.remove(group)
-                dropped.append(Dropped(_first_key(group), why))
+            # Blocks alike (the same rules under their globs) fail alike: dropped together.
+            for alike in [g for g in groups if _shape(g) == _shape(group)]:
+                groups.remove(alike)
+                dropped.append(Dropped(_first_key(alike), why))
     return Proven(groups, degrees, rules, edits, dropped, results), text
 
 
@@ -148,7 +155,7 @@ def _lint_fixed(target, groups, degrees, proposal, name, description, header, ev
     for _ in range(4):
         text = _text(rules, names, degrees, proposal, name, description, header)
         plan = load_plan(text=text, file="<init>")
-        ctx = LintContext(plan, target.model, degrees)
+        ctx = LintContext(plan, target.model, degrees, inputs=target.inputs)
         edits = [e for e in lint_edits(ctx) if e not in applied]
         if not edits:
             break
@@ -158,7 +165,7 @@ def _lint_fixed(target, groups, degrees, proposal, name, description, header, ev
             by_pattern.setdefault(rule.pattern, []).append(fqn)
         for edit in edits:
             if edit.add:
-                rules[edit.key] = (edit.options, f"{edit.key.rpartition('.')[2]}: {edit.why} ({edit.code})")
+                rules[edit.key] = (edit.options, f"{edit.why} ({edit.code})")
             else:
                 for fqn in by_pattern.get(edit.key, ()):
                     value, note = rules[fqn]
@@ -201,7 +208,7 @@ def _lint_blame(target, plan, groups, degrees, rules) -> list[tuple[Group, str]]
     from ..lint import lint_model, ordered_rules
 
     codes = [rule.code for rule in ordered_rules() if rule.code != "TP330"]  # the dry run below is that check
-    problems = [p for p in lint_model(plan, target.model, degrees, select=codes) if p.severity == "error"]
+    problems = [p for p in lint_model(plan, target.model, degrees, select=codes, inputs=target.inputs) if p.severity == "error"]
     blamed = []
     for problem in problems:
         for group in _owner_groups(plan, problem, groups, rules):

@@ -43,6 +43,8 @@ def lint_edits(ctx: "LintContext") -> list[Edit]:
 
 
 def _packed(ctx) -> list[Edit]:
+    from ..core.globs import generalize
+
     if ctx.flow is None:
         return []
     out, seen = [], set()
@@ -54,7 +56,7 @@ def _packed(ctx) -> list[Edit]:
         pieces = list(fused.pieces)
         packed = len(pieces) if len(set(pieces)) == 1 else pieces
         out.append(Edit("TP326", rule.pattern, {"packed": packed}, False,
-                        f"its output is cut into {len(pieces)} kinds by '{fused.detail}' in '{fused.fqn}': each rank takes its slice of every block"))
+                        f"its output is cut into {len(pieces)} kinds by '{fused.detail}' in '{generalize(fused.fqn)}': each rank takes its slice of every block"))
     return out
 
 
@@ -90,7 +92,7 @@ def _local_params(ctx) -> list[Edit]:
             continue
         seen.add(leak.fqn)
         out.append(Edit("TP325", leak.fqn, "local_params", True,  # type: ignore[arg-type]
-                        f"its parameters ({', '.join(names)}) compute on the shard '{leak.value.src.fqn}' returns: their gradients are summed"))
+                        f"replicated parameters ({', '.join(names)}) computing on sharded activations: their gradients are summed"))
     return out
 
 

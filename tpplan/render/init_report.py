@@ -40,8 +40,16 @@ def render_report(inferred: "Inferred") -> str:
         lines.append("not checked with values (a model above the values limit, or on the meta device): shapes and collectives only")
     for dropped in proven.dropped:
         lines.append(f"dropped {dropped.rule}: {' '.join(dropped.why.split())[:300]}")
+    from ..core.globs import generalize
+
+    edits: dict[tuple, int] = {}
     for edit in proven.edits:
-        lines.append(f"lint edit {edit.code} on {edit.key}: {edit.why}")
+        key = (edit.code, generalize(edit.key), edit.why.replace(edit.key, generalize(edit.key)))
+        edits[key] = edits.get(key, 0) + 1
+    for (code, key, why), count in edits.items():
+        lines.append(f"lint edit {code} on {key}{f' ({count} modules)' if count > 1 else ''}: {why}")
+    for note in proven.notes:
+        lines.append(note)
     if not any(g for g in proven.groups):
         lines.append("nothing could be sharded: the plan is empty (every module stays whole; the plan's comments say why)")
     return "\n".join(lines)
