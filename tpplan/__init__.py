@@ -16,6 +16,7 @@ _EXPORTS = {
     "load_checkpoint": "checkpoint.load",
     "save_checkpoint": "checkpoint.save",
     "meta_parameters": "checkpoint.meta",
+    "infer_plan": "init",
     "CheckpointError": "checkpoint.errors",
     "AsyncSave": "checkpoint.asyncsave",
     **dict.fromkeys(

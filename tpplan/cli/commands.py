@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from .apply import apply
 from .import_hf import import_hf
+from .init import init
 from .rules import rules
 from .schema import schema
 from .validate import validate
@@ -19,6 +20,7 @@ COMMANDS: list[tuple[str, Callable[..., None]]] = [
     ("validate", validate),
     ("schema", schema),
     ("apply", apply),
+    ("init", init),
     ("import-hf", import_hf),
     ("rules", rules),
 ]

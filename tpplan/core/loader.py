@@ -20,7 +20,9 @@ def load_plan(path: str | os.PathLike | None = None, *, text: str | None = None,
     if text is None:
         file = str(path)
         text = read_plan_text(path)
-    return parse_plan(text, file or "<text>")
+    plan = parse_plan(text, file or "<text>")
+    plan.text = text
+    return plan
 
 
 def read_plan_text(path: str | os.PathLike) -> str:

@@ -45,6 +45,7 @@ class Plan:
         self.rules = rules  # with `extends`, inherited rules keep their own file and line
         self.file = file
         self.source = source  # where each key of `file` is, for problems about the plan as a whole
+        self.text: str | None = None  # the YAML it was loaded from (load_plan sets it)
 
     name = property(lambda self: self.spec.name)
     description = property(lambda self: self.spec.description)

@@ -25,12 +25,14 @@ def ordered_rules() -> list[LintRule]:
     return sorted(RULES.values(), key=lambda rule: (rule.runs_last, rule.code))
 
 
-def lint_model(plan: "Plan", model: "nn.Module", tp_sizes: Sequence[int], select: Sequence[str] | None = None) -> list["Problem"]:
+def lint_model(plan: "Plan", model: "nn.Module", tp_sizes: Sequence[int], select: Sequence[str] | None = None,
+               inputs: str | None = None) -> list["Problem"]:
     """Strict resolution (TP200, TP201) and every lint rule (or those whose codes are
-    in `select`), for `model` (best built on the meta device) at each TP degree."""
+    in `select`), for `model` (best built on the meta device) at each TP degree;
+    `inputs`: MOD:FN of the example inputs to trace with."""
     from .context import LintContext
 
-    ctx = LintContext(plan, model, tp_sizes)
+    ctx = LintContext(plan, model, tp_sizes, inputs=inputs)
     chosen = [rule for rule in ordered_rules() if select is None or rule.code in select]
     return ctx.resolution_problems + run_rules(ctx, chosen, earlier=ctx.resolution_problems)
 

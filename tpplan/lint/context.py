@@ -94,7 +94,9 @@ def collector_paused() -> Iterator[None]:
 
 
 class LintContext:
-    def __init__(self, plan: Plan, model: "nn.Module", tp_sizes: Sequence[int], traces: TraceCache | None = None):
+    def __init__(self, plan: Plan, model: "nn.Module", tp_sizes: Sequence[int], traces: TraceCache | None = None,
+                 inputs: str | None = None):
+        self.inputs = inputs  # MOD:FN of the example inputs to trace with (default: from the first module)
         self.plan = plan
         self.model = model
         self.tp_sizes = list(tp_sizes)
@@ -129,7 +131,7 @@ class LintContext:
     @cached_property
     def _traced(self) -> Traced:
         with collector_paused():
-            return self.traces.get(self.model, _trace)
+            return self.traces.get(self.model, lambda model: _trace(model, self.inputs))
 
     @property
     def trace(self) -> "Trace | None":
@@ -185,7 +187,7 @@ def resolve(plan: Plan, modules: dict[str, "nn.Module"]) -> tuple[dict[str, Rule
     return plan.claim(modules)
 
 
-def _trace(model: "nn.Module") -> "tuple[Trace | None, str]":
+def _trace(model: "nn.Module", inputs_ref: str | None = None) -> "tuple[Trace | None, str]":
     from ..runtime.simulate import default_inputs
     from ..runtime.ladder import available, prepared, running
     from .trace import TraceError, trace_model
@@ -195,8 +197,14 @@ def _trace(model: "nn.Module") -> "tuple[Trace | None, str]":
         runnable = prepared(model, mode)
         try:
             with running(mode, runnable):
-                inputs = default_inputs(runnable)  # on the model's device: meta for `validate --model`
-                return trace_model(runnable, (inputs,)), mode
+                if inputs_ref is None:
+                    inputs = (default_inputs(runnable),)  # on the model's device: meta for `validate --model`
+                else:
+                    from ..runtime.modelref import make_inputs
+
+                    device = next((t.device for t in runnable.parameters()), "cpu")
+                    inputs = make_inputs(inputs_ref, runnable, device)
+                return trace_model(runnable, inputs), mode
         except ValueError as exc:  # no default inputs: no mode helps
             return None, str(exc)
         except TraceError as exc:

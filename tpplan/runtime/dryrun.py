@@ -97,6 +97,20 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     return report
 
 
+def dry_run_with(options: ApplyOptions, plan: Plan, factory: Callable[[], Any],
+                 on_event: Callable[[str], None] | None = None) -> ApplyReport:
+    """The dry run of a plan already loaded, with the model's factory already loaded, at
+    `options.tp` (no memory planning, no checkpoint): what `tpplan init` proves its plans
+    with, the same passes as `dry_run`."""
+    report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
+    report.plan_name, report.world_size, report.tp = plan.name, options.tp, options.tp
+    try:
+        _passes(options, plan, factory, report, on_event or (lambda text: None), None)
+    except PlanError as exc:
+        report.problems += exc.problems
+    return report
+
+
 @dataclass
 class _Built:
     """The one build of the model for this degree: on fake tensors (`fake_mode` the mode

@@ -1,0 +1,184 @@
+"""Where each projection's output goes, from one traced forward (lint/trace.py).
+
+`tpplan init` infers rules from the data flow, not from module names. For every
+Linear (and Embedding) call it follows the output through the ops after it, and
+stops at the next Linear that takes it as input: that Linear is one of the
+output's *consumers*. A projection whose only consumer is one other Linear (q, k
+and v reach o_proj through heads and attention; gate and up reach down_proj
+through the activation and the product) is the column half of a pair; the consumer,
+whose own output goes on to many (the residual stream), is the row half.
+
+Also read from the trace: the head split of a projection (the first view that cuts
+its features into (heads, head_dim)), whether an output reaches the model's output
+(the head), and which Embedding reads the model's input (the token embedding).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ..lint.trace import Call, Op, Return
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..lint.trace import Trace
+
+# Ops that split the last dim into two (a head split).
+_RESHAPES = {"view", "reshape", "unflatten", "view_as"}
+# How far a walk goes before giving up on a tensor (a deep model's residual stream reaches everything).
+_MAX_CONSUMERS = 2
+
+
+@dataclass
+class Projection:
+    """One Linear module over all its calls in the traced forward."""
+
+    fqn: str
+    consumers: set = field(default_factory=set)  # Linears its output reaches first (capped at _MAX_CONSUMERS + 1)
+    to_output: bool = False  # its output reaches the model's output without passing another Linear
+    heads: tuple | None = None  # (heads, head_dim): the first view of its output into heads
+    inputs: set = field(default_factory=set)  # node ids of its activation inputs
+    calls: int = 0
+
+
+@dataclass
+class Dataflow:
+    projections: dict  # fqn -> Projection (nn.Linear modules that ran)
+    embeddings: dict  # fqn -> whether its indices are a model input (a token embedding)
+    output_nodes: set
+    stream: set = field(default_factory=set)  # modules that take the residual stream as an input
+    calls: dict = field(default_factory=dict)  # module fqn -> its first Call event
+    readers: dict = field(default_factory=dict)  # node -> the ops that take it
+
+    def shared_input(self, fqns: list[str]) -> int | None:
+        """The one tensor all of `fqns` (projections) take, when nothing else reads it."""
+        nodes = {n for f in fqns for n in self.projections[f].inputs}
+        if len(nodes) != 1:
+            return None
+        node = nodes.pop()
+        return node if all(op.name == "linear" for op in self.readers.get(node, ())) else None
+
+    def argument(self, fqn: str, node: int) -> tuple | None:
+        """Where module `fqn`'s call takes `node`: (position or keyword, number of positional arguments)."""
+        call = self.calls.get(fqn)
+        if call is None:
+            return None
+        for index, arg in enumerate(call.args):
+            if arg == node:
+                return index, len(call.args)
+        for key, arg in call.kwargs.items():
+            if arg == node:
+                return key, len(call.args)
+        return None
+
+
+def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
+    from torch import nn
+
+    consumers: dict[int, list[Op]] = defaultdict(list)
+    linear_of: dict[int, tuple[str, int]] = {}  # id(op) -> (Linear fqn, its activation node)
+    outputs_of: dict[str, list[int]] = defaultdict(list)
+    projections: dict[str, Projection] = {}
+    embeddings: dict[str, bool] = {}
+    model_inputs = {n for n in trace.inputs if n is not None}
+    output_nodes: set = set()
+    calls: dict[str, Call] = {}
+    stack: list[str] = []
+    for event in trace.events:
+        if isinstance(event, Call):
+            stack.append(event.fqn)
+            calls.setdefault(event.fqn, event)
+            continue
+        if isinstance(event, Return):
+            stack.pop()
+            if event.fqn == "" and not stack:
+                output_nodes.update(event.flat)
+            continue
+        for node in event.inputs:
+            consumers[node].append(event)
+        owner = stack[-1] if stack else ""
+        module = modules.get(owner)
+        if event.name == "linear" and isinstance(module, nn.Linear) and event.inputs and event.outputs:
+            proj = projections.setdefault(owner, Projection(owner))
+            proj.calls += 1
+            proj.inputs.add(event.inputs[0])
+            linear_of[id(event)] = (owner, event.inputs[0])
+            outputs_of[owner].append(event.outputs[0])
+        elif event.name == "embedding" and isinstance(module, nn.Embedding) and event.inputs:
+            reads_input = event.inputs[0] in model_inputs
+            embeddings[owner] = embeddings.get(owner, False) or reads_input
+            if reads_input:
+                outputs_of[owner].append(event.outputs[0])
+    for fqn, proj in projections.items():
+        _follow(proj, outputs_of[fqn], consumers, linear_of, output_nodes, trace)
+    # The stream starts where the model's input enters it: the token embedding, or a stem
+    # Linear that reads the input (a ViT's patch projection).
+    stems = [f for f, p in projections.items() if p.inputs & model_inputs]
+    starts = [n for fqn in [*(f for f, reads in embeddings.items() if reads), *stems] for n in outputs_of[fqn]]
+    stream = _stream_nodes(starts, consumers, linear_of, trace)
+    takers = {e.fqn for e in trace.events if isinstance(e, Call) and any(
+        n in stream for n in (*e.args, *e.kwargs.values()) if n is not None)}
+    return Dataflow(projections, embeddings, output_nodes, takers, calls, consumers)
+
+
+def _stream_nodes(starts: list[int], consumers, linear_of, trace) -> set:
+    """The residual stream: the token embedding's output and every tensor of its shape an
+    op makes from it (norms, residual adds), up to the projections that read it."""
+    seen = set(starts)
+    frontier = list(starts)
+    while frontier:
+        node = frontier.pop()
+        for op in consumers.get(node, ()):
+            if id(op) in linear_of:
+                continue
+            for out in op.outputs:
+                if out not in seen and trace.shapes[out] == trace.shapes[node]:
+                    seen.add(out)
+                    frontier.append(out)
+    return seen
+
+
+def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_nodes, trace) -> None:
+    seen = set(starts)
+    frontier = list(starts)
+    first = set(starts)
+    while frontier and len(proj.consumers) <= _MAX_CONSUMERS:
+        node = frontier.pop()
+        if node in output_nodes:
+            proj.to_output = True
+        for op in consumers.get(node, ()):
+            hit = linear_of.get(id(op))
+            if hit is not None:
+                if hit[1] == node:
+                    proj.consumers.add(hit[0])
+                continue  # the next Linear: its output is its own
+            if proj.heads is None and op.name in _RESHAPES and node in first:
+                proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in op.outputs])
+            for out in op.outputs:
+                if out not in seen:
+                    seen.add(out)
+                    frontier.append(out)
+
+
+def _head_split(shape: tuple, outs: list) -> tuple | None:
+    """(heads, head_dim) when a view cuts the last dim of `shape` into two, or into three
+    (a fused projection: blocks, heads, head_dim)."""
+    if len(outs) != 1 or not shape:
+        return None
+    out, lead = outs[0], len(shape) - 1
+    if tuple(out[:lead]) != tuple(shape[:-1]):
+        return None
+    tail = tuple(out[lead:])
+    if len(tail) in (2, 3) and _product(tail) == shape[-1] and all(d > 1 for d in tail[-2:]):
+        return tail[-2:]
+    return None
+
+
+def _product(dims: tuple) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out

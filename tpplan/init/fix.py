@@ -1,0 +1,95 @@
+"""`tpplan init --from plan.yaml`: a plan written by hand, with the fixes the lint is
+sure of applied (lint/edits.py), then dry-run with `--check` at its degrees.
+
+The user's rules stay as written (never dropped): an edit sets options on a rule or
+adds a rule for a module; a rule that still fails is reported (exit 1), not removed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from . import Inferred
+
+_ROUNDS = 4
+
+
+def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref: str, tp: Sequence[int] | None = None,
+             inputs: str | None = None, output: str | None = None, compare: dict | None = None) -> "Inferred":
+    import yaml
+
+    from ..core.globs import ModuleTree, compile_glob, generalize
+    from ..core.loader import load_plan, read_plan_text
+    from ..core.schema_file import schema_comment
+    from ..lint.context import LintContext
+    from ..lint.edits import lint_edits, with_options
+    from ..runtime.ladder import values_allowed
+    from ..runtime.modelref import build_model
+    from . import Inferred
+    from .prove import Proven, Target, dry_runs
+
+    text = read_plan_text(path)
+    plan = load_plan(path)  # a PlanError (exit 1) for a plan that does not load
+    data = yaml.safe_load(text)
+    model = build_model(ref, "meta", factory)
+    degrees = sorted(set(tp)) if tp else list(plan.mesh_sizes or (2, 4, 8))
+    rules: dict[str, Any] = dict(data.get("rules") or {})
+    tree = ModuleTree([n for n, _ in model.named_modules()])
+    applied = []
+    for _ in range(_ROUNDS):
+        ctx = LintContext(load_plan(text=_with_rules(data, rules), file=str(path)), model, degrees, inputs=inputs)
+        edits = [e for e in lint_edits(ctx) if e not in applied]
+        if not edits:
+            break
+        added: dict[str, list] = {}
+        for edit in edits:
+            if edit.add:
+                added.setdefault(generalize(edit.key), []).append(edit)
+            elif edit.key in rules:
+                rules[edit.key] = with_options(rules[edit.key], edit.options)
+        for glob, group in added.items():
+            matched = set(tree.match(compile_glob(glob)))
+            if matched == {e.key for e in group} and len({repr(e.options) for e in group}) == 1:
+                rules[glob] = group[0].options
+            else:
+                rules.update({e.key: e.options for e in group})
+        applied += edits
+    lines = [schema_comment(output), f"# Fixed by tpplan init --from {os.fspath(path)}:"]
+    lines += [f"#   {e.code} {e.key}: {e.why}" for e in applied] or ["#   nothing to fix: the lint knows no certain edit"]
+    fixed = "\n".join(lines) + "\n" + _with_rules(data, rules)
+    target = Target(model, ref, factory, inputs, check=values_allowed(model))
+    results, failure = dry_runs(target, load_plan(text=fixed, file=output or "<fixed>"), degrees, lambda text: None)
+    proven = Proven([], degrees, {}, applied, [], results)
+    inferred = Inferred(fixed, proven, [], target.check, ok=failure is None)
+    if failure is not None:
+        degree, problem = failure
+        proven.notes.append(f"the fixed plan still fails at TP {degree}: {problem.code}: {problem.message}")
+    if compare:
+        from .compare import figures
+
+        for label, plan_text in compare.items():
+            inferred.compare[label] = figures(target, plan_text, degrees, lambda text: None)
+    return inferred
+
+
+def _with_rules(data: dict, rules: dict) -> str:
+    """The plan's YAML with `rules` in place of its rules, every other key as it was."""
+    from ..core.yamltext import yaml_flow, yaml_scalar
+
+    lines = []
+    for key, value in data.items():
+        if key == "rules":
+            continue
+        if isinstance(value, dict):
+            lines.append(f"{key}:")
+            lines += [f"  {k}: {yaml_flow(v)}" for k, v in value.items()]
+        else:
+            lines.append(f"{key}: {yaml_flow(value)}")
+    lines.append("rules:" if rules else "rules: {}")
+    lines += [f"  {yaml_scalar(k)}: {yaml_flow(v)}" for k, v in rules.items()]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,273 @@
+"""The rules `tpplan init` proposes, in groups that stand or fall together.
+
+From the data flow (dataflow.py) and the parameters' shapes:
+
+- pair: the producers of one consumer colwise (whole heads: `heads: auto` when a
+  degree exceeds their KV heads), the consumer rowwise: its all-reduce (or, with
+  sequence parallelism, reduce-scatter) returns to the residual stream;
+- embedding: the Embedding that reads the model's input, vocabulary-parallel;
+- head: a Linear whose output is the model's output (the logits), colwise and
+  gathered (or kept sharded for `loss_parallel`);
+- experts: a module holding two or more 3-D parameters with one leading (expert)
+  dim, `expert_tp`, or `expert_parallel` with `ep`;
+- norms (with `sp`): the modules with parameters that take the residual stream
+  and hold no projection, `sequence_parallel`.
+
+A Linear in none of these, and every other module with parameters, stays whole,
+each with the reason (`Unplanned`). The lint's edits (packed fused projections,
+local_params, shared inputs) are added later, when the plan is checked
+(prove.py): they depend on which groups survive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .dataflow import Dataflow
+
+if TYPE_CHECKING:
+    from torch import nn
+
+CANDIDATE_DEGREES = tuple(range(2, 9))
+
+
+@dataclass
+class Group:
+    kind: str  # pair | embedding | head | experts | norm
+    rules: dict  # concrete module fqn -> rule value
+    note: str  # what was inferred, for the plan's comment
+    divides: list = field(default_factory=list)  # sizes every degree must divide
+    kv_heads: dict = field(default_factory=dict)  # producer fqn -> (KV heads, query heads)
+    params: int = 0  # parameters the group shards (the bulk decides the degrees)
+
+    def allows(self, degree: int) -> bool:
+        if any(size % degree for size in self.divides):
+            return False
+        return all(kv % degree == 0 or (degree % kv == 0 and q % degree == 0) for kv, q in self.kv_heads.values())
+
+    def rules_at(self, degrees) -> dict:
+        """The rules for `degrees`: `heads: auto` on a KV projection a degree replicates."""
+        out = {}
+        for fqn, value in self.rules.items():
+            kv = self.kv_heads.get(fqn)
+            if kv is not None and any(d > kv[0] for d in degrees):
+                value = {**({"style": value} if isinstance(value, str) else value), "heads": "auto"}
+            out[fqn] = value
+        return out
+
+
+@dataclass(frozen=True)
+class Unplanned:
+    fqn: str
+    why: str
+
+
+@dataclass
+class Proposal:
+    groups: list
+    unplanned: list
+    loss_parallel: bool = False
+
+
+def propose(model: "nn.Module", flow: Dataflow, *, sp: bool = False, ep: bool = False, loss_parallel: bool = False,
+            stream_modules: "set[str] | None" = None) -> Proposal:
+    from torch import nn
+
+    modules = dict(model.named_modules())
+    projs = flow.projections
+    # One consumer, which is not the head (the last layer's row half reaches only the head).
+    producers = {f for f, p in projs.items() if len(p.consumers) == 1 and not p.to_output
+                 and not projs[next(iter(p.consumers))].to_output}
+    producers -= {f for f in producers if next(iter(projs[f].consumers)) in producers}  # a chain: only its last link pairs
+    by_consumer: dict[str, list[str]] = {}
+    for f in sorted(producers, key=list(modules).index):
+        by_consumer.setdefault(next(iter(projs[f].consumers)), []).append(f)
+    groups: list[Group] = []
+    claimed: set[str] = set()
+    for consumer, prods in by_consumer.items():
+        groups.append(_pair(modules, flow, consumer, prods, sp))
+        claimed.update(prods, [consumer])
+    groups += _embeddings_and_head(modules, flow, claimed, sp, loss_parallel)
+    claimed.update(f for g in groups for f in g.rules)
+    groups += _experts(modules, claimed, ep)
+    claimed.update(f for g in groups for f in g.rules)
+    if sp:
+        groups += _norms(modules, stream_modules or set(), claimed)
+        claimed.update(f for g in groups for f in g.rules)
+    unplanned = _unplanned(modules, flow, claimed, groups)
+    return Proposal(groups, unplanned, loss_parallel and any(g.kind == "head" for g in groups))
+
+
+def _leaf(fqn: str) -> str:
+    return fqn.rpartition(".")[2]
+
+
+def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool) -> Group:
+    projs = flow.projections
+    rules: dict[str, Any] = {}
+    divides = [modules[consumer].in_features]
+    kv: dict[str, tuple] = {}
+    heads = {f: projs[f].heads for f in prods if projs[f].heads}
+    query = max((h for h, _ in heads.values()), default=None)
+    for f in prods:
+        rules[f] = "colwise"
+        if f in heads and heads[f][0] != query:
+            kv[f] = (heads[f][0], query)
+        elif f in heads:
+            divides.append(heads[f][0])
+        else:
+            divides.append(modules[f].out_features)
+    rules[consumer] = {"style": "rowwise", "output_layouts": "shard(1)", "use_local_output": False} if sp else "rowwise"
+    shown = ", ".join(_leaf(f) for f in prods)
+    if heads:
+        dims = {d for _, d in heads.values()}
+        note = f"{shown} -> {_leaf(consumer)}: {query} heads of {'/'.join(map(str, sorted(dims)))}"
+        kv_counts = sorted({h for h, _ in kv.values()})
+        if kv_counts:
+            note += f", {'/'.join(map(str, kv_counts))} KV heads"
+    else:
+        note = f"{shown} -> {_leaf(consumer)}: {modules[consumer].in_features} features, column then row parallel"
+    params = sum(modules[f].weight.numel() for f in [*prods, consumer])
+    if sp:
+        rules = {**_gather_once(flow, prods), **rules}
+    return Group("pair", rules, note, divides, kv, params)
+
+
+def _gather_once(flow: Dataflow, prods: list[str]) -> dict[str, Any]:
+    """With sequence parallelism, the parent that hands the producers their one shared input
+    gathers it once (shard(1) to replicate), instead of each producer gathering its own copy."""
+    parents = {f.rpartition(".")[0] for f in prods}
+    node = flow.shared_input(prods)
+    if len(parents) != 1 or node is None:
+        return {}
+    parent = parents.pop()
+    where = flow.argument(parent, node)
+    if not parent or where is None:
+        return {}
+    at, count = where
+    if isinstance(at, int):
+        given = ["shard(1)" if i == at else None for i in range(count)]
+        wanted = ["replicate" if i == at else None for i in range(count)]
+        value = {"style": "prepare_module_input", "input_layouts": given if count > 1 else given[0],
+                 "desired_input_layouts": wanted if count > 1 else wanted[0]}
+    else:
+        value = {"style": "prepare_module_input", "input_kwarg_layouts": {at: "shard(1)"},
+                 "desired_input_kwarg_layouts": {at: "replicate"}}
+    return {parent: value}
+
+
+def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_parallel: bool) -> list[Group]:
+    from ..sharding.tied import shared_parameters
+
+    groups: dict[str, Group] = {}
+    for fqn, reads_input in flow.embeddings.items():
+        if not reads_input or fqn in claimed:
+            continue
+        value: dict[str, Any] = {"style": "rowwise", "input_layouts": "replicate"}
+        value.update({"output_layouts": "shard(1)", "use_local_output": False} if sp else {"output_layouts": "replicate"})
+        emb = modules[fqn]
+        groups[fqn] = Group("embedding", {fqn: value}, f"{_leaf(fqn)}: vocabulary-parallel, {emb.num_embeddings} rows",
+                            [emb.num_embeddings], params=emb.weight.numel())
+    for fqn, proj in flow.projections.items():
+        if fqn in claimed or proj.consumers or not proj.to_output:
+            continue
+        value = {"style": "colwise"}
+        if sp:
+            value["input_layouts"] = "shard(1)"
+        value.update({"use_local_output": False} if loss_parallel else {"output_layouts": "replicate"})
+        head = modules[fqn]
+        how = "sharded for loss_parallel" if loss_parallel else "gathered"
+        groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
+                            [head.out_features], params=head.weight.numel())
+    # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
+    for group in shared_parameters(_root_of(modules)):
+        owners = [fqn for fqn, _ in group if fqn in groups]
+        if len(owners) > 1:
+            first = groups[owners[0]]
+            for other in owners[1:]:
+                merged = groups.pop(other)
+                first.rules.update(merged.rules)
+                first.divides += merged.divides
+                first.note += f"; {merged.note} (tied to it)"
+        elif owners and len({fqn for fqn, _ in group}) > 1:
+            groups.pop(owners[0])  # tied to a module that stays whole: it stays whole too
+    return list(groups.values())
+
+
+def _root_of(modules: dict):
+    return modules[""]
+
+
+def _experts(modules, claimed: set, ep: bool) -> list[Group]:
+    from torch import nn
+
+    out = []
+    for fqn, module in modules.items():
+        if fqn in claimed or isinstance(module, (nn.Linear, nn.Embedding)):
+            continue
+        cubes = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
+        experts = {p.shape[0] for p in cubes}
+        if len(cubes) < 2 or len(experts) != 1 or next(iter(experts)) < 2:
+            continue
+        count = next(iter(experts))
+        if ep:
+            value: Any = {"style": "expert_parallel", "dispatch": "all_reduce"}
+            note, divides = f"{_leaf(fqn)}: {count} experts, whole experts per rank", [count]
+        else:
+            value = "expert_tp"  # it finds each parameter's inner dim; the lint judges its divisibility
+            note, divides = f"{_leaf(fqn)}: {count} experts, each sharded on its inner dim", []
+        out.append(Group("experts", {fqn: value}, note, divides, params=sum(p.numel() for p in cubes)))
+    return out
+
+
+def _norms(modules, stream: set, claimed: set) -> list[Group]:
+    from torch import nn
+
+    rules = {}
+    for fqn in sorted(stream, key=list(modules).index):
+        module = modules[fqn]
+        if fqn in claimed or isinstance(module, (nn.Linear, nn.Embedding)) or not list(module.parameters()):
+            continue
+        if any(isinstance(m, (nn.Linear, nn.Embedding)) for m in module.modules()):
+            continue  # a container (a decoder layer): its projections are planned inside it
+        rules[fqn] = "sequence_parallel"
+    if not rules:
+        return []
+    return [Group("norm", rules, "norms on the residual stream: sequence-parallel, shard(1)")]
+
+
+def _unplanned(modules, flow: Dataflow, claimed: set, groups: list) -> list[Unplanned]:
+    from torch import nn
+
+    planned = set(claimed)
+    out = []
+    for fqn, module in modules.items():
+        if fqn in planned or any(fqn.startswith(p + ".") for p in planned if p):
+            continue
+        own = [p for p in module._parameters.values() if p is not None]
+        if not own:
+            continue
+        if isinstance(module, nn.Linear):
+            proj = flow.projections.get(fqn)
+            if proj is None:
+                why = "did not run in the traced forward"
+            elif proj.to_output and proj.consumers:
+                why = "its output reaches the model's output and other projections"
+            elif len(proj.consumers) > 1:
+                many = f"{len(proj.consumers)}{' or more' if len(proj.consumers) > 2 else ''}"
+                why = f"its output reaches {many} projections ({', '.join(sorted(map(_leaf, proj.consumers))[:2])}, ...), not one column-row pair"
+            elif proj.consumers and next(iter(proj.consumers)) in flow.projections and len(flow.projections[next(iter(proj.consumers))].consumers) == 1:
+                why = f"its one consumer '{_leaf(next(iter(proj.consumers)))}' is itself column-parallel"
+            elif not proj.consumers and not proj.to_output:
+                why = "its output reaches no projection and not the model's output"
+            else:
+                why = "its output returns to the residual stream without a column-parallel producer"
+        elif isinstance(module, nn.Embedding):
+            why = "it does not read the model's input (positions, not tokens)" if fqn in flow.embeddings else "did not run in the traced forward"
+        elif fqn in flow.stream:
+            continue  # a norm on the replicated residual stream: whole, as it should be
+        else:
+            why = f"{type(module).__name__}: no column or row split of it is proven"
+        out.append(Unplanned(fqn, why))
+    return out

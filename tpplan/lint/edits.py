@@ -1,0 +1,150 @@
+"""The lint's fixes as edits a tool can apply to a plan's rules (`tpplan init`, and
+`init --from plan.yaml` on a plan written by hand).
+
+Where a finding's fix is certain, this module says it as data instead of words:
+which rule gets which options, or which module gets a new rule. Each edit comes from
+the same facts the rule reads (the layout flow, the head counts), so an edit and the
+finding it fixes cannot disagree:
+
+- TP326 (fused projection): `packed` on the colwise rule whose output is cut into kinds;
+- TP311 (heads): `heads: auto` where only the KV heads fail and the degree is a multiple of them;
+- TP325 (replicated partial gradient): a `local_params` rule on the module;
+- TP340 (shared input): a `prepare_module_input` on the parent whose colwise children
+  each turn the same plain input into a DTensor (one backward all-reduce instead of one per child).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .context import LintContext
+
+
+@dataclass(frozen=True)
+class Edit:
+    code: str  # the lint code whose fix this is
+    key: str  # add: the module that gets a rule; else: the pattern of the rule that changes
+    options: dict  # add: the whole rule value; else: the options set on the rule
+    add: bool
+    why: str
+
+
+def with_options(value: Any, options: dict) -> Any:
+    """A rule value (shorthand string or mapping) with `options` set on it."""
+    mapping = {"style": value} if isinstance(value, str) else dict(value)
+    return {**mapping, **options}
+
+
+def lint_edits(ctx: "LintContext") -> list[Edit]:
+    """Every edit the lint is sure of for `ctx`'s plan, model and degrees (in the order above)."""
+    return [*_packed(ctx), *_heads(ctx), *_local_params(ctx), *_shared_inputs(ctx)]
+
+
+def _packed(ctx) -> list[Edit]:
+    from ..core.globs import generalize
+
+    if ctx.flow is None:
+        return []
+    out, seen = [], set()
+    for fused in ctx.flow.fused:
+        rule = fused.value.src.rule
+        if fused.where != "split" or not fused.pieces or len(fused.pieces) < 2 or rule.pattern in seen:
+            continue
+        seen.add(rule.pattern)
+        pieces = list(fused.pieces)
+        packed = len(pieces) if len(set(pieces)) == 1 else pieces
+        out.append(Edit("TP326", rule.pattern, {"packed": packed}, False,
+                        f"its output is cut into {len(pieces)} kinds by '{fused.detail}' in '{generalize(fused.fqn)}': each rank takes its slice of every block"))
+    return out
+
+
+def _heads(ctx) -> list[Edit]:
+    from .facts import head_split
+    from .rules.head_divisibility import _is_kv
+
+    out, seen = [], set()
+    for fqn, rule in ctx.matched.items():
+        if rule.pattern in seen or getattr(rule.spec, "heads", None) is not None:
+            continue
+        split = head_split(ctx, fqn, rule)
+        if split is None or rule.spec.style != "colwise":
+            continue
+        heads, counts, _ = split
+        query = [count for name, count in heads.counts if not _is_kv(name)]
+        for tp in ctx.tp_sizes:
+            bad = [(name, count) for name, count in counts if count % tp]
+            if bad and all(_is_kv(name) and tp % count == 0 for name, count in bad) and all(q % tp == 0 for q in query):
+                seen.add(rule.pattern)
+                out.append(Edit("TP311", rule.pattern, {"heads": "auto"}, False,
+                                f"TP {tp} is a multiple of the {bad[0][1]} KV heads of '{heads.owner}': each is replicated on {tp // bad[0][1]} ranks"))
+                break
+    return out
+
+
+def _local_params(ctx) -> list[Edit]:
+    from .rules.replicated_partial_grad import findings
+
+    out, seen = [], set()
+    for leak, names in findings(ctx):
+        if leak.fqn in seen or leak.fqn in ctx.matched:
+            continue
+        seen.add(leak.fqn)
+        out.append(Edit("TP325", leak.fqn, "local_params", True,  # type: ignore[arg-type]
+                        f"replicated parameters ({', '.join(names)}) computing on sharded activations: their gradients are summed"))
+    return out
+
+
+def _shared_inputs(ctx) -> list[Edit]:
+    """A prepare_module_input for the innermost module that receives, as an argument, the
+    plain input two or more colwise siblings share (the receiver TP340's fix names)."""
+    from collections import defaultdict
+
+    from .rules.shared_input_comms import _receiver
+
+    if ctx.flow is None:
+        return []
+    by_input = defaultdict(list)
+    for entry in ctx.flow.colwise_inputs:
+        if entry.value.dt is False and entry.value.kind in ("R", "S") and entry.needs_grad:
+            by_input[entry.node].append(entry)
+    out, seen = [], set()
+    for node, siblings in by_input.items():
+        if len(siblings) < 2 or any(s.value != siblings[0].value for s in siblings):
+            continue
+        found = _receiver(siblings, node)
+        if found is None:
+            continue
+        fqn, where, call = found
+        if fqn in seen or fqn in ctx.matched or _has_unplanned_params(ctx, fqn, {s.fqn for s in siblings}):
+            continue
+        seen.add(fqn)
+        lay = siblings[0].value
+        layout = "replicate" if lay.kind == "R" else f"shard({lay.dim})"
+        if isinstance(where, int):
+            given = [layout if i == where else None for i in range(len(call.args))]
+            wanted = ["replicate" if i == where else None for i in range(len(call.args))]
+            value = {"style": "prepare_module_input", "input_layouts": given if len(given) > 1 else layout,
+                     "desired_input_layouts": wanted if len(wanted) > 1 else "replicate"}
+        else:
+            value = {"style": "prepare_module_input", "input_kwarg_layouts": {where: layout},
+                     "desired_input_kwarg_layouts": {where: "replicate"}}
+        value["use_local_output"] = False
+        out.append(Edit("TP340", fqn, value, True,
+                        f"{', '.join(s.fqn.rpartition('.')[2] for s in siblings)} share one {layout} DTensor input: one backward all-reduce, not {len(siblings)}"))
+    return out
+
+
+def _has_unplanned_params(ctx, parent: str, siblings: set[str]) -> bool:
+    """Whether a child of `parent` holding parameters has no rule: it would receive the
+    parent's input as a DTensor it cannot take (a MoE router, a norm)."""
+    module = ctx.modules[parent]
+    for name, child in module.named_children():
+        fqn = f"{parent}.{name}" if parent else name
+        if fqn in siblings or fqn in ctx.matched or not any(True for _ in child.parameters()):
+            continue
+        planned_inside = any(m == fqn or m.startswith(fqn + ".") for m in ctx.matched)
+        if not planned_inside:
+            return True
+    return False

@@ -1,0 +1,55 @@
+"""`tpplan init`'s report for people: per degree what the inferred plan costs, beside
+any compared plan, and what was dropped."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..runtime.report import human_bytes
+
+if TYPE_CHECKING:
+    from ..init import Inferred
+
+
+def _comms(comms: dict) -> str:
+    def side(ops: dict) -> str:
+        return ", ".join(f"{n} {op.replace('_', '-')}" for op, n in sorted(ops.items()) if n) or "none"
+
+    return f"forward {side(comms.get('forward', {}))}; backward {side(comms.get('backward', {}))}"
+
+
+def _line(label: str, figures) -> str:
+    share = figures.rank_bytes / figures.total_bytes if figures.total_bytes else 1.0
+    check = figures.check
+    verdict = ("" if check is None else " check passed" if check.get("passed") else f" check FAILED ({check.get('error', 'values differ')})")
+    return (f"  {label:<13} per-rank params {human_bytes(figures.rank_bytes)} of {human_bytes(figures.total_bytes)} "
+            f"({share:.2f}); {_comms(figures.comms)};{verdict}")
+
+
+def render_report(inferred: "Inferred") -> str:
+    proven = inferred.proven
+    lines = []
+    for degree in proven.degrees:
+        lines.append(f"TP {degree}:")
+        if degree in proven.results:
+            lines.append(_line("inferred", proven.results[degree]))
+        for name, figures in inferred.compare.items():
+            if degree in figures:
+                lines.append(_line(name, figures[degree]))
+    if not inferred.checked:
+        lines.append("not checked with values (a model above the values limit, or on the meta device): shapes and collectives only")
+    for dropped in proven.dropped:
+        lines.append(f"dropped {dropped.rule}: {' '.join(dropped.why.split())[:300]}")
+    from ..core.globs import generalize
+
+    edits: dict[tuple, int] = {}
+    for edit in proven.edits:
+        key = (edit.code, generalize(edit.key), edit.why.replace(edit.key, generalize(edit.key)))
+        edits[key] = edits.get(key, 0) + 1
+    for (code, key, why), count in edits.items():
+        lines.append(f"lint edit {code} on {key}{f' ({count} modules)' if count > 1 else ''}: {why}")
+    for note in proven.notes:
+        lines.append(note)
+    if not any(g for g in proven.groups):
+        lines.append("nothing could be sharded: the plan is empty (every module stays whole; the plan's comments say why)")
+    return "\n".join(lines)
