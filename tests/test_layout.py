@@ -141,6 +141,7 @@ MAY_IMPORT = {
     "render": {"core", "runtime"},  # runtime.report: the apply report's data, which render prints
     "lint": {"core", "sharding", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},
+    "init": {"core", "sharding", "runtime", "lint", "hf"},  # tpplan init: infers, lints, dry-runs, compares with transformers' plan
     "models": set(),
     "hf_models": set(),
     "titan_models": set(),
