@@ -197,6 +197,7 @@ def test_under_torchrun_diverging_replicas_are_found_by_checksum_after_backward_
         assert message.endswith(f"; located at rule '*.in_proj' (the rule of '{block}.in_proj', the first planned module inside '{block}')")
 
 
+@pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_under_torchrun_a_model_with_dropout_passes_check_with_dropout_off_and_says_so(tmp_path):
     pytest.importorskip("transformers")
     from tpplan.hf.importer import import_hf

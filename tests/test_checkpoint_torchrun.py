@@ -43,6 +43,7 @@ def apply(nproc: int, *args: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_load_train_save_and_reshard_across_tp_degrees(tmp_path):
     torch.manual_seed(3)
     hf_models.llama().save_pretrained(tmp_path / "llama", max_shard_size="100KB")
@@ -72,6 +73,7 @@ def test_load_train_save_and_reshard_across_tp_degrees(tmp_path):
     assert torch.equal(logits(again), trained)
 
 
+@pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_an_unreadable_checkpoint_stops_every_rank_before_sharding(tmp_path):
     result = torchrun(2, "-m", "tpplan", "apply", "--plan", PLAN, "--model", "tpplan.hf_models:llama", "--checkpoint", str(tmp_path / "missing"))
     assert result.returncode != 0

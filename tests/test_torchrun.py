@@ -71,6 +71,7 @@ def test_mlp_plan_trains_and_reports_as_text():
     assert out.count("tpplan apply") == 1  # not once per rank
 
 
+@pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_two_dimensional_mesh_shards_over_tp_within_each_dp_replica():
     result = torchrun(4, "-m", "tpplan", "apply", "--model", "tpplan.models.llama:tiny", "--plan", "plans/llama_tp_sp.yaml", "--tp", "2", "--check", "--format", "json")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -118,6 +119,7 @@ def test_ranks_holding_different_plans_all_stop_with_the_difference(helpers):
     assert f'File "{ROOT / "tpplan"}' not in result.stderr  # torchrun prints its own traceback; ours, none
 
 
+@pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_a_hung_rank_fails_the_others_after_the_timeout_naming_it(helpers):
     start = time.monotonic()
     result = torchrun(
@@ -129,6 +131,7 @@ def test_a_hung_rank_fails_the_others_after_the_timeout_naming_it(helpers):
     assert "TP504 rank 0: plan consensus failed within 3 s: [Rank 0]: Ranks 1 failed to pass monitoredBarrier in 3000 ms" in result.stdout
 
 
+@pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_transformers_llama_passes_check_on_two_gloo_ranks():
     pytest.importorskip("transformers")
     result = torchrun(2, "-m", "tpplan", "apply", "--model", "tpplan.hf_models:llama", "--plan", "plans/hf/llama_tp.yaml", "--check", "--format", "json")
@@ -139,6 +142,7 @@ def test_transformers_llama_passes_check_on_two_gloo_ranks():
     assert report["comms"]["backward"] == {"all_reduce": 5}
 
 
+@pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_moe_plan_with_sharded_experts_passes_check_and_trains_on_two_gloo_ranks():
     """expert_tp's packed gate/up shards, replicated-gradient q_norm/k_norm and the experts'
     partial-output all-reduce, with real gloo collectives; then SGD steps."""

@@ -1,4 +1,4 @@
-"""`tpplan init`: the command-line edge of tpplan.init (SPEC §4a).
+"""`tpplan init`: the command-line edge of tpplan.init.
 
 The plan goes to standard output (or `-o`), the report of what was proven to
 standard error (standard output with `-o`), so `tpplan init ... > plan.yaml` works.
@@ -16,7 +16,7 @@ from .output import EXIT_OK, EXIT_PROBLEMS, Format, exit_with, usage_error
 def init(
     model: Annotated[
         str,
-        typer.Option(metavar="MOD:FN", help="The model: an importable callable returning an nn.Module, or hf:SPEC "
+        typer.Option(metavar="MOD:FN", help="The model: an importable callable returning an nn.Module, or hf:NAME "
                      "(a transformers model type, config.json or model directory).", show_default=False),
     ],
     tp: Annotated[

@@ -176,8 +176,7 @@ def _lint_fixed(target, groups, degrees, proposal, name, description, header, ev
 
 def _text(rules, names, degrees, proposal, name, description, header) -> str:
     return render(name, description, degrees, generalized(rules, names), header=header,
-                  loss_parallel=proposal.loss_parallel and any(isinstance(v, dict) and v.get("use_local_output") is False
-                                                              and v.get("style") == "colwise" for v, _ in rules.values()))
+                  loss_parallel=proposal.loss_parallel and any(f in rules for g in proposal.groups if g.kind == "head" for f in g.rules))
 
 
 def _owner_groups(plan, problem: Problem, groups: list[Group], rules: dict) -> list[Group]:

@@ -69,7 +69,7 @@ def _heads(ctx) -> list[Edit]:
         if rule.pattern in seen or getattr(rule.spec, "heads", None) is not None:
             continue
         split = head_split(ctx, fqn, rule)
-        if split is None or rule.spec.style != "colwise":
+        if split is None or "heads" not in type(rule.spec).model_fields:  # the styles that can replicate heads
             continue
         heads, counts, _ = split
         query = [count for name, count in heads.counts if not _is_kv(name)]
