@@ -145,16 +145,9 @@ def _gather_once(flow: Dataflow, prods: list[str]) -> dict[str, Any]:
     where = flow.argument(parent, node)
     if not parent or where is None:
         return {}
-    at, count = where
-    if isinstance(at, int):
-        given = ["shard(1)" if i == at else None for i in range(count)]
-        wanted = ["replicate" if i == at else None for i in range(count)]
-        value = {"style": "prepare_module_input", "input_layouts": given if count > 1 else given[0],
-                 "desired_input_layouts": wanted if count > 1 else wanted[0]}
-    else:
-        value = {"style": "prepare_module_input", "input_kwarg_layouts": {at: "shard(1)"},
-                 "desired_input_kwarg_layouts": {at: "replicate"}}
-    return {parent: value}
+    from ..lint.edits import replicating_input
+
+    return {parent: replicating_input(*where, "shard(1)")}
 
 
 def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_parallel: bool) -> list[Group]:
@@ -181,7 +174,7 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
                             [head.out_features], params=head.weight.numel())
     # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
-    for group in shared_parameters(_root_of(modules)):
+    for group in shared_parameters(modules[""]):
         owners = [fqn for fqn, _ in group if fqn in groups]
         if len(owners) > 1:
             first = groups[owners[0]]
@@ -193,10 +186,6 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         elif owners and len({fqn for fqn, _ in group}) > 1:
             groups.pop(owners[0])  # tied to a module that stays whole: it stays whole too
     return list(groups.values())
-
-
-def _root_of(modules: dict):
-    return modules[""]
 
 
 def _experts(modules, claimed: set, ep: bool) -> list[Group]:

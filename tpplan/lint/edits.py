@@ -122,18 +122,23 @@ def _shared_inputs(ctx) -> list[Edit]:
         seen.add(fqn)
         lay = siblings[0].value
         layout = "replicate" if lay.kind == "R" else f"shard({lay.dim})"
-        if isinstance(where, int):
-            given = [layout if i == where else None for i in range(len(call.args))]
-            wanted = ["replicate" if i == where else None for i in range(len(call.args))]
-            value = {"style": "prepare_module_input", "input_layouts": given if len(given) > 1 else layout,
-                     "desired_input_layouts": wanted if len(wanted) > 1 else "replicate"}
-        else:
-            value = {"style": "prepare_module_input", "input_kwarg_layouts": {where: layout},
-                     "desired_input_kwarg_layouts": {where: "replicate"}}
-        value["use_local_output"] = False
+        value = {**replicating_input(where, len(call.args), layout), "use_local_output": False}
         out.append(Edit("TP340", fqn, value, True,
                         f"{', '.join(s.fqn.rpartition('.')[2] for s in siblings)} share one {layout} DTensor input: one backward all-reduce, not {len(siblings)}"))
     return out
+
+
+def replicating_input(where: int | str, positional: int, layout: str) -> dict:
+    """A prepare_module_input that takes the argument at `where` (a position among
+    `positional` arguments, or a keyword) as `layout` and hands it on replicated."""
+    if isinstance(where, str):
+        return {"style": "prepare_module_input", "input_kwarg_layouts": {where: layout},
+                "desired_input_kwarg_layouts": {where: "replicate"}}
+    if positional == 1:
+        return {"style": "prepare_module_input", "input_layouts": layout, "desired_input_layouts": "replicate"}
+    return {"style": "prepare_module_input",
+            "input_layouts": [layout if i == where else None for i in range(positional)],
+            "desired_input_layouts": ["replicate" if i == where else None for i in range(positional)]}
 
 
 def _has_unplanned_params(ctx, parent: str, siblings: set[str]) -> bool:
