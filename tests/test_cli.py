@@ -229,7 +229,7 @@ def test_github_warnings_are_warning_annotations_and_special_characters_are_esca
 def a_model_check_warns(monkeypatch):
     """No shipped check warns yet, so the model-check seam is made to return a warning."""
 
-    def check_model(plan, model, tp_sizes):
+    def check_model(plan, model, tp_sizes, inputs=None):
         rule = plan.rules[0]
         return [warning("TP399", f"sharding at TP {tp_sizes[0]} looks odd", rule.file, rule.line, rule.column)]
 
@@ -262,6 +262,19 @@ def test_exit_code_is_2_for_unreadable_input_then_1_for_errors_then_strict_warni
 
 
 # -- --model ---------------------------------------------------------------------------
+
+
+def test_inputs_let_validate_trace_a_model_whose_first_module_makes_none(workdir):
+    """A Conv1d stem has no default inputs: without --inputs the flow checks are skipped
+    (TP329, naming --inputs); with them the trace and the shape run happen."""
+    plan = workdir("empty.yaml", "version: 1\nrules: {}\n")
+    args = ["validate", plan, "--model", "tpplan.models.zoo:convnet", "--tp", "2", "--format", "json"]
+    without = {p["code"] for p in json.loads(run(*args).stdout)["problems"]}
+    given = {p["code"] for p in json.loads(run(*args, "--inputs", "tpplan.models.zoo:convnet_inputs").stdout)["problems"]}
+    assert {"TP329", "TP330"} <= without and not {"TP329", "TP330"} & given
+    alone = run("validate", plan, "--inputs", "tpplan.models.zoo:convnet_inputs")
+    assert alone.exit_code == 2 and "--inputs needs --model" in alone.output
+
 
 FACTORIES = '''\
 from torch import nn

@@ -37,6 +37,15 @@ def validate(
             show_default=False,
         ),
     ] = None,
+    inputs: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar="MOD:FN",
+            help="With --model, example inputs to trace the forward with (as apply's --inputs); default: "
+            "from the model's first module (token ids for an Embedding, floats for a Linear).",
+            show_default=False,
+        ),
+    ] = None,
     format: Annotated[Format, typer.Option(help="Output format: text (for people), json (one object; cli.md lists its keys), github (annotations).")] = Format.text,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
     select: Annotated[
@@ -74,6 +83,8 @@ def validate(
             rules = selected_codes(select, ignore)
         except UnknownRuleError as exc:
             usage_error(f"--ignore: {exc}")
+    if inputs is not None and model is None:
+        usage_error("--inputs needs --model: the inputs are traced through that model's forward")
     factory = None
     if model is not None:
         from ..runtime.modelref import ModelRefError, load_callable
@@ -99,14 +110,14 @@ def validate(
         loaded.append((entry, plan))
 
     if factory is not None:
-        problems += _check_against_model(model, factory, loaded, tp, rules)
+        problems += _check_against_model(model, factory, loaded, tp, rules, inputs)
 
     exit_with(print_outcome(Outcome(checked, problems, strict), format))
 
 
 def _check_against_model(
     ref: str, factory: Callable[[], Any], loaded: "list[tuple[CheckedPlan, Plan]]", tp: list[int] | None,
-    rules: "set[str] | None" = None,
+    rules: "set[str] | None" = None, inputs: str | None = None,
 ) -> "list[Problem]":
     """Build the model once, on the meta device, and check every loaded plan against it."""
     from ..core.problems import PlanError
@@ -121,5 +132,5 @@ def _check_against_model(
     for entry, plan in loaded:
         entry.model, entry.tp_sizes = ref, tp_sizes_for(plan, tp)
         selection = {} if rules is None else {"select": sorted(rules)}
-        problems += check_model(plan, built, entry.tp_sizes, **selection)
+        problems += check_model(plan, built, entry.tp_sizes, inputs=inputs, **selection)
     return problems

@@ -50,11 +50,13 @@ def check_model(
     tp_sizes: Sequence[int] | None,
     select: Sequence[str] | None = None,
     ignore: Sequence[str] | None = None,
+    inputs: str | None = None,
 ) -> list[Problem]:
     """Problems of `plan` applied to `model` (best built on the meta device) at each TP degree
     (none given: the plan's mesh.sizes, else DEFAULT_TP_SIZES), by the lint rules `select`
-    names (default: all) less those `ignore` names."""
+    names (default: all) less those `ignore` names; `inputs`: MOD:FN of the example inputs
+    the forward is traced with (default: from the model's first module)."""
     from . import lint_model
 
     chosen = selected_codes(select, ignore)
-    return lint_model(plan, model, tp_sizes_for(plan, tp_sizes), select=chosen)
+    return lint_model(plan, model, tp_sizes_for(plan, tp_sizes), select=chosen, inputs=inputs)

@@ -54,7 +54,7 @@ def _simulate(ctx, tp: int, mode: str):
     """None when the plan applies and a forward and backward run at `tp`; else the problems."""
     from ...core.problems import PlanError
     from ...runtime.locate import FailureLocator, apply_plan, run_located
-    from ...runtime.simulate import default_inputs, scalar_loss, simulated_world, tp_mesh
+    from ...runtime.simulate import scalar_loss, simulated_world, tp_mesh
     from ..collapse import collapsed_copy, plan_for
     from ...runtime.ladder import prepared, running
 
@@ -65,11 +65,21 @@ def _simulate(ctx, tp: int, mode: str):
             mesh = tp_mesh(tp, ctx.plan.mesh_axis)  # outside fake mode: the mesh needs real rank lists
             with running(mode, model):
                 rules = apply_plan(plan, model, mesh)
-                inputs = default_inputs(model, seq=_sequence_length(tp))
-                run_located(FailureLocator(plan, model, rules, tp), lambda: scalar_loss(model(inputs)).backward())
+                inputs = _inputs(ctx, model, tp)
+                run_located(FailureLocator(plan, model, rules, tp), lambda: scalar_loss(model(*inputs)).backward())
     except PlanError as exc:
         return exc.problems
     return None
+
+
+def _inputs(ctx, model, tp: int) -> tuple:
+    """The user's example inputs (`--inputs`), else the default ones with a sequence the degree divides."""
+    from ...runtime.modelref import make_inputs
+    from ...runtime.simulate import default_inputs
+
+    if ctx.inputs is None:
+        return (default_inputs(model, seq=_sequence_length(tp)),)
+    return make_inputs(ctx.inputs, model, next((t.device for t in model.parameters()), "cpu"))
 
 
 RULE = LintRule(
