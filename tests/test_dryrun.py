@@ -330,3 +330,13 @@ def test_a_model_the_default_inputs_cannot_run_without_a_plan_either_is_told_to_
         "so the plan is not the cause: without the plan, one forward and backward on one device (drafter:build) failed: "
         "ValueError: target_states cannot be None"
     )
+
+
+def test_an_empty_plan_still_gets_its_report_every_parameter_whole(tmp_path):
+    """A plan with no rules runs (exit 0): its report says so instead of printing nothing."""
+    plan = tmp_path / "empty.yaml"
+    plan.write_text("version: 1\nrules: {}\n")
+    result = run("--plan", str(plan), "--model", "tpplan.models.mlp:tiny", "--dry-run", "--tp", "2", "--check")
+    assert result.exit_code == 0, result.output
+    assert "Parameters at TP 2" in result.output and "Modules and styles" not in result.output
+    assert "check against a single device: passed, max |diff| 0" in result.output

@@ -325,7 +325,7 @@ def print_report(report, format: ApplyFormat, rank: int) -> int:
     from ..render.apply_report import render_text
     from ..render.problems import render_text as render_problems
 
-    if report.modules:
+    if report.modules or not report.problems:  # a run that failed early has no report; an empty plan's run has one
         console = Console(highlight=False)
         if not console.is_terminal:
             console.width = 200  # a pipe or log gets whole parameter names, not 80 columns
