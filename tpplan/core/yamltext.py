@@ -28,3 +28,46 @@ def yaml_flow(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(yaml_flow(v) for v in value) + "]"
     return yaml_scalar(value)
+
+
+def group_siblings(rules: Mapping[str, Any]) -> dict[str, Any]:
+    """`a.q_proj`, `a.k_proj`, `a.v_proj` with one value -> `a.{q_proj,k_proj,v_proj}`,
+    each group where its first key was."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for key in rules:
+        parent, _, leaf = key.rpartition(".")
+        groups.setdefault((parent, repr(rules[key])), []).append(leaf)
+    out = {}
+    for (parent, _), leaves in groups.items():
+        tail = leaves[0] if len(leaves) == 1 else "{" + ",".join(leaves) + "}"
+        out[f"{parent}.{tail}" if parent else tail] = rules[f"{parent}.{leaves[0]}" if parent else leaves[0]]
+    return out
+
+
+def plan_fields(name: str, description: str, sizes) -> dict[str, Any]:
+    """The top-level keys of a plan tpplan writes (one `tp` mesh axis)."""
+    return {"version": 1, "name": name, "description": description, "mesh": {"axis": "tp", "sizes": list(sizes)}}
+
+
+def plan_yaml(top: Mapping[str, Any], rules: Mapping[str, Any], *, notes: Mapping[str, str] | None = None,
+              header: tuple[str, ...] | list[str] = (), footer: tuple[str, ...] | list[str] = ()) -> str:
+    """A plan file (SPEC §2): `header` lines, the top-level keys in order (a mapping one
+    key per line), then one line per rule, shorthand or a flow mapping; a rule's note
+    (`notes`) is a comment written once before the run of rules it explains; `footer`
+    lines as comments."""
+    lines = list(header)
+    for key, value in top.items():
+        if isinstance(value, Mapping):
+            lines += [f"{key}:", *(f"  {k}: {yaml_flow(v)}" for k, v in value.items())]
+        else:
+            lines.append(f"{key}: {yaml_flow(value)}")
+    lines.append("rules:" if rules else "rules: {}")
+    last_note = None
+    for key, value in rules.items():
+        note = (notes or {}).get(key)
+        if note and note != last_note:
+            lines.append(f"  # {note}")
+        last_note = note
+        lines.append(f"  {yaml_scalar(key)}: {yaml_flow(value)}")
+    lines += [f"# {line}" if line else "#" for line in footer]
+    return "\n".join(lines) + "\n"

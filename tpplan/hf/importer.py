@@ -20,7 +20,7 @@ Input that names no usable config or plan raises `HfImportError` (a
 `ValueError`, with the reason); anything else that escapes is a bug.
 Needs `transformers` (`pip install tpplan[hf]`); torch only when a model is
 checked (`check_model=True`, the default) or a plan is applied.
-YAML rendering is in `hf/render.py`.
+The YAML is written by `core.yamltext.plan_yaml`, as every plan tpplan writes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG
 from .local_params import NAMES_A_PARAMETER, local_params_rules
-from .render import group_siblings, render_plan
+from ..core.yamltext import group_siblings, plan_fields, plan_yaml
 from .sharing import parents_sharing_input
 
 if TYPE_CHECKING:
@@ -290,7 +290,7 @@ def import_hf(
             sharing = parents_sharing_input(rules, model)
             rules = {**sharing, **rules}
             added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
-            summed = fix_partial_gradients(render_plan("probe", "", [2], rules, []), model) if fix_partial_gradients else {}
+            summed = fix_partial_gradients(plan_yaml(plan_fields("probe", "", [2]), rules), model) if fix_partial_gradients else {}
             rules = {**rules, **summed}
             added += [
                 (key, "local_params: its parameters compute on sharded activations, their gradients are summed (TP325)")
@@ -316,7 +316,7 @@ def import_hf(
         + (", plus one shared replicated input per column-parallel parent" if minimal else "")
         + "."
     )
-    text = render_plan(name, description, _tp_sizes(config), group_siblings(rules), header)
+    text = plan_yaml(plan_fields(name, description, _tp_sizes(config)), group_siblings(rules), header=header)
     return ImportedPlan(text, skipped, added)
 
 

@@ -79,17 +79,6 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
 
 def _with_rules(data: dict, rules: dict) -> str:
     """The plan's YAML with `rules` in place of its rules, every other key as it was."""
-    from ..core.yamltext import yaml_flow, yaml_scalar
+    from ..core.yamltext import plan_yaml
 
-    lines = []
-    for key, value in data.items():
-        if key == "rules":
-            continue
-        if isinstance(value, dict):
-            lines.append(f"{key}:")
-            lines += [f"  {k}: {yaml_flow(v)}" for k, v in value.items()]
-        else:
-            lines.append(f"{key}: {yaml_flow(value)}")
-    lines.append("rules:" if rules else "rules: {}")
-    lines += [f"  {yaml_scalar(k)}: {yaml_flow(v)}" for k, v in rules.items()]
-    return "\n".join(lines) + "\n"
+    return plan_yaml({key: value for key, value in data.items() if key != "rules"}, rules)
