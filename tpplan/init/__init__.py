@@ -76,7 +76,7 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     from ..runtime.modelref import build_model
     from .dataflow import analyze
     from .infer import propose
-    from .prove import Target, prove
+    from .prove import Target, plan_text, prove
 
     event = on_event or (lambda text: None)
     if isinstance(model, nn.Module):
@@ -105,9 +105,7 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     proven, _ = prove(target, proposal, tp, name=name, description=description, header=header, on_event=event)
     unplanned = [u for u in proposal.unplanned if u.fqn not in proven.rules]  # the lint's edits planned some
     footer = _footer(proven, unplanned, checked)
-    from .prove import _text
-
-    text = _text(proven.rules, [n for n, _ in meta.named_modules()], proven.degrees, proposal, name, description, header)
+    text = plan_text(proven.rules, [n for n, _ in meta.named_modules()], proven.degrees, proposal, name, description, header)
     text = text + "".join(f"{line}\n" for line in footer)
     inferred = Inferred(text, proven, unplanned, checked)
     compare = dict(compare or {})

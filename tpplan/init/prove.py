@@ -153,7 +153,7 @@ def _lint_fixed(target, groups, degrees, proposal, name, description, header, ev
     rules = _all_rules(groups, degrees)
     applied = []
     for _ in range(4):
-        text = _text(rules, names, degrees, proposal, name, description, header)
+        text = plan_text(rules, names, degrees, proposal, name, description, header)
         plan = load_plan(text=text, file="<init>")
         ctx = LintContext(plan, target.model, degrees, inputs=target.inputs)
         edits = [e for e in lint_edits(ctx) if e not in applied]
@@ -174,7 +174,9 @@ def _lint_fixed(target, groups, degrees, proposal, name, description, header, ev
     return rules, applied, text, plan
 
 
-def _text(rules, names, degrees, proposal, name, description, header) -> str:
+def plan_text(rules, names, degrees, proposal, name, description, header) -> str:
+    """The plan's YAML for `rules` ({module fqn: (value, note)}), globbed over `names`; loss_parallel
+    when asked and the head is still planned."""
     return render(name, description, degrees, generalized(rules, names), header=header,
                   loss_parallel=proposal.loss_parallel and any(f in rules for g in proposal.groups if g.kind == "head" for f in g.rules))
 
