@@ -1,0 +1,95 @@
+"""A checkpoint loaded at a TP degree that does not divide the sharded dims (torch's
+uneven shards: rank r holds chunk r of `torch.chunk`, 130 features at TP 3 are
+44 + 44 + 42): `apply --dry-run --check --checkpoint` reports for each rank the
+bytes that loading at that degree reads, in one process (`checkpoint.simulate`,
+each simulated rank its own chunk) and on real gloo ranks (uneven_load_worker.py),
+and every rank's values are its slice of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import pytest
+import torch
+from typer.testing import CliRunner
+from uneven_load_worker import DIM, HIDDEN, PLAN, odd, rank_reads
+
+from tpplan import load_checkpoint, load_plan, save_checkpoint
+from tpplan.checkpoint.simulate import simulated_load
+from tpplan.cli.app import app
+
+pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
+
+MODEL = "uneven_load_worker:odd"
+
+
+def chunk_bytes(tp: int) -> list[int]:
+    """What rank r of TP `tp` holds, by hand: per block, in_proj's rows and bias and
+    out_proj's columns of its chunk of HIDDEN, out_proj's bias whole; float32."""
+    chunks = [len(c) for c in torch.arange(HIDDEN).chunk(tp)]
+    return [2 * 4 * (c * DIM + c + DIM * c + DIM) for c in chunks]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(7)
+    root = tmp_path_factory.mktemp("uneven")
+    (root / "plan.yaml").write_text(PLAN)
+    save_checkpoint(odd(), root / "hf", format="hf")
+    return root
+
+
+def dry_run(checkpoint, directory, tp: int, *more: str):
+    return CliRunner().invoke(app, ["apply", "--dry-run", "--check", "--tp", str(tp), "--model", MODEL, "--plan",
+                                    str(checkpoint / "plan.yaml"), "--checkpoint", str(directory), *more])
+
+
+def test_the_chunks_are_uneven_at_3_and_4():
+    assert chunk_bytes(3) == [21712, 21712, 20736] and chunk_bytes(4) == [16344, 16344, 16344, 15368]
+    whole = sum(p.numel() * p.element_size() for p in odd().parameters())
+    for tp in (3, 4):  # the ranks together: the model once, and out_proj's replicated biases tp times
+        assert sum(chunk_bytes(tp)) == whole + (tp - 1) * 2 * DIM * 4
+
+
+def simulated_reads(checkpoint, tp: int) -> list[tuple[int, list[str]]]:
+    """(bytes, names not equal to their slice) that each rank holds after loading at TP `tp` in one process."""
+    full = odd()
+    load_checkpoint(full, checkpoint / "hf")
+    with simulated_load(odd, load_plan(text=PLAN), tp, str(checkpoint / "hf")) as sim:
+        assert [r.read_bytes for r in sim.results] == chunk_bytes(tp)
+        return [rank_reads(sim.model, full.state_dict(), rank, lambda t: t.to_local()._local_tensors[rank]) for rank in range(tp)]
+
+
+def test_the_dry_run_reports_what_each_simulated_rank_loads(checkpoint):
+    result = dry_run(checkpoint, checkpoint / "hf", 3)
+    assert result.exit_code == 0, result.output
+    assert "would load 8 of its 8 tensors\n  ranks 0-1 read 21.20 KiB (21712 bytes)\n  rank 2 reads 20.25 KiB (20736 bytes)\n" in result.stdout
+    assert "check against a single device: passed" in result.stdout
+    assert simulated_reads(checkpoint, 3) == [(21712, []), (21712, []), (20736, [])]
+
+
+@pytest.mark.slow  # the same at TP 3 and 4, in the JSON report (~3 s each)
+@pytest.mark.parametrize("tp", [3, 4])
+def test_the_dry_runs_rank_reads_are_what_each_simulated_rank_loads(checkpoint, tp):
+    result = dry_run(checkpoint, checkpoint / "hf", tp, "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["check"]["passed"] is True
+    assert report["checkpoint"]["rank_read_bytes"] == chunk_bytes(tp)
+    assert simulated_reads(checkpoint, tp) == [(b, []) for b in chunk_bytes(tp)]
+
+
+@pytest.mark.slow  # torchrun with 3 gloo ranks (~30 s)
+def test_real_gloo_ranks_read_what_the_dry_run_reports_and_their_dcp_save_reloads_at_another_uneven_degree(checkpoint, tmp_path):
+    from test_torchrun import torchrun
+
+    result = torchrun(3, "tests/uneven_load_worker.py", str(checkpoint / "hf"), str(tmp_path), "--save", str(tmp_path / "dcp3"), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    assert ranks == [{"held": b, "read_bytes": b, "wrong": []} for b in chunk_bytes(3)]
+    report = json.loads(dry_run(checkpoint, checkpoint / "hf", 3, "--format", "json").stdout)
+    assert report["checkpoint"]["rank_read_bytes"] == [r["held"] for r in ranks]
+    # the DCP the 3 ranks wrote (uneven chunks) at TP 4
+    again = dry_run(checkpoint, tmp_path / "dcp3", 4, "--format", "json")
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["checkpoint"]["rank_read_bytes"] == chunk_bytes(4)
