@@ -1,6 +1,6 @@
 """A checkpoint loaded at a TP degree that does not divide the sharded dims (torch's
 uneven shards: rank r holds chunk r of `torch.chunk`, 130 features at TP 3 are
-44 + 44 + 42): `apply --dry-run --check --checkpoint` reports for each rank the
+44 + 44 + 42, at TP 4 33 + 33 + 33 + 31): `apply --dry-run --check --checkpoint` reports for each rank the
 bytes that loading at that degree reads, in one process (`checkpoint.simulate`,
 each simulated rank its own chunk) and on real gloo ranks (uneven_load_worker.py),
 and every rank's values are its slice of the checkpoint.
@@ -9,6 +9,7 @@ and every rank's values are its slice of the checkpoint.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -21,6 +22,7 @@ from tpplan.cli.app import app
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
 MODEL = "uneven_load_worker:odd"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def chunk_bytes(tp: int) -> list[int]:
@@ -77,6 +79,30 @@ def test_the_dry_runs_rank_reads_are_what_each_simulated_rank_loads(checkpoint, 
     assert report["check"]["passed"] is True
     assert report["checkpoint"]["rank_read_bytes"] == chunk_bytes(tp)
     assert simulated_reads(checkpoint, tp) == [(b, []) for b in chunk_bytes(tp)]
+
+
+@pytest.mark.slow  # a transformers Llama (~10 s)
+def test_an_uneven_vocab_parallel_embedding_and_lm_head_read_what_each_rank_loads(tmp_path):
+    pytest.importorskip("transformers")
+    from uneven_load_worker import llama_odd_vocab
+
+    torch.manual_seed(2)
+    llama_odd_vocab().save_pretrained(tmp_path / "llama")
+    plan = str(ROOT / "plans/hf/llama_tp.yaml")
+    result = CliRunner().invoke(app, ["apply", "--dry-run", "--check", "--tp", "4", "--model", "uneven_load_worker:llama_odd_vocab",
+                                      "--plan", plan, "--checkpoint", str(tmp_path / "llama"), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    read = report["checkpoint"]["rank_read_bytes"]
+    assert report["check"]["passed"] is True
+    # 130 tokens: 33, 33, 33 and 31 rows of the embedding and of lm_head, 64 floats each
+    assert read[:3] == [read[0]] * 3 and read[0] - read[3] == 2 * (33 - 31) * 64 * 4
+    with torch.device("meta"):
+        full = llama_odd_vocab()
+    load_checkpoint(full, tmp_path / "llama")
+    with simulated_load(llama_odd_vocab, load_plan(plan), 4, str(tmp_path / "llama")) as sim:
+        held = [rank_reads(sim.model, full.state_dict(), rank, lambda t: t.to_local()._local_tensors[rank]) for rank in range(4)]
+    assert held == [(r, []) for r in read]
 
 
 @pytest.mark.slow  # torchrun with 3 gloo ranks (~30 s)

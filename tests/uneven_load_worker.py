@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpplan.models.mlp import MLP  # noqa: E402
 
-DIM, HIDDEN = 30, 130  # 130 = 44 + 44 + 42 at TP 3, 33 + 33 + 32 + 32 at TP 4
+DIM, HIDDEN = 30, 130  # torch.chunk: 130 = 44 + 44 + 42 at TP 3, 33 + 33 + 33 + 31 at TP 4
 PLAN = """\
 version: 1
 rules:
@@ -32,6 +32,13 @@ rules:
 def odd() -> MLP:
     """2 blocks of 30 -> 130 -> 30."""
     return MLP(dim=DIM, hidden=HIDDEN, n_blocks=2)
+
+
+def llama_odd_vocab():
+    """tpplan.hf_models' LlamaForCausalLM with 130 tokens: its vocab-parallel embedding and lm_head shard unevenly."""
+    from tpplan.hf_models import _build
+
+    return _build("LlamaConfig", "LlamaForCausalLM", "sdpa", vocab_size=130)
 
 
 def rank_reads(model: torch.nn.Module, full: dict[str, torch.Tensor], rank: int, local=None) -> tuple[int, list[str]]:
