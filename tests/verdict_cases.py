@@ -32,11 +32,6 @@ KNOWN: dict[str, tuple[str, str]] = {
         "process (UnsimulatableDispatch): torchrun's --check checks it"
     )),
     "shipped:plans/hf/qwen3_moe_ep_sp.yaml@4": ("not-run", "the same all_to_all dispatch as at TP 2: only torchrun's --check runs it"),
-    "sweep:longcat_flash@2": ("miss", (
-        "tpplan's gap, not the lint's alone: LongCat-Flash's zero-computation experts have no tpplan style, so "
-        "import-hf leaves them out and expert_tp's all-reduce counts their output once per rank (test_hf_sweep's "
-        "OUTCOMES records the same TP505)"
-    )),
     "rules:TP327:failing@2": ("false-alarm", (
         "the dry run's blind spot, not the lint's: with nothing else sharded the gate's output is a plain tensor, "
         "and under the fake process group its gradient's all-reduce is a no-op; torchrun's --check on 2 ranks fails "
