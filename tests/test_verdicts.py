@@ -6,7 +6,9 @@ verdict_cases.KNOWN with their reasons, and the list must stay true.
 
 By default (about 30 s): two reference plans and the layout-flow rules' examples
 (TP32x) at one degree, a few fuzzed plans and one family; `-m slow` adds every
-degree, every shipped plan and rule example, more fuzzed plans and every family. `python tests/test_verdicts.py`
+degree, every shipped plan and rule example, more fuzzed plans and every family (its
+imported plan, and its `--minimal` plan where that differs; a family whose tiny model
+does not run on the default inputs is skipped). `python tests/test_verdicts.py`
 prints every verdict and the counts.
 """
 
