@@ -1,15 +1,16 @@
 """A checkpoint loaded at a TP degree that does not divide the sharded dims (torch's
-uneven shards: rank r holds chunk r of `torch.chunk`, 130 features at TP 3 are
-44 + 44 + 42, at TP 4 33 + 33 + 33 + 31): `apply --dry-run --check --checkpoint` reports for each rank the
-bytes that loading at that degree reads, in one process (`checkpoint.simulate`,
-each simulated rank its own chunk) and on real gloo ranks (uneven_load_worker.py),
-and every rank's values are its slice of the checkpoint.
+uneven shards: rank r holds chunk r of `torch.chunk`, 130 features are 44 + 44 + 42
+at TP 3, 33 + 33 + 33 + 31 at TP 4): `apply --dry-run --check --checkpoint` reports
+for each rank the bytes that loading at that degree reads, in one process
+(`checkpoint.simulate`, each simulated rank its own chunk) and on real gloo ranks
+(uneven_load_worker.py), and every rank's values are its slice of the checkpoint.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -65,7 +66,8 @@ def simulated_reads(checkpoint, tp: int) -> list[tuple[int, list[str]]]:
 def test_the_dry_run_reports_what_each_simulated_rank_loads(checkpoint):
     result = dry_run(checkpoint, checkpoint / "hf", 3)
     assert result.exit_code == 0, result.output
-    assert "would load 8 of its 8 tensors\n  ranks 0-1 read 21.20 KiB (21712 bytes)\n  rank 2 reads 20.25 KiB (20736 bytes)\n" in result.stdout
+    reads = "would load 8 of its 8 tensors\n  ranks 0-1 read 21.20 KiB (21712 bytes)\n  rank 2 reads 20.25 KiB (20736 bytes)\n"
+    assert reads in result.stdout
     assert "check against a single device: passed" in result.stdout
     assert simulated_reads(checkpoint, 3) == [(21712, []), (21712, []), (20736, [])]
 
@@ -79,6 +81,9 @@ def test_the_dry_runs_rank_reads_are_what_each_simulated_rank_loads(checkpoint, 
     assert report["check"]["passed"] is True
     assert report["checkpoint"]["rank_read_bytes"] == chunk_bytes(tp)
     assert simulated_reads(checkpoint, tp) == [(b, []) for b in chunk_bytes(tp)]
+    fake = CliRunner().invoke(app, ["apply", "--dry-run", "--tp", str(tp), "--model", MODEL, "--plan", str(checkpoint / "plan.yaml"),
+                                    "--checkpoint", str(checkpoint / "hf"), "--format", "json"])
+    assert json.loads(fake.stdout)["checkpoint"]["rank_read_bytes"] == chunk_bytes(tp)  # without --check: fake tensors' metadata
 
 
 @pytest.mark.slow  # a transformers Llama (~10 s)
@@ -109,7 +114,8 @@ def test_an_uneven_vocab_parallel_embedding_and_lm_head_read_what_each_rank_load
 def test_real_gloo_ranks_read_what_the_dry_run_reports_and_their_dcp_save_reloads_at_another_uneven_degree(checkpoint, tmp_path):
     from test_torchrun import torchrun
 
-    result = torchrun(3, "tests/uneven_load_worker.py", str(checkpoint / "hf"), str(tmp_path), "--save", str(tmp_path / "dcp3"), timeout=240)
+    result = torchrun(3, "tests/uneven_load_worker.py", str(checkpoint / "hf"), str(tmp_path), "--save", str(tmp_path / "dcp3"),
+                      timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert ranks == [{"held": b, "read_bytes": b, "wrong": []} for b in chunk_bytes(3)]
