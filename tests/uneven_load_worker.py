@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tpplan.models.mlp import MLP  # noqa: E402
+from worker_common import finish  # noqa: E402
 
 DIM, HIDDEN = 30, 130  # torch.chunk: 130 = 44 + 44 + 42 at TP 3, 33 + 33 + 33 + 31 at TP 4
 PLAN = """\
@@ -88,7 +89,7 @@ def main() -> None:
     Path(args.out, f"rank{rank}.json").write_text(json.dumps({"held": held, "read_bytes": result.read_bytes, "wrong": wrong}))
     if args.save:
         save_checkpoint(model, args.save)
-    dist.destroy_process_group()
+    finish()  # gloo workers may abort at interpreter exit after DTensor collectives
 
 
 if __name__ == "__main__":
