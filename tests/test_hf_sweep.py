@@ -40,6 +40,10 @@ OUTCOMES: dict[str, tuple[str, str | None]] = {
     # embedding weight is vocab-sharded too; the model's forward reads that weight whole
     # (`embed_tokens.weight[pad_token_id]` into a torch.where with plain tensors): TP330 at the embedding's rule
     "gemma4": ("validate", "TP330"),
+    # Gemma 3n's first layers sparsify the MLP's activations (gaussian top-k: a cutoff from the mean and std over
+    # the intermediate features), which transformers' plan shards colwise: each rank's cutoff is its own shard's
+    # statistics (TP321 at gate/up_proj; the differential test's --check confirms it, TP505)
+    "gemma3n_text": ("validate", "TP321"),
     # transformers shards InklingSharedExperts' raw gate/up/down_proj parameters and all-reduces its output: its own runtime fails there (bmm of a plain input with DTensor weights); the parameter entries left out (tpplan styles modules), the all-reduce sums a replicated output (TP320)
     "inkling_text": ("validate", "TP320"),
     # Llama 4's MoE adds the routed experts' output in place into the shared expert's rowwise output
@@ -48,9 +52,11 @@ OUTCOMES: dict[str, tuple[str, str | None]] = {
     "llama4": ("validate", "TP330"),
     "llama4_text": ("validate", "TP330"),  # the same MoE as llama4, its text-only causal LM
     # NOT transformers' problem but tpplan's gap: its zero-computation experts (identity_expert, transformers'
-    # moe_identity_expert divides their input by the TP degree) have no tpplan style, so import-hf leaves them out
-    # and expert_tp's all-reduce counts their output once per rank (transformers' own TP matches one device)
-    "longcat_flash": ("dry-run", "TP505"),
+    # moe_identity_expert divides their input by the TP degree) have no tpplan style; their gate_up_proj rows
+    # (routed + zero experts, 6) and down_proj's (routed, 4) have no common expert dim, which expert_tp
+    # (any layout with the expert dim first) refuses: validate TP305, the dry run TP501 (was TP505 at the dry
+    # run: before, expert_tp took the parameters by name and counted the zero experts' output once per rank)
+    "longcat_flash": ("validate", "TP305"),
     "sarvam_moe": ("validate", "TP325"),  # as doge: q_norm/k_norm after colwise q/k, not in transformers' plan
 }
 FAST = ["llama", "seed_oss", "qwen3", "gpt2"]  # and apertus, in its own test below

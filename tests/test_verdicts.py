@@ -6,7 +6,9 @@ verdict_cases.KNOWN with their reasons, and the list must stay true.
 
 By default (about 30 s): two reference plans and the layout-flow rules' examples
 (TP32x) at one degree, a few fuzzed plans and one family; `-m slow` adds every
-degree, every shipped plan and rule example, more fuzzed plans and every family. `python tests/test_verdicts.py`
+degree, every shipped plan and rule example, more fuzzed plans and every family (its
+imported plan, and its `--minimal` plan where that differs; a family whose tiny model
+does not run on the default inputs is skipped). `python tests/test_verdicts.py`
 prints every verdict and the counts.
 """
 
@@ -164,10 +166,16 @@ def _family_params():
 def test_a_familys_plan_gets_the_verdict_of_check(model_type, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        case = swept(model_type, tmp_path)
-    if isinstance(case, str):
-        pytest.skip(f"{model_type}: {case[:200]}")
-    assert_verdict(*case, 2)
+        cases = swept(model_type, tmp_path)
+    if isinstance(cases, str):
+        pytest.skip(f"{model_type}: {cases[:200]}")
+    for case_id, path, model in cases:  # its plan, and its --minimal plan where that differs
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            verdict = judge(path, model, 2)
+        if verdict.kind == "not-run" and f"{case_id}@2" not in KNOWN:  # the sweep's "needs --inputs" and "does not run"
+            pytest.skip(f"{model_type}: its tiny model does not run on the default inputs: {verdict.check_text[:200]}")
+        assert verdict.kind == expected(f"{case_id}@2"), verdict.describe()
 
 
 # -- what the fixes found by the differential changed --------------------------------------------
@@ -183,6 +191,39 @@ def test_an_uneven_shard_passes_check_after_the_fake_pass(tmp_path):
     path.write_text("version: 1\nrules:\n  blocks.*.in_proj: {style: colwise, use_local_output: false}\n  blocks.*.out_proj: rowwise\n")
     report = dry_run(ApplyOptions(plan=str(path), model="tpplan.models.mlp:tiny", tp=3, check=True))
     assert report.problems == [] and report.check.passed
+
+
+DRAFTER = """\
+from torch import nn
+
+
+class Drafter(nn.Module):  # as transformers' Gemma 4 assistants: token ids alone do not run it
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.up = nn.Linear(16, 64)
+
+    def forward(self, ids, target_states=None):
+        if target_states is None:
+            raise ValueError("target_states cannot be None")
+        return self.up(self.embed(ids) + target_states)
+
+
+def build():
+    return Drafter()
+"""
+
+
+@pytest.mark.usefixtures("no_process_group_leaks")
+def test_a_model_that_fails_on_one_device_too_is_not_run_not_a_miss(tmp_path, monkeypatch):
+    # found by the family sweep: gemma4_unified_assistant's tiny model needs the target model's
+    # states; the dry run's TP500 (the model fails without the plan) checked no plan
+    (tmp_path / "drafter_model.py").write_text(DRAFTER)
+    (tmp_path / "plan.yaml").write_text("version: 1\nrules:\n  up: colwise\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    verdict = judge(tmp_path / "plan.yaml", "drafter_model:build", 2)
+    assert (verdict.kind, verdict.lint, verdict.check, verdict.disclosed) == ("not-run", (), ("not run",), ("TP329",))
+    assert "TP500 the model fails on one device too" in verdict.check_text
 
 
 def test_layout_flow_errors_apply_only_at_degrees_that_split_tensors():
@@ -250,9 +291,10 @@ if __name__ == "__main__":  # python tests/test_verdicts.py [fuzzed-count]: ever
             family.mkdir()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                case = swept(model_type, family)
-            if isinstance(case, str):
-                print(f"sweep:{model_type}: skipped ({case.splitlines()[0][:120]})", flush=True)
+                cases = swept(model_type, family)
+            if isinstance(cases, str):
+                print(f"sweep:{model_type}: skipped ({cases.splitlines()[0][:120]})", flush=True)
                 continue
-            record(*case, 2)
+            for case in cases:
+                record(*case, 2)
     print(dict(tally(verdicts)))

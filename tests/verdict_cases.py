@@ -32,11 +32,6 @@ KNOWN: dict[str, tuple[str, str]] = {
         "process (UnsimulatableDispatch): torchrun's --check checks it"
     )),
     "shipped:plans/hf/qwen3_moe_ep_sp.yaml@4": ("not-run", "the same all_to_all dispatch as at TP 2: only torchrun's --check runs it"),
-    "sweep:longcat_flash@2": ("miss", (
-        "tpplan's gap, not the lint's alone: LongCat-Flash's zero-computation experts have no tpplan style, so "
-        "import-hf leaves them out and expert_tp's all-reduce counts their output once per rank (test_hf_sweep's "
-        "OUTCOMES records the same TP505)"
-    )),
     "rules:TP327:failing@2": ("false-alarm", (
         "the dry run's blind spot, not the lint's: with nothing else sharded the gate's output is a plain tensor, "
         "and under the fake process group its gradient's all-reduce is a no-op; torchrun's --check on 2 ranks fails "
@@ -80,13 +75,16 @@ def rule_examples(directory: Path) -> list[tuple[str, str, str]]:
     return cases
 
 
-def swept(model_type: str, directory: Path) -> tuple[str, str, str] | str:
+def swept(model_type: str, directory: Path) -> list[tuple[str, str, str]] | str:
     """(case id, plan path, model) of transformers' own plan for a tiny `model_type`
-    (import-hf, as the family sweep does); why not, when the family does not build or has no plan."""
+    (import-hf, as the family sweep does) and of its `--minimal` plan (as the CLI
+    writes it, with the lint's TP325 fixes) where that differs; why not, when the
+    family does not build or has no plan."""
     import torch
 
     from tpplan.hf.importer import import_hf
     from tpplan.hf.tiny import build, tiny_config
+    from tpplan.lint.fixes import partial_gradient_rules
 
     try:  # transformers' own config checks and constructor on a shrunk config: not tpplan's to judge
         tiny_config(model_type).save_pretrained(directory)
@@ -94,9 +92,18 @@ def swept(model_type: str, directory: Path) -> tuple[str, str, str] | str:
             build(model_type)
     except Exception as exc:  # the sweep records these as "does not build"
         return f"does not build: {type(exc).__name__}: {exc}"
-    path = directory / "hf.yaml"
-    try:
-        path.write_text(import_hf(directory, output=path).text)
-    except ValueError as exc:  # no TP plan, or one import-hf cannot read (the sweep's "no TP plan" / "import")
-        return f"no plan: {exc}"
-    return (f"sweep:{model_type}", str(path), f"tpplan.hf.tiny:{model_type.replace('-', '_')}")
+    model = f"tpplan.hf.tiny:{model_type.replace('-', '_')}"
+    cases, bodies = [], set()
+    for minimal in (False, True):
+        path = directory / ("minimal.yaml" if minimal else "hf.yaml")
+        try:  # the CLI's import-hf [--minimal]
+            text = import_hf(directory, minimal=minimal, fix_partial_gradients=partial_gradient_rules, output=path).text
+        except ValueError as exc:  # no TP plan, or one import-hf cannot read (the sweep's "no TP plan" / "import")
+            return f"no plan: {exc}"
+        body = text.split("\nrules:\n", 1)[1]
+        if body in bodies:
+            continue  # nothing to share: the same rules as without --minimal
+        bodies.add(body)
+        path.write_text(text)
+        cases.append((f"sweep:{model_type}" + (":minimal" if minimal else ""), str(path), model))
+    return cases

@@ -46,6 +46,11 @@ UNSET: dict[str, Any] = {"head_dim": 8, "num_key_value_heads": 4}
 # real checkpoints mix (the default has one kind only)
 FAMILIES: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"num_experts_per_tok": 2},  # None by default, and its router's topk needs a k
+    # its input, recurrent (looped) and output layers must sum to the layers: one of each
+    "dory": {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1,
+             "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    # 15 of its 35 layers share KV by default: of 2, the last reads the first's; its per-layer widths are a list
+    "gemma3n_text": {"num_kv_shared_layers": 1, "intermediate_size": [128, 128]},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
     "mamba2": {"expand": 1},  # hidden * expand = num_heads * head_dim

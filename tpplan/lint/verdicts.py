@@ -10,8 +10,9 @@ The lint promises two things, and this module tests them on one (plan, model, TP
 
 Other lint errors that the check does not confirm are told apart (`unconfirmed`):
 some are about what `--check` does not run (training under `loss_parallel`).
-A plan the dry run cannot check as asked (no default inputs for the model, an
-expert dispatch that only torchrun can run) is `not-run`, and compared with nothing.
+A plan the dry run cannot check as asked (no default inputs for the model, a
+model that fails on one device too on them: TP500, an expert dispatch that only
+torchrun can run) is `not-run`, and compared with nothing.
 A miss the lint warned it could not rule out (TP328: the flow stopped at an op it
 does not model; TP329: no trace) keeps those warnings in `disclosed`.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 FLOW = re.compile(r"TP32[0-8]")  # the layout-flow errors (TP329 is the warning that it could not run)
 # expert_parallel's all_to_all dispatch under LocalTensorMode: torchrun checks it, the dry run cannot
 _CANNOT_CHECK = "UnsimulatableDispatch"
+_MODEL_FAILS = "TP500"  # the model factory, or the model on one device without the plan, fails: not the plan's verdict
 _STOPPED = ("TP328", "TP329")  # the lint's warnings that part of the flow was not followed
 KINDS = ("agree", "miss", "false-alarm", "unconfirmed", "not-run")
 
@@ -107,6 +109,8 @@ def judge(plan_path: str | Path, model: str, tp: int) -> Verdict:
     failures = [p for p in report.problems if p.severity == "error"]
     text = "\n".join(map(str, failures))
     if any(_CANNOT_CHECK in p.message for p in failures):  # the dry run says it cannot check this plan in one process
+        return made(("not run",), check_text=text)
+    if any(p.code == _MODEL_FAILS for p in failures):  # the model (or its factory) fails without the plan: no plan was checked
         return made(("not run",), check_text=text)
     if not failures and report.check is None:
         raise RuntimeError(f"the dry run of {plan_path} did not check")  # it always checks when asked to
