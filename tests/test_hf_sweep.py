@@ -153,9 +153,10 @@ def test_the_apertus_problems_are_located_at_their_rules(tmp_path):
     )
 
 
-@pytest.mark.parametrize("model_type, dim", [("qwen3", -2), ("exaone4", 1), ("apertus", 1)])
+@pytest.mark.parametrize("model_type, dim", [("qwen3", -2), ("exaone4", 1), ("apertus", 1), ("qwen3_moe", -2)])
 def test_per_head_norms_are_declared_on_the_dim_their_heads_are_on(tmp_path, model_type, dim):
-    # Qwen3 normalizes [batch, seq, heads, head_dim]; EXAONE 4 and Apertus after the transpose
+    # Qwen3 normalizes [batch, seq, heads, head_dim]; EXAONE 4 and Apertus after the transpose;
+    # Qwen3-MoE as Qwen3, found on fake tensors through its experts' float32 grouped_mm (hf.grouped_mm)
     from tpplan.hf.importer import import_hf
     from tpplan.hf.tiny import tiny_config
 

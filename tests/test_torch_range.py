@@ -40,8 +40,8 @@ def test_a_torch_outside_the_range_gets_one_line_naming_it():
 @pytest.mark.slow  # ~15 s: a subprocess builds and probes the MoE model
 def test_import_hf_of_a_moe_model_prints_no_torch_log(tmp_path):
     pytest.importorskip("transformers")
-    # its per-head-norm probe runs the model on fake tensors, where grouped_mm's fake
-    # kernel fails in float32 (transformers falls back): torch logs a traceback for it
+    # its per-head-norm probe runs the model on fake tensors (its experts' grouped_mm
+    # in float32: hf.grouped_mm): a fake kernel that failed would log a traceback
     result = subprocess.run(
         [sys.executable, "-m", "tpplan", "import-hf", "qwen3_moe", "-o", str(tmp_path / "plan.yaml")],
         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600,

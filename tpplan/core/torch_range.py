@@ -1,6 +1,7 @@
 """The torch versions tpplan is tested with, and the one line a user of another
 gets. tpplan uses private torch APIs (`_StridedShard`, `fake_collectives`,
-`LocalTensorMode`, DTensor's sharding-propagation internals) that change
+`LocalTensorMode`, DTensor's sharding-propagation internals, the meta
+function of `_grouped_mm` that hf/grouped_mm.py replaces) that change
 between minor releases, so the range is what CI runs, not what might work.
 pyproject.toml states the same range (tests/test_torch_range.py checks).
 

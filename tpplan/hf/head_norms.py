@@ -25,6 +25,9 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from .grouped_mm import accept_real_dtypes
+
+    accept_real_dtypes()  # MoE experts' float32 grouped_mm on fake tensors
     shapes: dict[str, tuple[int, ...]] = {}
     # as runtime.simulate.fake_tensors (hf sits below runtime)
     with _fake_kernel_logs_off(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -48,8 +51,8 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
 
 @contextlib.contextmanager
 def _fake_kernel_logs_off() -> Iterator[None]:
-    """torch logs a traceback for each fake kernel that fails (`grouped_mm` in float32)
-    even when the model's code catches it and falls back: noise on a run that succeeds."""
+    """torch logs a traceback for each fake kernel that fails even when the model's
+    code catches it and falls back: noise on a run that succeeds."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)

@@ -38,8 +38,8 @@ def render_report(inferred: "Inferred") -> str:
                 lines.append(_line(name, figures[degree]))
     if not inferred.checked:
         lines.append("not checked with values (a model above the values limit, or on the meta device): shapes and collectives only")
-    for dropped in proven.dropped:
-        lines.append(f"dropped {dropped.rule}: {' '.join(dropped.why.split())[:300]}")
+    for rule, why in dict.fromkeys((d.rule, " ".join(d.why.split())[:300]) for d in proven.dropped):
+        lines.append(f"dropped {rule}: {why}")  # once: the blocks alike are dropped together, each with the same why
     from ..core.globs import generalize
 
     edits: dict[tuple, int] = {}

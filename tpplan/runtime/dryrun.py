@@ -253,8 +253,8 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
             f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
             "try --check on a smaller configuration, or torchrun)"
         ))])
-    # Some kernels have no fake implementation, or a stricter one (grouped_mm wants
-    # bfloat16): a small model is run again on one rank's real values instead.
+    # Some kernels have no fake implementation, or a stricter one than the real
+    # kernel: a small model is run again on one rank's real values instead.
     _values_pass(options, plan, factory, report, event, unsharded_first=True)
     report.notes.append(
         f"fake tensors could not run the forward and backward ({first_line(failure)}); "

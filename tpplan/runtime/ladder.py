@@ -4,9 +4,11 @@ the dry run (`apply --dry-run`) and the lint's shape run (its trace and TP330).
 Three rungs, cheapest first: the meta device, fake tensors, real values.
 Meta tensors cost nothing, but code that inspects values cannot run on them:
 transformers' mask helpers call `.item()` unless they see a fake tensor
-(`is_tracing`). Fake tensors cover that, but some fake kernels are stricter
-than the real ones (grouped_mm wants bfloat16 in MoE experts), and some
-constructors cannot run on them. A model that runs neither way gets real
+(`is_tracing`). Fake tensors cover that, but some constructors cannot run on
+them. (torch's meta function of grouped_mm, which MoE experts call, wants
+bfloat16 where the real kernels take float32 too: `running` gives both rungs
+one that agrees with the real kernels, hf.grouped_mm, so a float32 MoE of any
+size runs on them.) A model that runs neither way gets real
 values, only if it is small (`simulate.VALUES_LIMIT_BYTES`): the values are
 the factory's own (the dry run builds it again with its seed) or random (the
 lint, which holds only a meta model); the shapes and control flow are real.
@@ -55,6 +57,9 @@ def running(mode: str, model: "nn.Module", fake_mode=None) -> Iterator[None]:
     its fake tensors were made in, when it was built on them)."""
     import torch
 
+    from ..hf.grouped_mm import accept_real_dtypes
+
+    accept_real_dtypes()  # meta and fake tensors run a float32 MoE's grouped_mm, as the GPU does
     if mode == "fake":
         from .simulate import fake_tensors
 

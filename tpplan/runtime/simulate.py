@@ -60,9 +60,13 @@ def fake_tensors(mode: Any = None) -> Iterator[Any]:
     with torch's traceback log of failing fake kernels off: the caller reports the
     failure (or retries with values), so the traceback is noise. Yields the mode;
     pass it back (`mode`) to run a model built in it later (fake tensors of two
-    modes do not mix)."""
+    modes do not mix). `aten::_grouped_mm` takes every dtype its real kernels take
+    (hf.grouped_mm), not only the bfloat16 of torch's meta function."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..hf.grouped_mm import accept_real_dtypes
+
+    accept_real_dtypes()  # a float32 MoE's grouped_mm, as on the GPU
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
