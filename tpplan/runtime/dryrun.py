@@ -17,6 +17,12 @@ pass runs only when it fails (to tell why), above the limit, or without
 `--check`. When fake tensors cannot build or run the model, the next rung of the
 fallback ladder (`ladder.py`, shared with the lint) is one build with real
 values, for small models.
+
+A forward that fails sharded is the plan's only if the model runs without it:
+before a rule is blamed, the unsharded model runs one forward and backward on
+one device (`one_device_failure`), with real values under the values limit and
+shape-only on fake tensors above it, so that a model failing there too (a
+float32 table multiplied into bf16 activations) is its own TP500 at any size.
 """
 
 from __future__ import annotations
@@ -247,8 +253,12 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
                         raise  # tpplan's own code: a bug, shown as one
                     failure, problem = exc, locator.problem(exc)
     # Above the limit, a model fake tensors cannot run is not retried with real
-    # values: the retry would hold the whole model in memory.
+    # values: the retry would hold the whole model in memory. Whether it fails
+    # without the plan too is decided shape-only, on fake tensors.
     if not values_allowed(model):
+        blame = one_device_failure(options, factory)
+        if blame is not None:
+            raise blame
         raise PlanError([dataclasses.replace(problem, message=problem.message + (
             f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
             "try --check on a smaller configuration, or torchrun)"
@@ -265,9 +275,11 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
 def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, unsharded_first: bool) -> None:
     """The ladder's last rung: one build with real CPU values under the fake process
     group (collectives are no-ops: values are wrong, control flow is real) gives the
-    shapes and collectives. `unsharded_first`: a forward that failed sharded is the
-    plan's only if the model runs without it, so a copy runs first without the plan,
-    and a failure there is the model's TP500, at the line of its code that raised."""
+    shapes and collectives. A forward that fails sharded is the plan's only if the
+    model runs without it, and a failure there is the model's TP500, at the line of its
+    code that raised: `unsharded_first` (the sharded forward failed on fake tensors
+    already), a copy runs first without the plan; otherwise a fresh build does, once
+    the sharded forward failed."""
     import torch
 
     from .simulate import forward_backward, simulated_world, tp_mesh
@@ -282,22 +294,68 @@ def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport
             _raise_if_unsharded_fails(options, copy.deepcopy(model), inputs)
         event("forward and backward with real values")
         locator = _fill(report, plan, model, tp_mesh(tp, plan.mesh_axis), event, None, ())
-        _, report.comms = run_located(locator, lambda: forward_backward(model, inputs))
+        try:
+            _, report.comms = run_located(locator, lambda: forward_backward(model, inputs))
+        except PlanError:
+            if not unsharded_first:  # not looked at yet: a fresh build, the same seed, without the plan
+                torch.manual_seed(options.seed)
+                _raise_if_unsharded_fails(options, build_model(options.model, "cpu", factory), inputs)
+            raise
     report.device = "cpu"
 
 
 def _raise_if_unsharded_fails(options: ApplyOptions, model, inputs: tuple) -> None:
-    from .simulate import forward_backward
+    failure = _unsharded_failure(options, model, inputs)
+    if failure is not None:
+        raise failure
+
+
+def one_device_failure(options: ApplyOptions, factory, dtype=None, batch: int = 2, seq: int = 8) -> PlanError | None:
+    """Whether the model fails without the plan on one device: its TP500 at the line
+    of its code that raised, else None. What decides the blame for a sharded forward
+    that failed, at any size: a model under the values limit runs with real values,
+    a bigger one shape-only on fake tensors (shapes and dtypes, no storage). `dtype`:
+    the default dtype it is built in (memory planning's --dtype); `batch` x `seq`:
+    the default inputs' size. None as well when fake tensors cannot run it (an op
+    that reads a value): the one-device run cannot tell."""
+    import torch
+
+    from .ladder import values_allowed
+    from .memory import default_dtype
+    from .simulate import fake_tensors
+
+    with default_dtype(dtype):
+        with fake_tensors():
+            model = build_model(options.model, "cpu", factory)
+            if not values_allowed(model):
+                inputs = make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq)
+                return _unsharded_failure(options, model, inputs, shape_only=True, dtype=dtype)
+        torch.manual_seed(options.seed)
+        model = build_model(options.model, "cpu", factory)
+        inputs = make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq)
+        return _unsharded_failure(options, model, inputs, dtype=dtype)
+
+
+def _unsharded_failure(options: ApplyOptions, model, inputs: tuple, shape_only: bool = False, dtype=None) -> PlanError | None:
+    """The TP500 of one forward and backward of the unsharded `model` (real values,
+    or fake tensors when `shape_only`, run in the mode they belong to), or None when it runs."""
+    from .simulate import fake_limit, forward_backward
 
     try:
         forward_backward(model, inputs)
+        return None
     except Exception as exc:  # the user's model on one device: its own problem, never the plan's
         if raised_by_tpplan(exc):
             raise
+        if shape_only and fake_limit(exc):
+            return None  # fake tensors cannot run it: the one device cannot tell
         shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
-        hint = "" if options.inputs else f" (on the default inputs {shapes}: a model that needs others takes --inputs MOD:FN)"
-        raise model_failure(options.model, "without the plan, one forward and backward on one device", exc,
-                            f"the model fails on one device too{hint}, so the plan is not the cause: ") from None
+        how = [f"in {str(dtype).removeprefix('torch.')}"] if dtype is not None else []
+        how += ["a shape-only run on fake tensors, the model being above the values limit"] if shape_only else []
+        how += [] if options.inputs else [f"on the default inputs {shapes}: a model that needs others takes --inputs MOD:FN"]
+        hint = f" ({'; '.join(how)})" if how else ""
+        return model_failure(options.model, "without the plan, one forward and backward on one device", exc,
+                             f"the model fails on one device too{hint}, so the plan is not the cause: ")
 
 
 def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, event, source: Any = False) -> None:

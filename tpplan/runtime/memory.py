@@ -277,7 +277,7 @@ def measure_training_step(
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
+def default_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
     """Build the model in `dtype`: parameters are born in it (`Module.to` cannot
     swap fake parameters in place)."""
     import torch
@@ -329,7 +329,7 @@ def plan_memory(
     with simulated_world(dp * tp):
         mesh = train_mesh("cpu", dp, tp, axis)
         with fake_tensors():
-            with _default_dtype(torch_dtype(train.dtype)):
+            with default_dtype(torch_dtype(train.dtype)):
                 model = build()
 
             def simulate(model: "nn.Module", recorder=None, wrap: list[str] | None = None) -> PlannedStep:

@@ -74,6 +74,20 @@ def fake_tensors(mode: Any = None) -> Iterator[Any]:
         logger.setLevel(level)
 
 
+def fake_limit(exc: BaseException) -> bool:
+    """Whether `exc` is a limit of fake tensors (an op that reads a value, or one with
+    no fake kernel), not a failure of the model: a run with values may pass."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+        UnsupportedOperatorException,
+    )
+
+    return isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException,
+                            UnsupportedFakeTensorException, UnsupportedOperatorException))
+
+
 @contextlib.contextmanager
 def local_ranks(world_size: int) -> Iterator[None]:
     """torch's `LocalTensorMode` over `world_size` ranks (one real value per rank), with
