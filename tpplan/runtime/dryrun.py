@@ -40,7 +40,8 @@ from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
 from .locate import FailureLocator, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import ModelRefError, build_model, load_callable, make_inputs, model_failure
+from .modelref import ModelRefError, build_model, load_callable, make_inputs
+from .one_device import one_device_failure, unsharded_failure
 from .options import ApplyOptions, ApplyOptionsError
 
 
@@ -305,57 +306,9 @@ def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport
 
 
 def _raise_if_unsharded_fails(options: ApplyOptions, model, inputs: tuple) -> None:
-    failure = _unsharded_failure(options, model, inputs)
+    failure = unsharded_failure(options, model, inputs)
     if failure is not None:
         raise failure
-
-
-def one_device_failure(options: ApplyOptions, factory, dtype=None, batch: int = 2, seq: int = 8) -> PlanError | None:
-    """Whether the model fails without the plan on one device: its TP500 at the line
-    of its code that raised, else None. What decides the blame for a sharded forward
-    that failed, at any size: a model under the values limit runs with real values,
-    a bigger one shape-only on fake tensors (shapes and dtypes, no storage). `dtype`:
-    the default dtype it is built in (memory planning's --dtype); `batch` x `seq`:
-    the default inputs' size. None as well when fake tensors cannot run it (an op
-    that reads a value): the one-device run cannot tell."""
-    import torch
-
-    from .ladder import values_allowed
-    from .memory import default_dtype
-    from .simulate import fake_tensors
-
-    with default_dtype(dtype):
-        with fake_tensors():
-            model = build_model(options.model, "cpu", factory)
-            if not values_allowed(model):
-                inputs = make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq)
-                return _unsharded_failure(options, model, inputs, shape_only=True, dtype=dtype)
-        torch.manual_seed(options.seed)
-        model = build_model(options.model, "cpu", factory)
-        inputs = make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq)
-        return _unsharded_failure(options, model, inputs, dtype=dtype)
-
-
-def _unsharded_failure(options: ApplyOptions, model, inputs: tuple, shape_only: bool = False, dtype=None) -> PlanError | None:
-    """The TP500 of one forward and backward of the unsharded `model` (real values,
-    or fake tensors when `shape_only`, run in the mode they belong to), or None when it runs."""
-    from .simulate import fake_limit, forward_backward
-
-    try:
-        forward_backward(model, inputs)
-        return None
-    except Exception as exc:  # the user's model on one device: its own problem, never the plan's
-        if raised_by_tpplan(exc):
-            raise
-        if shape_only and fake_limit(exc):
-            return None  # fake tensors cannot run it: the one device cannot tell
-        shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
-        how = [f"in {str(dtype).removeprefix('torch.')}"] if dtype is not None else []
-        how += ["a shape-only run on fake tensors, the model being above the values limit"] if shape_only else []
-        how += [] if options.inputs else [f"on the default inputs {shapes}: a model that needs others takes --inputs MOD:FN"]
-        hint = f" ({'; '.join(how)})" if how else ""
-        return model_failure(options.model, "without the plan, one forward and backward on one device", exc,
-                             f"the model fails on one device too{hint}, so the plan is not the cause: ")
 
 
 def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, event, source: Any = False) -> None:

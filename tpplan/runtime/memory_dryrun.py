@@ -36,7 +36,7 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     def blame_model() -> PlanError | None:
         """The model's own TP500 when it fails without the plan on one device too (in
         the planned dtype; the same at every degree, so decided once)."""
-        from .dryrun import one_device_failure
+        from .one_device import one_device_failure
         from .training import torch_dtype
 
         if "model" not in decided:
