@@ -36,6 +36,7 @@ from typing import Any
 from ..core.loader import load_plan
 from ..core.plan import Plan
 from ..core.problems import PlanError, error, first_line
+from ..core.quiet import simulation_remarks_off
 from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
@@ -57,6 +58,7 @@ def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
     raise ApplyOptionsError("tp", "missing", "a dry run needs a TP degree and the plan lists no mesh.sizes to pick from")
 
 
+@simulation_remarks_off()
 def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
     """Simulate `options.tp` ranks in this process; the report (with problems, if
     any) of applying the plan and running one forward and backward."""
@@ -104,6 +106,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     return report
 
 
+@simulation_remarks_off()
 def dry_run_with(options: ApplyOptions, plan: Plan, factory: Callable[[], Any],
                  on_event: Callable[[str], None] | None = None) -> ApplyReport:
     """The dry run of a plan already loaded, with the model's factory already loaded, at
