@@ -41,7 +41,7 @@ def terminal_stderr() -> Iterator[io.StringIO]:
     last_resort = logging.StreamHandler(gathered)  # what logging.lastResort prints for a logger without handlers
     last_resort.setLevel(logging.WARNING)
     for handler in streams:
-        handler.setStream(gathered)
+        handler.stream = gathered  # not setStream: it flushes the old stream, maybe a closed CliRunner one
     logging.getLogger().addHandler(last_resort)
     shown = warnings.showwarning
     try:
@@ -58,7 +58,7 @@ def terminal_stderr() -> Iterator[io.StringIO]:
         warnings.showwarning = shown
         logging.getLogger().removeHandler(last_resort)
         for handler, stream in streams.items():
-            handler.setStream(stream)
+            handler.stream = stream
 
 
 def stderr_of(*args: str) -> tuple[int, list[str]]:
@@ -107,7 +107,9 @@ def tiny_configs(tmp_path_factory):
     from tpplan.hf.tiny import tiny_config
 
     root = tmp_path_factory.mktemp("hf")
-    with warnings.catch_warnings():  # making the tiny configs is not a command under test
+    from tpplan.core.quiet import loggers_quiet
+
+    with warnings.catch_warnings(), loggers_quiet("transformers"):  # making the tiny configs is not a command under test
         warnings.simplefilter("ignore")
         for model_type in ("gpt_oss", "jamba"):
             tiny_config(model_type).save_pretrained(root / model_type)
