@@ -43,6 +43,9 @@ def terminal_stderr() -> Iterator[io.StringIO]:
     for handler in streams:
         handler.stream = gathered  # not setStream: it flushes the old stream, maybe a closed CliRunner one
     logging.getLogger().addHandler(last_resort)
+    once = getattr(logging.Logger, "warning_once", None)  # transformers' once-per-process warnings: once per command here
+    if once is not None and hasattr(once, "cache_clear"):
+        once.cache_clear()
     shown = warnings.showwarning
     try:
         with warnings.catch_warnings():
