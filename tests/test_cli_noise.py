@@ -64,13 +64,19 @@ def terminal_stderr() -> Iterator[io.StringIO]:
             handler.stream = stream
 
 
-def stderr_of(*args: str) -> tuple[int, list[str]]:
-    """Exit code and the stderr lines a user would see of `tpplan ARGS`."""
+def run_gathered(*args: str):
+    """CliRunner's result of `tpplan ARGS` and the stderr lines a user would see."""
     with terminal_stderr() as gathered:
         result = CliRunner().invoke(app, list(args), env={"FORCE_COLOR": None, "NO_COLOR": None})
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
-    return result.exit_code, (result.stderr + gathered.getvalue()).splitlines()
+    return result, (result.stderr + gathered.getvalue()).splitlines()
+
+
+def stderr_of(*args: str) -> tuple[int, list[str]]:
+    """Exit code and the stderr lines a user would see of `tpplan ARGS`."""
+    result, lines = run_gathered(*args)
+    return result.exit_code, lines
 
 
 def test_the_gathering_sees_what_torch_logs_and_warns():
@@ -132,3 +138,53 @@ def test_transformers_remarks_on_a_config_or_a_missing_kernel_do_not_reach_the_u
                      ("apply", "--plan", plan, "--model", f"hf:{config}", "--dry-run", "--tp", "2")):
             code, lines = stderr_of(*args)
             assert (code, lines) == (0, []), (args, lines)
+
+
+ODD = '''\
+import torch
+from torch import nn
+
+
+class Rotary(nn.Module):  # a complex table, as torchtitan's freqs_cis
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.register_buffer("freqs", torch.polar(torch.ones(16), torch.arange(16.0)), persistent=False)
+
+    def forward(self, x):
+        return self.down(self.up(x)) * torch.view_as_real(self.freqs)[:, 1]
+
+
+class MadeInForward(nn.Module):  # a module made inside forward: freed before its backward
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(nn.GELU()(self.up(x)))
+'''
+ODD_PLAN = "version: 1\nrules:\n  up: colwise\n  down: rowwise\n"
+
+
+@pytest.fixture
+def odd(tmp_path, monkeypatch):
+    (tmp_path / "odd_models.py").write_text(ODD)
+    (tmp_path / "odd.yaml").write_text(ODD_PLAN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return str(tmp_path / "odd.yaml")
+
+
+def test_check_keeps_a_complex_buffer_complex(odd):
+    # Module.to(float32) would cast the table to real ("Casting complex values to real
+    # discards the imaginary part"): the check would run a model that is not the user's
+    code, lines = stderr_of("apply", "--plan", odd, "--model", "odd_models:Rotary", "--dry-run", "--tp", "2", "--check")
+    assert (code, lines) == (0, [])
+
+
+def test_a_module_freed_before_its_backward_is_a_note_not_torchs_warning(odd):
+    result, lines = run_gathered("apply", "--plan", odd, "--model", "odd_models:MadeInForward", "--dry-run", "--tp", "2", "--memory-limit", "1GiB")
+    assert (result.exit_code, lines) == (0, [])
+    assert ("note: the backward of 1 module(s) freed after their forward (made inside another's forward) is counted in "
+            "the totals but not attributed to a module: torch's ModTracker skips them") in result.stdout
