@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,126 @@ def test_a_model_that_fails_on_one_device_too_is_its_own_problem_not_the_plans(t
         "so the plan is not the cause: without the plan, one forward and backward on one device (broken:build) failed: "
         "RuntimeError: mat1 and mat2 shapes cannot be multiplied"
     )
+
+
+MIXED = """\
+import torch
+from torch import nn
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, dtype, heads, cast):
+        super().__init__()
+        self.heads, self.cast = heads, cast
+        self.q = nn.Linear(dim, dim, bias=False, dtype=dtype)
+        self.o = nn.Linear(dim, dim, bias=False, dtype=dtype)
+        # float32 whatever the model's dtype, as rotary tables often are
+        self.register_buffer("table", torch.eye(dim, dtype=torch.float32), persistent=False)
+
+    def forward(self, x):
+        q = self.q(x)
+        if self.heads:  # by the global head count: fails sharded only
+            q = q.view(x.shape[0], x.shape[1], self.heads, x.shape[-1] // self.heads).flatten(2)
+        out = self.o(q)
+        table = self.table.to(out.dtype) if self.cast else self.table
+        return torch.einsum("bsd,de->bse", out, table)
+
+
+class Model(nn.Module):
+    def __init__(self, dtype=None, heads=0, cast=False):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32, dtype=dtype)
+        self.attn = Attention(32, dtype, heads, cast)
+        self.head = nn.Linear(32, 64, bias=False, dtype=dtype)
+
+    def forward(self, ids):
+        return self.head(self.attn(self.embed(ids)))
+
+
+def rotary():  # in its own float32 it runs; in bfloat16 (--dtype bf16) not even on one device
+    return Model()
+
+
+def rotary_bf16():
+    return Model(dtype=torch.bfloat16)
+
+
+def global_heads():
+    return Model(heads=4, cast=True)
+"""
+MIXED_PLAN = "version: 1\nrules:\n  attn.q: colwise\n  attn.o: rowwise\n"
+EINSUM_LINE = MIXED.splitlines().index('        return torch.einsum("bsd,de->bse", out, table)') + 1
+
+
+@pytest.fixture
+def mixed(tmp_path, monkeypatch):
+    (tmp_path / "mixed.py").write_text(MIXED)
+    (tmp_path / "mixed.yaml").write_text(MIXED_PLAN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mixed", raising=False)  # this test's copy, at its own path
+    return tmp_path
+
+
+def _bf16(**options):
+    from tpplan.runtime.training import TrainOptions
+
+    return TrainOptions(dtype="bf16", **options)
+
+
+@pytest.mark.parametrize("big", [True, False], ids=["above-values-limit", "under-it"])
+@pytest.mark.parametrize("ref, train", [("mixed:rotary", _bf16()), ("mixed:rotary_bf16", None)], ids=["dtype-bf16", "own-bf16"])
+def test_a_model_failing_on_one_device_too_is_its_own_problem_at_any_size(mixed, monkeypatch, big, ref, train):
+    # a float32 table multiplied into bf16 activations: the sharded forward fails, and so
+    # does the unsharded one. Above the values limit the one-device run is shape-only
+    # (fake tensors check dtypes too); under it, it has real values.
+    from tpplan.runtime import simulate
+
+    if big:
+        monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
+    extra = {"train": train} if train else {}
+    report = dry_run(ApplyOptions(plan=str(mixed / "mixed.yaml"), model=ref, tp=2, **extra))
+    (problem,) = report.problems
+    assert (problem.code, problem.file, problem.line) == ("TP500", str(mixed / "mixed.py"), EINSUM_LINE)
+    how = ("in bfloat16; " if train else "") + ("a shape-only run on fake tensors, the model being above the values limit; " if big else "")
+    assert problem.message.startswith(
+        f"the model fails on one device too ({how}on the default inputs (2, 8): a model that needs others takes --inputs MOD:FN), "
+        f"so the plan is not the cause: without the plan, one forward and backward on one device ({ref}) failed: RuntimeError: expected scalar type"
+    )
+
+
+def test_the_cli_exits_1_for_a_big_model_failing_in_bf16_on_one_device(mixed, monkeypatch):
+    from tpplan.runtime import simulate
+
+    monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
+    result = run("--plan", str(mixed / "mixed.yaml"), "--model", "mixed:rotary", "--dry-run", "--tp", "2", "--dtype", "bf16")
+    assert result.exit_code == 1, result.output
+    assert f"{mixed / 'mixed.py'}:{EINSUM_LINE}:1: TP500 the model fails on one device too (in bfloat16; a shape-only run" in result.output
+    assert "TP502" not in result.output
+
+
+@pytest.mark.parametrize("train", [None, _bf16()], ids=["fake-pass", "memory-planning"])
+def test_a_big_model_failing_only_sharded_is_still_the_plans_problem_at_its_rule(mixed, monkeypatch, train):
+    from tpplan.runtime import simulate
+
+    monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
+    extra = {"train": train} if train else {}
+    report = dry_run(ApplyOptions(plan=str(mixed / "mixed.yaml"), model="mixed:global_heads", tp=2, **extra))
+    (problem,) = report.problems
+    assert (problem.code, problem.file, problem.line) == ("TP502", str(mixed / "mixed.yaml"), 3)
+    assert problem.message.startswith("the forward of 'attn' (Attention, input (2, 8, 32)) fails at TP 2: ")
+    assert "rule 'attn.q' (colwise" in problem.message
+
+
+def test_the_lint_does_not_blame_the_plan_for_a_model_failing_on_one_device(mixed, monkeypatch):
+    # validate --model: the unsharded trace fails first (TP329), so TP330 is skipped, a warning
+    from tpplan.runtime import simulate
+
+    monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
+    result = CliRunner().invoke(app, ["validate", str(mixed / "mixed.yaml"), "--model", "mixed:rotary_bf16", "--tp", "2"])
+    assert result.exit_code == 0, result.output
+    assert "TP330 the shape-level dry run was skipped" in result.output
+    assert f"(at {mixed / 'mixed.py'}:{EINSUM_LINE})" in result.output
+    assert " fails: " not in result.output
 
 
 DRAFTER = '''\

@@ -35,6 +35,18 @@ def factory(ref: str) -> Callable[[], Any]:
     return functools.partial(causal_lm, config)
 
 
+def config_remarks_off():
+    """transformers' warnings while it reads a configuration (a RoPE factor that does
+    not match the context lengths, gpt-oss's tiny config): remarks on the model's
+    numerics, while tpplan reads only its shapes, printed on a run that succeeds.
+    Its errors still show."""
+    import logging
+
+    from ..core.quiet import loggers_quiet
+
+    return loggers_quiet("transformers", level=logging.ERROR)
+
+
 def load_config(spec: str):
     try:
         import transformers
@@ -58,13 +70,15 @@ def load_config(spec: str):
             raise HFSpecError(f"--model hf:{spec}: {path} has no model_type (not a transformers config.json)")
         model_type = data.pop("model_type")
         try:
-            return transformers.AutoConfig.for_model(model_type, **data)
+            with config_remarks_off():
+                return transformers.AutoConfig.for_model(model_type, **data)
         except (ValueError, KeyError) as exc:
             raise HFSpecError(f"--model hf:{spec}: {path}: {str(exc).splitlines()[0]}") from None
     if os.sep in spec or spec.startswith("."):
         raise HFSpecError(f"--model hf:{spec}: no such directory or file")
     try:
-        return transformers.AutoConfig.for_model(spec)
+        with config_remarks_off():
+            return transformers.AutoConfig.for_model(spec)
     except ValueError:
         known = sorted(transformers.CONFIG_MAPPING.keys())
         import difflib

@@ -11,10 +11,9 @@ length no head count equals, recording each norm's input shape.
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import Iterator
 from typing import Any
+
+from ..core.quiet import loggers_quiet
 
 _SEQ = 5  # no head count of a real config is 5: the dim of size 5 is the sequence
 
@@ -49,17 +48,10 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
     return found
 
 
-@contextlib.contextmanager
-def _fake_kernel_logs_off() -> Iterator[None]:
+def _fake_kernel_logs_off():
     """torch logs a traceback for each fake kernel that fails even when the model's
     code catches it and falls back: noise on a run that succeeds."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return loggers_quiet("torch._subclasses.fake_tensor")
 
 
 def with_heads_dim(value: Any, dim: int) -> dict[str, Any]:

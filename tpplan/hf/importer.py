@@ -30,6 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG
+from .build import config_remarks_off
 from .local_params import NAMES_A_PARAMETER, local_params_rules
 from ..core.yamltext import group_siblings, plan_fields, plan_yaml
 from .sharing import parents_sharing_input
@@ -107,9 +108,10 @@ class ImportedPlan(NamedTuple):
     added: list[tuple[str, str]]  # (key, why) for rules `text` has beyond transformers' plan
 
 
+@config_remarks_off()
 def load_config(model_type_or_config_path: str | os.PathLike):
     """A transformers config: from a local directory or config.json, else the
-    default config of a model type (`"llama"`). Never downloads."""
+    default config of a model type (`"llama"`). Never downloads; transformers' remarks on it are off."""
     from transformers import AutoConfig
 
     source = os.fspath(model_type_or_config_path)
@@ -122,9 +124,7 @@ def load_config(model_type_or_config_path: str | os.PathLike):
     try:
         return AutoConfig.for_model(source)
     except ValueError:
-        raise HfImportError(
-            f"{source!r} is neither a config path nor a transformers model type (as 'llama', 'qwen2')"
-        ) from None
+        raise HfImportError(f"{source!r} is neither a config path nor a transformers model type (as 'llama', 'qwen2')") from None
 
 
 def causal_lm_class(config):

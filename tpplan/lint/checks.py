@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Sequence
 
 from ..core.problems import Problem
+from ..core.quiet import simulation_remarks_off
 from .registry import UnknownRuleError
 
 __all__ = ["DEFAULT_TP_SIZES", "UnknownRuleError", "check_model", "selected_codes", "tp_sizes_for"]
@@ -44,6 +45,7 @@ def selected_codes(select: Sequence[str] | None = None, ignore: Sequence[str] | 
     return select_rules(RULES, select, ignore)
 
 
+@simulation_remarks_off()
 def check_model(
     plan: "Plan",
     model: "nn.Module",

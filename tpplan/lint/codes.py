@@ -105,7 +105,8 @@ def _plain(code: str, name: str, text: str, severity: str = "error") -> Entry:
 # code -> (name, what it means): the problems found while applying and running a plan (tpplan.runtime).
 _RUNTIME_CODES = {
     "TP500": ("model-factory", "The model (or inputs) factory named by --model / --inputs raised, or returned something else than an nn.Module (or tensors), "
-              "or the model fails on one device without the plan (the dry run looks before blaming a rule for a failing forward); "
+              "or the model fails on one device without the plan (the dry run looks before blaming a rule for a failing forward, at any size: "
+              "with real values under the values limit, shape-only on fake tensors above it, in memory planning's --dtype); "
               "located at the line of the model's code that raised."),
     "TP501": ("apply-failed", "Applying a rule's style to a module raised (e.g. colwise on a module that is not a Linear or Embedding). "
               "tpplan's own styles say what is wrong and the fix (expert_parallel on experts the degree does not divide, "

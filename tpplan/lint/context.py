@@ -209,4 +209,4 @@ def _trace(model: "nn.Module", inputs_ref: str | None = None) -> "tuple[Trace | 
             return None, str(exc)
         except TraceError as exc:
             failures.append(f"{mode}: {exc}")
-    return None, f"the forward of {type(model).__name__} fails on meta, fake{' and random' if len(failures) > 2 else ''} tensors ({failures[0]})"
+    return None, f"the forward of {type(model).__name__} fails on {'meta, fake and random' if len(failures) > 2 else 'meta and fake'} tensors ({failures[0]})"

@@ -17,6 +17,12 @@ pass runs only when it fails (to tell why), above the limit, or without
 `--check`. When fake tensors cannot build or run the model, the next rung of the
 fallback ladder (`ladder.py`, shared with the lint) is one build with real
 values, for small models.
+
+A forward that fails sharded is the plan's only if the model runs without it:
+before a rule is blamed, the unsharded model runs one forward and backward on
+one device (`one_device_failure`), with real values under the values limit and
+shape-only on fake tensors above it, so that a model failing there too (a
+float32 table multiplied into bf16 activations) is its own TP500 at any size.
 """
 
 from __future__ import annotations
@@ -30,11 +36,13 @@ from typing import Any
 from ..core.loader import load_plan
 from ..core.plan import Plan
 from ..core.problems import PlanError, error, first_line
+from ..core.quiet import simulation_remarks_off
 from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
 from .locate import FailureLocator, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import ModelRefError, build_model, load_callable, make_inputs, model_failure
+from .modelref import ModelRefError, build_model, load_callable, make_inputs
+from .one_device import one_device_failure, unsharded_failure
 from .options import ApplyOptions, ApplyOptionsError
 
 
@@ -50,6 +58,7 @@ def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
     raise ApplyOptionsError("tp", "missing", "a dry run needs a TP degree and the plan lists no mesh.sizes to pick from")
 
 
+@simulation_remarks_off()
 def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
     """Simulate `options.tp` ranks in this process; the report (with problems, if
     any) of applying the plan and running one forward and backward."""
@@ -97,6 +106,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     return report
 
 
+@simulation_remarks_off()
 def dry_run_with(options: ApplyOptions, plan: Plan, factory: Callable[[], Any],
                  on_event: Callable[[str], None] | None = None) -> ApplyReport:
     """The dry run of a plan already loaded, with the model's factory already loaded, at
@@ -247,8 +257,12 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
                         raise  # tpplan's own code: a bug, shown as one
                     failure, problem = exc, locator.problem(exc)
     # Above the limit, a model fake tensors cannot run is not retried with real
-    # values: the retry would hold the whole model in memory.
+    # values: the retry would hold the whole model in memory. Whether it fails
+    # without the plan too is decided shape-only, on fake tensors.
     if not values_allowed(model):
+        blame = one_device_failure(options, factory)
+        if blame is not None:
+            raise blame
         raise PlanError([dataclasses.replace(problem, message=problem.message + (
             f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
             "try --check on a smaller configuration, or torchrun)"
@@ -265,9 +279,11 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
 def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, unsharded_first: bool) -> None:
     """The ladder's last rung: one build with real CPU values under the fake process
     group (collectives are no-ops: values are wrong, control flow is real) gives the
-    shapes and collectives. `unsharded_first`: a forward that failed sharded is the
-    plan's only if the model runs without it, so a copy runs first without the plan,
-    and a failure there is the model's TP500, at the line of its code that raised."""
+    shapes and collectives. A forward that fails sharded is the plan's only if the
+    model runs without it, and a failure there is the model's TP500, at the line of its
+    code that raised: `unsharded_first` (the sharded forward failed on fake tensors
+    already), a copy runs first without the plan; otherwise a fresh build does, once
+    the sharded forward failed."""
     import torch
 
     from .simulate import forward_backward, simulated_world, tp_mesh
@@ -282,22 +298,20 @@ def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport
             _raise_if_unsharded_fails(options, copy.deepcopy(model), inputs)
         event("forward and backward with real values")
         locator = _fill(report, plan, model, tp_mesh(tp, plan.mesh_axis), event, None, ())
-        _, report.comms = run_located(locator, lambda: forward_backward(model, inputs))
+        try:
+            _, report.comms = run_located(locator, lambda: forward_backward(model, inputs))
+        except PlanError:
+            if not unsharded_first:  # not looked at yet: a fresh build, the same seed, without the plan
+                torch.manual_seed(options.seed)
+                _raise_if_unsharded_fails(options, build_model(options.model, "cpu", factory), inputs)
+            raise
     report.device = "cpu"
 
 
 def _raise_if_unsharded_fails(options: ApplyOptions, model, inputs: tuple) -> None:
-    from .simulate import forward_backward
-
-    try:
-        forward_backward(model, inputs)
-    except Exception as exc:  # the user's model on one device: its own problem, never the plan's
-        if raised_by_tpplan(exc):
-            raise
-        shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
-        hint = "" if options.inputs else f" (on the default inputs {shapes}: a model that needs others takes --inputs MOD:FN)"
-        raise model_failure(options.model, "without the plan, one forward and backward on one device", exc,
-                            f"the model fails on one device too{hint}, so the plan is not the cause: ") from None
+    failure = unsharded_failure(options, model, inputs)
+    if failure is not None:
+        raise failure
 
 
 def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, event, source: Any = False) -> None:

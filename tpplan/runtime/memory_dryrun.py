@@ -31,11 +31,24 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     if options.inputs and (train.batch is not None or train.seq is not None):
         report.notes.append("--inputs gives the inputs: --batch and --seq size only the default inputs and are not used")
     batch, seq = train.batch or 2, train.seq or 8
+    decided: dict[str, PlanError | None] = {}
+
+    def blame_model() -> PlanError | None:
+        """The model's own TP500 when it fails without the plan on one device too (in
+        the planned dtype; the same at every degree, so decided once)."""
+        from .one_device import one_device_failure
+        from .training import torch_dtype
+
+        if "model" not in decided:
+            event("forward and backward without the plan")
+            decided["model"] = one_device_failure(options, factory, torch_dtype(train.dtype), batch, seq)
+        return decided["model"]
 
     def one(tp: int) -> ApplyReport:
         scratch = ApplyReport(mode="dry-run", plan_file=report.plan_file, model=report.model, device="fake", backend="fake")
         scratch.tp, scratch.dp, scratch.world_size = tp, train.dp, tp * train.dp
         located: dict[str, FailureLocator] = {}
+        failed: list[bool] = []  # the sharded step raised (not the build or the plan's application)
 
         def shard(model, mesh):
             sharded = shard_with_progress(plan, model, mesh, event)
@@ -52,20 +65,27 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
                     if raised_by_tpplan(exc):
                         raise  # tpplan's own code: a bug, shown as one
                     problem = locator.problem(exc)
+            failed.append(True)
             raise PlanError([problem])
 
         event(f"planning memory at TP {tp}" + (f" x FSDP {train.dp}" if train.dp > 1 else ""))
-        planned = plan_memory(
-            lambda: build_model(options.model, "cpu", factory),
-            lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
-            shard,
-            tp,
-            train,
-            plan.mesh_axis,
-            plan.loss_parallel,
-            run,
-            None if not options.reuse_blocks else block_reuse(plan, event),
-        )
+        try:
+            planned = plan_memory(
+                lambda: build_model(options.model, "cpu", factory),
+                lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
+                shard,
+                tp,
+                train,
+                plan.mesh_axis,
+                plan.loss_parallel,
+                run,
+                None if not options.reuse_blocks else block_reuse(plan, event),
+            )
+        except PlanError:
+            blame = blame_model() if failed else None  # a failed step is the plan's only if the model runs without it
+            if blame is not None:
+                raise blame from None
+            raise
         reused = planned.memory.reuse
         if reused is not None:  # the report names every module and parameter of the whole model
             scratch.modules, scratch.rule_of = reused.expand_dict(scratch.modules), reused.expand_dict(scratch.rule_of)
@@ -84,7 +104,7 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
         try:
             results[tp] = one(tp)
         except PlanError as exc:
-            if len(degrees) == 1:
+            if len(degrees) == 1 or exc.problems[0].code == "TP500":  # the model's own failure: the same at every degree
                 raise
             failures[tp] = exc
             sweep.append(DegreeFit(tp, train.dp, None, None, first_line(exc)))

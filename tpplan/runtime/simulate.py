@@ -21,7 +21,6 @@ Two levels, both on CPU and without `torchrun`:
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core.problems import ModelError
+from ..core.quiet import loggers_quiet
 
 # The op spellings torch uses (functional, c10d, DTensor's own), keyed by their
 # name without underscores, mapped to the names of SPEC section 4.
@@ -67,15 +67,23 @@ def fake_tensors(mode: Any = None) -> Iterator[Any]:
     from ..hf.grouped_mm import accept_real_dtypes
 
     accept_real_dtypes()  # a float32 MoE's grouped_mm, as on the GPU
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
     mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with mode:
-            yield mode
-    finally:
-        logger.setLevel(level)
+    with loggers_quiet("torch._subclasses.fake_tensor"), mode:
+        yield mode
+
+
+def fake_limit(exc: BaseException) -> bool:
+    """Whether `exc` is a limit of fake tensors (an op that reads a value, or one with
+    no fake kernel), not a failure of the model: a run with values may pass."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        UnsupportedFakeTensorException,
+        UnsupportedOperatorException,
+    )
+
+    return isinstance(exc, (DataDependentOutputException, DynamicOutputShapeException,
+                            UnsupportedFakeTensorException, UnsupportedOperatorException))
 
 
 @contextlib.contextmanager

@@ -208,7 +208,9 @@ def check_parity(
         torch.manual_seed(seed)
         with meta_parameters() if checkpoint else contextlib.nullcontext():  # buffers as the constructor computes them
             built = build_model()
-        reference = built if dtype is None else built.to(dtype)
+        # floats only: Module.to(dtype) casts complex tensors too, and a complex rotary
+        # table (torchtitan's freqs_cis) cast to float32 loses its imaginary part
+        reference = built if dtype is None else built._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
     dropout_note = for_check(reference)  # eval mode on both sides: the copy below inherits it
     model = copy.deepcopy(reference)  # before the reference is loaded: the TP side loads its own slices
     if checkpoint:

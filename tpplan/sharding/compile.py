@@ -3,14 +3,12 @@ its style table entry names (core/style_table.py), called with the spec's option
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-import logging
-from collections.abc import Iterator
 from typing import Any
 
 from ..core.external_styles import is_external
 from ..core.placements import PlacementSpec
+from ..core.quiet import loggers_quiet
 from ..core.style_model import StyleSpec
 from .lora import for_module
 from .styles import ParallelStyle, resolve
@@ -58,20 +56,11 @@ def style_class(spec: StyleSpec) -> type:
     return cls
 
 
-@contextlib.contextmanager
-def _import_logs_off(package: str) -> Iterator[None]:
+def _import_logs_off(package: str):
     """The package's and torch's log records while importing it (torchao logs every
     optional CUDA kernel it cannot load on a CPU machine): not the user's concern,
     and an import that fails says why by its exception."""
-    loggers = [logging.getLogger(package), logging.getLogger("torch")]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
+    return loggers_quiet(package, "torch")
 
 
 def _what(value: Any) -> str:
