@@ -329,6 +329,27 @@ def test_an_unreadable_config_is_the_users_error(tmp_path):
     assert result.output.startswith("Error: ")
 
 
+def test_a_config_saved_by_transformers_reads_back_with_its_encoded_floats_and_a_mistyped_field_is_the_users_error(tmp_path):
+    """save_pretrained writes float('inf') as {"__float__": "Infinity"} (FalconH1's time_step_limit):
+    read back as transformers reads it, not as plain JSON; a field of the wrong type exits 2, not 3."""
+    import json
+
+    from transformers import FalconH1Config
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+    from tpplan.hf.build import load_config
+
+    FalconH1Config().save_pretrained(tmp_path)
+    assert load_config(str(tmp_path)).time_step_limit[1] == float("inf")
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["time_step_limit"] = ["soon", 1.0]
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    result = CliRunner().invoke(app, ["import-hf", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.startswith("Error: ") and "time_step_limit" in result.output
+
+
 def test_a_composite_config_imports_the_plan_of_the_text_config_its_causal_lm_is_built_from(tmp_path):
     # a Llama 4 checkpoint's config.json is a Llama4Config (text and vision); Llama4ForCausalLM
     # takes its text_config, as AutoModelForCausalLM.from_config picks it

@@ -68,10 +68,13 @@ def load_config(spec: str):
             raise HFSpecError(f"--model hf:{spec}: {path} is not JSON: {exc}") from None
         if not isinstance(data, dict) or "model_type" not in data:
             raise HFSpecError(f"--model hf:{spec}: {path} has no model_type (not a transformers config.json)")
-        model_type = data.pop("model_type")
-        try:
+        from huggingface_hub.errors import StrictDataclassError  # a config field of the wrong type
+
+        try:  # transformers' own reader: it decodes what its writer encodes (`{"__float__": "Infinity"}`)
             with config_remarks_off():
-                return transformers.AutoConfig.for_model(model_type, **data)
+                return transformers.AutoConfig.from_pretrained(str(path))
+        except StrictDataclassError as exc:
+            raise HFSpecError(f"--model hf:{spec}: {path}: {' '.join(str(exc).split())}") from None
         except (ValueError, KeyError) as exc:
             raise HFSpecError(f"--model hf:{spec}: {path}: {str(exc).splitlines()[0]}") from None
     if os.sep in spec or spec.startswith("."):

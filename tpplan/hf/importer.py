@@ -112,15 +112,15 @@ class ImportedPlan(NamedTuple):
 def load_config(model_type_or_config_path: str | os.PathLike):
     """A transformers config: from a local directory or config.json, else the
     default config of a model type (`"llama"`). Never downloads; transformers' remarks on it are off."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     source = os.fspath(model_type_or_config_path)
     if os.path.isdir(source) or os.path.isfile(source):
-        directory = source if os.path.isdir(source) else os.path.dirname(source) or "."
-        try:
-            return AutoConfig.from_pretrained(directory, local_files_only=True)
-        except (OSError, ValueError) as exc:  # transformers' words for a missing or malformed config
-            raise HfImportError(str(exc)) from exc
+        try:  # a file by any name, as given
+            return AutoConfig.from_pretrained(source, local_files_only=True)
+        except (OSError, ValueError, StrictDataclassError) as exc:  # transformers' words for a missing or malformed config
+            raise HfImportError(" ".join(str(exc).split())) from exc
     try:
         return AutoConfig.for_model(source)
     except ValueError:
