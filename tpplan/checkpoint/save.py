@@ -155,6 +155,10 @@ def _write_async(state: dict, save: "commit.Save"):
     group = asyncsave.process_group() if save.distributed else None
     if not save.distributed:  # DCP's thread warns that it assumes one process: the intent (quiet() cannot reach a thread)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    with quiet():
-        return dcp.async_save(state, storage_writer=FileSystemWriter(save.staging, sync_files=True), planner=save_planner(),
-                              process_group=group, no_dist=not save.distributed)
+    staged = asyncsave.stage(state)  # the only part the caller waits for
+    writer = FileSystemWriter(save.staging, sync_files=True)
+
+    def write():
+        return dcp.save(staged, storage_writer=writer, planner=save_planner(), process_group=group, no_dist=not save.distributed)
+
+    return asyncsave.in_background(write)
