@@ -16,7 +16,9 @@ Saving into the directory a model was loaded from is safe: tensors that are
 still views of files there (`mapped.py`) are copied into memory first.
 
 Saves are atomic (`commit.py`): written into a staging directory beside the
-target, then renamed into place by rank 0 after every rank's files are synced.
+target, then renamed into place by rank 0 after every rank's files are synced;
+the previous copy stays beside it as the spare the next save overwrites in
+place (`atomic.py`).
 With `step=N` the target is `ROOT/step-N` of a training root (`steps.py`), with
 the optimizer state and `extra` beside the model (`training.py`), recorded as the
 latest only then; `async_save=True` writes in the background (`asyncsave.py`).
