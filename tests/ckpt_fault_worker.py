@@ -56,7 +56,7 @@ class Killer:
 
     def install(self) -> None:
         for owner, name in [(filesystem, "_write_item"), (os, "fsync"), (os, "rename"), (os, "replace"), (os, "unlink"), (shutil, "rmtree"),
-                            (atomic, "_exchange"), (dist, "barrier"), (dist, "broadcast_object_list")]:
+                            (atomic, "_exchange"), (dist, "barrier"), (dist, "broadcast"), (dist, "broadcast_object_list")]:
             self.wrap(owner, name)
 
 
