@@ -1,21 +1,27 @@
 """Atomic checkpoint saves: their cost over a save in place, and training during an asynchronous save.
 
-    python bench/bench_checkpoint_save.py [--model tpplan.models.llama:bench_1024] [--rounds 5] [--steps 24] [--nproc 2] [--check]
+    python bench/bench_checkpoint_save.py [--model tpplan.models.llama:bench_1024] [--rounds 6] [--saves 4] [--nproc 2] [--check]
 
 Launches itself under `torchrun --standalone` (gloo on CPU); the model is
 parallelized by `plans/llama_tp.yaml` over all ranks, checkpoints go to a
 temporary directory (`--dir`, default the system's).
 
-1. Save time: `save_checkpoint(model, dir)` (staged, fsynced, renamed into place,
-   the previous copy removed) vs what it replaced, `dcp.save` with
-   `FileSystemWriter(dir, overwrite=True)` into the target in place (fsync on
-   too), alternating ABBA, `--rounds` each, medians. Goal: atomic / in place <= 1.05.
-2. Training during an asynchronous save: AdamW steps, first `--steps` without
-   any save, then `--steps` with `save_checkpoint(..., step=N, optimizer=opt,
-   async_save=True)` started every `--every` steps; the step time of the steps
-   that ran while a save was being written vs without. Goal: <= 1.1. Also
-   printed: how long the `save_checkpoint` call itself blocked (DCP's copy of
-   the state to CPU memory), which is not in the step times.
+1. Save time: `save_checkpoint(model, dir)` (staged, fsynced, exchanged into
+   place, the previous copy kept as the next save's staging directory) vs what
+   it replaced, `dcp.save` with `FileSystemWriter(dir, overwrite=True)` into the
+   target in place (fsync on too), alternating ABBA, `--rounds` each, medians.
+   Both start from their steady state: the in-place directory holds a
+   checkpoint whose files it overwrites, the atomic one a checkpoint and its
+   spare (two saves before the first round). Goal: atomic / in place <= 1.05.
+2. Training during an asynchronous save: AdamW steps, in `--saves` cycles of
+   `save_checkpoint(..., step=N, keep=2, optimizer=opt, async_save=True)`, steps
+   while it is written, then `--every` steps without a save (so both kinds of
+   step see the same load from outside), after 3 such cycles to warm (the
+   staging buffers, the spare); the median step time of the steps
+   that began while a save was being written vs the others. Goal: <= 1.1. Also
+   printed: how long the `save_checkpoint` call itself blocked (the copy of the
+   state to CPU memory, not in the step times), the CPU seconds of the training
+   thread per step and of the writer per save, and the load average.
 """
 
 from __future__ import annotations
@@ -71,7 +77,7 @@ def worker(args) -> None:
     in_place_dir, atomic_dir = os.path.join(where, "in-place"), os.path.join(where, "atomic")
     in_place = lambda: dcp.save(state_to_save(model), storage_writer=FileSystemWriter(in_place_dir, overwrite=True, sync_files=True))  # noqa: E731
     atomic = lambda: tpplan.save_checkpoint(model, atomic_dir)  # noqa: E731
-    in_place(), atomic()  # warm: both directories exist, as over a previous checkpoint
+    in_place(), atomic(), atomic()  # warm, each in its steady state: over a previous checkpoint (and its spare)
     times = {"in place": [], "atomic": []}
     for i in range(args.rounds):  # ABBA: each goes first as often (a save pays for the previous one's writeback)
         order = [("in place", in_place), ("atomic", atomic)][:: 1 if i % 2 == 0 else -1]
@@ -84,44 +90,59 @@ def worker(args) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1)
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
+        """(wall, CPU seconds of this thread) of one training step."""
         tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=generator)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.thread_time() - cpu
 
     step(), step()  # warm, and AdamW's state exists
-    plain = [step() for _ in range(args.steps)]
-    during, blocked, handle, root = [], [], None, os.path.join(where, "async")
-    for i in range(args.steps):
-        if i % args.every == 0:
-            start = time.perf_counter()
-            handle = tpplan.save_checkpoint(model, root, step=i, keep=2, optimizer=optimizer, async_save=True)
-            blocked.append(time.perf_counter() - start)
-        writing = handle is not None and not handle.done()
-        t = step()
-        if writing:
-            during.append(t)
-    if handle is not None:
+    load = [os.getloadavg()[0]]
+    plain, during, blocked, writer_cpu, root = [], [], [], [], os.path.join(where, "async")
+    warm = 3  # not measured: the first save allocates the staging buffers, the third is the first with a spare (keep=2)
+    for n in range(warm + args.saves):
+        process_cpu, thread_cpu = time.process_time(), time.thread_time()
+        start = time.perf_counter()
+        handle = tpplan.save_checkpoint(model, root, step=n, keep=2, optimizer=optimizer, async_save=True)
+        stall = time.perf_counter() - start
+        steps = []
+        while not handle.done():
+            steps.append(step())
         handle.wait()
+        spent = (time.process_time() - process_cpu) - (time.thread_time() - thread_cpu)  # the writer's (and torch's other threads')
+        after = [step() for _ in range(args.every)]
+        if n < warm:
+            continue
+        blocked.append(stall)
+        writer_cpu.append(spent)
+        during += steps
+        plain += after
+    load.append(os.getloadavg()[0])
     dist.barrier()
     if rank == 0:
-        print(f"{args.model} on {world} gloo ranks, {size / 2**20:.0f} MiB per checkpoint (model), {args.rounds} rounds")
+        print(f"{args.model} on {world} gloo ranks, {size / 2**20:.0f} MiB per checkpoint (model), {args.rounds} rounds; tpplan from {os.path.dirname(tpplan.__file__)}")
         for name, values in times.items():
             print(f"  {name:8s} save: median {median(values):.3f} s   (min {min(values):.3f}, max {max(values):.3f})")
         print(f"ratio atomic / in place: {save_ratio:.3f}   (goal <= {SAVE_GOAL})")
         ok = within(save_ratio, SAVE_GOAL)
+        walls = lambda rows: [w for w, _ in rows]  # noqa: E731
+        cpus = lambda rows: [c for _, c in rows]  # noqa: E731
+        print(f"  training step without a save: median {median(walls(plain)) * 1e3:.1f} ms (min {min(walls(plain)) * 1e3:.1f}, "
+              f"max {max(walls(plain)) * 1e3:.1f}; {len(plain)} steps), training thread CPU {median(cpus(plain)) * 1e3:.1f} ms")
+        print(f"  save_checkpoint(async_save=True) blocked: median {median(blocked) * 1e3:.1f} ms (min {min(blocked) * 1e3:.1f}, "
+              f"max {max(blocked) * 1e3:.1f}); writer CPU per save (rank 0) median {median(writer_cpu):.3f} s; load average {load[0]:.2f} -> {load[1]:.2f}")
         if during:
-            step_ratio = median(during) / median(plain)
-            print(f"  training step without a save: median {median(plain) * 1e3:.1f} ms; during an async save: "
-                  f"median {median(during) * 1e3:.1f} ms ({len(during)} steps); save_checkpoint blocked {median(blocked) * 1e3:.1f} ms (median)")
+            step_ratio = median(walls(during)) / median(walls(plain))
+            print(f"  training step during an async save: median {median(walls(during)) * 1e3:.1f} ms (min {min(walls(during)) * 1e3:.1f}, "
+                  f"max {max(walls(during)) * 1e3:.1f}; {len(during)} steps), training thread CPU {median(cpus(during)) * 1e3:.1f} ms")
             print(f"ratio step during async save / without: {step_ratio:.3f}   (goal <= {STEP_GOAL})")
             ok = ok and within(step_ratio, STEP_GOAL)
         else:
-            print(f"  every async save finished before the next step began (save_checkpoint blocked {median(blocked) * 1e3:.1f} ms)")
+            print("  every async save finished before the next step began")
         code = exit_code(bool(os.environ.get("BENCH_CHECK")), ok)
         if code:
             raise SystemExit(code)
@@ -130,9 +151,9 @@ def worker(args) -> None:
 def main() -> None:
     parser = arguments(__doc__, check=f"when atomic / in place is above {SAVE_GOAL} or the step ratio above {STEP_GOAL}")
     parser.add_argument("--model", default="tpplan.models.llama:bench_1024", help="MOD:FN of the model")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--every", type=int, default=6, help="start an async save every N steps")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--saves", type=int, default=4, help="async saves measured (3 more before them, to warm)")
+    parser.add_argument("--every", type=int, default=3, help="steps without a save after each async save")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=2)
@@ -153,7 +174,7 @@ def main() -> None:
         env["BENCH_CHECK"] = "1"
     with tempfile.TemporaryDirectory(prefix="tpplan-bench-save-", dir=args.dir) as where:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}", __file__, "--worker",
-                   "--model", args.model, "--rounds", str(args.rounds), "--steps", str(args.steps), "--every", str(args.every),
+                   "--model", args.model, "--rounds", str(args.rounds), "--saves", str(args.saves), "--every", str(args.every),
                    "--batch", str(args.batch), "--seq", str(args.seq), "--dir", where]
         sys.exit(subprocess.run(command, cwd=ROOT, env=env).returncode)
 

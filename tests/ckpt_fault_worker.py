@@ -1,7 +1,7 @@
 """A torchrun job whose ranks train examples/train.py's model and save a training
 checkpoint after every step, while one rank (the victim, drawn from --seed) kills
 itself with SIGKILL at a drawn point of a drawn save: the k-th file-system or
-collective event of that save (a tensor item written, an fsync, a rename, the
+collective event of that save (a tensor item written, an fsync, a rename, an unlink, the
 exchange, a removal, a barrier, a broadcast), k drawn from the events of the
 first save. Before each save, rank 0 writes the full (unsharded) model and
 optimizer state of that step to --truth/step-N.pt: what a load must give back.
@@ -55,8 +55,8 @@ class Killer:
         setattr(owner, name, counted)
 
     def install(self) -> None:
-        for owner, name in [(filesystem, "_write_item"), (os, "fsync"), (os, "rename"), (os, "replace"), (shutil, "rmtree"),
-                            (atomic, "_exchange"), (dist, "barrier"), (dist, "broadcast_object_list")]:
+        for owner, name in [(filesystem, "_write_item"), (os, "fsync"), (os, "rename"), (os, "replace"), (os, "unlink"), (shutil, "rmtree"),
+                            (atomic, "_exchange"), (dist, "barrier"), (dist, "broadcast"), (dist, "broadcast_object_list")]:
             self.wrap(owner, name)
 
 

@@ -78,10 +78,28 @@ def test_without_an_atomic_exchange_the_swap_is_two_renames_and_a_cut_one_is_put
     monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
     save_checkpoint(model(1), tmp_path / "ckpt")
     save_checkpoint(model(2), tmp_path / "ckpt")
-    assert loads(tmp_path / "ckpt", 2) and atomic.leftovers(str(tmp_path / "ckpt")) == []
+    spare, = atomic.leftovers(str(tmp_path / "ckpt"))  # the previous copy, kept for the next save to overwrite
+    assert loads(tmp_path / "ckpt", 2) and spare.name.startswith(".ckpt.spare-") and loads(spare, 1)
     os.rename(tmp_path / "ckpt", tmp_path / ".ckpt.old-abc")  # killed between the two renames
-    atomic.clean(str(tmp_path / "ckpt"))  # the next save's first act
+    assert atomic.clean(str(tmp_path / "ckpt")) == spare  # the next save's first act: put back, the spare to reuse
     assert loads(tmp_path / "ckpt", 2)
+
+
+def test_the_next_save_overwrites_the_previous_copy_in_place_and_drops_what_it_did_not_write(tmp_path):
+    save_checkpoint(model(1), tmp_path / "ckpt")
+    save_checkpoint(model(2), tmp_path / "ckpt")
+    spare, = atomic.leftovers(str(tmp_path / "ckpt"))
+    inode = (spare / "__0_0.distcp").stat().st_ino
+    (spare / "__7_0.distcp").write_bytes(b"another world size's shard")
+    save_checkpoint(model(3), tmp_path / "ckpt")
+    assert (tmp_path / "ckpt/__0_0.distcp").stat().st_ino == inode  # the same file, rewritten: no fresh allocation
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".metadata", ".tpplan-checkpoint.json", "__0_0.distcp"]
+    assert set(json.loads((tmp_path / "ckpt/.tpplan-checkpoint.json").read_text())["files"]) == {".metadata", "__0_0.distcp"}
+    spare, = atomic.leftovers(str(tmp_path / "ckpt"))
+    assert loads(tmp_path / "ckpt", 3) and loads(spare, 2)
+    (spare / "model.safetensors").write_bytes(b"x")  # what a model may still map: not overwritten, removed
+    save_checkpoint(model(4), tmp_path / "ckpt")
+    assert not spare.exists() and loads(tmp_path / "ckpt", 4) and [loads(p, 3) for p in atomic.leftovers(str(tmp_path / "ckpt"))] == [True]
 
 
 def test_a_training_root_records_the_latest_step_and_keeps_the_newest(tmp_path):
@@ -92,7 +110,9 @@ def test_a_training_root_records_the_latest_step_and_keeps_the_newest(tmp_path):
         optimizer.step()
         optimizer.zero_grad()
         save_checkpoint(net, tmp_path, step=step, keep=2, optimizer=optimizer, extra={"pos": step * 4})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-15", "step-20"]
+    spare = [p.name for p in tmp_path.iterdir() if ".spare-" in p.name]
+    assert sorted(p.name for p in tmp_path.iterdir() if ".spare-" not in p.name) == [".lock", "latest", "step-15", "step-20"]
+    assert len(spare) == 1 and spare[0].startswith(".step-10.spare-")  # step-10 dropped, for step-25 to overwrite
     assert (tmp_path / "latest").read_text() == "step-20\n"
     manifest = json.loads((tmp_path / "step-20/.tpplan-checkpoint.json").read_text())
     assert manifest["step"] == 20 and set(manifest["files"]) == {".metadata", "__0_0.distcp"}

@@ -81,7 +81,8 @@ def trial(tmp_path: Path, config: str, seed: int) -> dict:
 def check(outcome: dict) -> None:
     assert not outcome["wrong"], outcome
     assert "wrong" not in outcome["steps"].values(), outcome
-    assert outcome["left_behind"] == [], outcome
+    spares = [name for name in outcome["left_behind"] if ".spare-" in name]  # the copy the next save overwrites
+    assert len(spares) <= 1 and [name for name in outcome["left_behind"] if name not in spares] == [], outcome
 
 
 @pytest.mark.parametrize("seed", [0, pytest.param(8, marks=pytest.mark.slow)])  # a tensor write on rank 1; a late commit step on rank 0

@@ -2,7 +2,8 @@
 directory beside the target, fsync, the rename into place, the lock, leftovers.
 
     parent/.NAME.staging-XXXX   what a save writes (loads never look at it)
-    parent/.NAME.old-XXXX       the previous copy while it is being removed
+    parent/.NAME.old-XXXX       the previous copy during a swap without an exchange
+    parent/.NAME.spare-XXXX     the previous copy after the swap: the next save's staging
     parent/.NAME.lock           a plain save's lock (a training root: ROOT/.lock)
 
 `publish` swaps the staging directory and the target in one `renameat2
@@ -10,6 +11,19 @@ directory beside the target, fsync, the rename into place, the lock, leftovers.
 checkpoint or the new one. Where the kernel or file system cannot exchange, it
 renames the old copy aside, then the new one in (a kill between the two leaves
 the old copy at `.NAME.old-XXXX`, which the next save puts back).
+
+The previous copy is not removed after the swap but kept as a spare
+(`recyclable`: DCP shard files, `.metadata` and the manifest only), which the
+next save renames into its staging directory and overwrites file by file, as a
+save in place would: on ext4 writing fresh files (a new directory, blocks freed
+by the removal of the copy before) costs up to 5x the system time of
+overwriting the files of a directory in place, and the removal itself was on
+the commit's critical path. The spare is never loaded (a hidden name; its
+`.metadata` and manifest go first when it is reused, and files the new save did
+not write are removed before its manifest lists the directory), so a kill at
+any point leaves at most a directory the next save reuses or removes. The cost:
+between saves the previous copy stays on disk beside the target (what a save
+needs during its write anyway).
 """
 
 from __future__ import annotations
@@ -17,6 +31,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
+import secrets
 import shutil
 import socket
 import tempfile
@@ -24,6 +40,9 @@ from pathlib import Path
 
 STAGING = ".staging-"
 OLD = ".old-"
+SPARE = ".spare-"
+_DCP_FILES = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|\.tpplan-checkpoint\.json(\.tmp-\d+)?")
+_INVALID_FIRST = (".metadata", ".tpplan-checkpoint.json")  # a reused spare stops looking like a checkpoint
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
 _HELD: dict[str, tuple[int, bool]] = {}  # realpath of a lock file -> (its open descriptor, kept for life)
@@ -86,34 +105,74 @@ def release(lock_file: str) -> None:
         os.close(fd)
 
 
-def new_staging(target: str) -> str:
-    """A fresh, empty staging directory beside `target` (same file system: the rename is atomic)."""
+def new_staging(target: str, spare: Path | None = None) -> str:
+    """The staging directory beside `target` (same file system: the rename is atomic):
+    `spare` renamed and emptied of its `.metadata` and manifest, else a fresh one."""
     p = Path(target)
     try:
-        return tempfile.mkdtemp(prefix=f".{p.name}{STAGING}", dir=p.parent)
+        if spare is None:
+            return tempfile.mkdtemp(prefix=f".{p.name}{STAGING}", dir=p.parent)
+        while True:
+            staging = p.parent / f".{p.name}{STAGING}{secrets.token_hex(4)}"
+            if not os.path.lexists(staging):
+                break
+        os.rename(spare, staging)
+        for name in _INVALID_FIRST:
+            try:
+                os.unlink(staging / name)
+            except FileNotFoundError:
+                pass
+        return str(staging)
     except OSError as exc:
         raise SaveRefused(f"cannot write in {str(p.parent)!r}: {exc.strerror or exc}") from None
 
 
+def recyclable(directory: str | Path) -> bool:
+    """Whether a leftover directory may become the next save's staging: it holds only
+    DCP shard files, `.metadata` and the manifest (nothing a model may still map,
+    no subdirectory)."""
+    try:
+        with os.scandir(directory) as entries:
+            return all(e.is_file(follow_symlinks=False) and _DCP_FILES.fullmatch(e.name) for e in entries)
+    except OSError:
+        return False
+
+
+def prune(staging: str, written: set[str]) -> None:
+    """Remove the files of a reused spare that this save did not write (another world
+    size's shards), before the manifest lists the directory."""
+    with os.scandir(staging) as entries:
+        stale = [e.path for e in entries if e.name not in written]
+    for path in stale:
+        os.unlink(path)
+
+
 def leftovers(target: str) -> list[Path]:
-    """Staging and old-copy directories of earlier saves of `target`, killed or failed."""
+    """Staging, old-copy and spare directories of earlier saves of `target`."""
     p = Path(target)
-    prefixes = (f".{p.name}{STAGING}", f".{p.name}{OLD}")
+    prefixes = (f".{p.name}{STAGING}", f".{p.name}{OLD}", f".{p.name}{SPARE}")
     try:
         return sorted(e for e in p.parent.iterdir() if e.name.startswith(prefixes) and e.is_dir())
     except OSError:
         return []
 
 
-def clean(target: str) -> None:
-    """Remove what killed saves of `target` left; an old copy whose swap was cut short
-    (no `target`) goes back into place first."""
-    for entry in leftovers(target):
+def clean(target: str) -> Path | None:
+    """Tidy what earlier saves of `target` left: an old copy whose swap was cut short
+    (no `target`) goes back into place; one recyclable leftover (a spare first) is
+    returned for this save to reuse; the others are removed."""
+    spare = None
+    entries = sorted(leftovers(target), key=lambda e: SPARE not in e.name)
+    for entry in entries:
         if entry.name.startswith(f".{Path(target).name}{OLD}") and not os.path.lexists(target):
             os.rename(entry, target)
             fsync_dir(str(Path(target).parent))
             continue
+        if spare is None and recyclable(entry):
+            spare = entry
+            continue
         shutil.rmtree(entry, ignore_errors=True)
+    return spare
 
 
 def fsync_dir(path: str) -> None:
@@ -123,6 +182,14 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_synced(path: str, text: str) -> None:
+    """Write the new file `path` and fsync it (its directory entry: the caller's fsync_dir)."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def fsync_files(directory: str) -> None:
@@ -137,23 +204,26 @@ def fsync_files(directory: str) -> None:
     fsync_dir(directory)
 
 
-def publish(staging: str, target: str) -> None:
-    """Put the complete `staging` directory at `target`, durably; the previous copy
-    at `target` is removed only once the new one is in place."""
+def publish(staging: str, target: str, *, keep_spare: bool) -> None:
+    """Put the complete `staging` directory at `target`, durably. The previous copy
+    at `target`, once the new one is in place, becomes the spare (`keep_spare` and
+    recyclable) or is removed."""
     parent = str(Path(target).parent)
     if not os.path.lexists(target):
         os.rename(staging, target)
         fsync_dir(parent)
         return
     if _exchange(staging, target):
-        fsync_dir(parent)
-        shutil.rmtree(staging)  # now the previous copy
-        return
-    old = staging.replace(STAGING, OLD, 1)
-    os.rename(target, old)
-    os.rename(staging, target)
+        previous = staging
+    else:
+        previous = staging.replace(STAGING, OLD, 1)
+        os.rename(target, previous)
+        os.rename(staging, target)
     fsync_dir(parent)
-    shutil.rmtree(old)
+    if keep_spare and recyclable(previous):
+        os.rename(previous, staging.replace(STAGING, SPARE, 1))  # not synced: lost in a crash, it is a leftover all the same
+    else:
+        shutil.rmtree(previous)
 
 
 def _exchange(a: str, b: str) -> bool:

@@ -2,16 +2,19 @@
 commits it; every rank hears its verdict, so they fail or succeed together.
 
     prepare   rank 0: the target can be written (not a file, parent creatable),
-              the lock, the leftovers of killed saves removed, a fresh staging
-              directory; broadcast (its name, or why not) to every rank
+              the lock, the leftovers of killed saves removed, the staging
+              directory: the spare (the copy before the target's, overwritten
+              file by file, `atomic.py`) or a fresh one; broadcast (its name,
+              or why not) to every rank
     (write)   every rank writes its files into staging and fsyncs them (DCP's
               FileSystemWriter(sync_files=True)), rank 0 the .metadata last
-    finish    barrier; rank 0: the manifest, fsync, rename into place, then
-              the `latest` marker and the retention of a training root;
-              broadcast the verdict
+    finish    rank 0: the spare's files this save did not write
+              removed, the manifest, fsync, exchange into place (the previous
+              copy becomes the spare), then the `latest` marker and the
+              retention of a training root; broadcast the verdict
 
 A rank killed anywhere in between leaves the target as it was (the staging
-directory is ignored by loads, removed by the next save).
+directory is ignored by loads, reused or removed by the next save).
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from .complete import write_manifest
 from .errors import CheckpointError, fail
 
 
+_SHORT = 255  # bytes of a verdict's text sent in the first broadcast
+
+
 @dataclass
 class Save:
     root: str  # the training root (step= given), else the target itself
@@ -37,6 +43,7 @@ class Save:
     rank: int
     real_group: bool  # a process group of real ranks: verdicts are broadcast
     staging: str = ""
+    recycled: bool = False  # rank 0: the staging directory is a spare, overwritten
 
     @property
     def _lock_file(self) -> str:
@@ -54,10 +61,12 @@ class Save:
                     raise atomic.SaveRefused(f"{self.root!r} is a file, not a checkpoint directory: remove it or save elsewhere")
                 atomic.check_target(self.target)
                 atomic.acquire(self._lock_file, keep=self.step is not None)  # a training root stays this job's
-                if self.step is not None:
-                    steps.clean_root(self.root)
-                atomic.clean(self.target)
-                verdict = ("ok", atomic.new_staging(self.target))
+                spare = steps.clean_root(self.root) if self.step is not None else atomic.clean(self.target)
+                if self.format != "dcp" and spare is not None:  # the safetensors writer makes subdirectories: a fresh one
+                    shutil.rmtree(spare, ignore_errors=True)
+                    spare = None
+                self.recycled = spare is not None
+                verdict = ("ok", atomic.new_staging(self.target, spare))
             except atomic.SaveRefused as exc:
                 atomic.release(self._lock_file)
                 verdict = ("error", str(exc))
@@ -70,11 +79,9 @@ class Save:
         self.staging = value
 
     def finish(self, metadata) -> None:
-        """Every rank, after its write: rank 0 commits; TP608 on all ranks if it could not."""
-        if self.real_group:
-            import torch.distributed as dist
-
-            dist.barrier()  # every rank's files are written and synced
+        """Every rank, after its write: rank 0 commits; TP608 on all ranks if it could not.
+        No barrier first: rank 0's dcp.save returns only after every rank's write
+        results reached it (their files written and fsynced) and it wrote `.metadata`."""
         verdict = None
         if self.rank == 0:
             try:
@@ -92,12 +99,14 @@ class Save:
             return
         try:
             save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
+            if self.recycled:  # the spare's files this save did not overwrite
+                atomic.prune(self.staging, {".metadata", *(getattr(i, "relative_path", None) for i in (metadata.storage_data or {}).values())})
             write_manifest(self.staging, step=self.step, save_id=save_id, format=self.format)
-            if self.format == "dcp":  # FileSystemWriter(sync_files=True) synced every file: the entries remain
+            if self.format == "dcp":  # FileSystemWriter(sync_files=True) synced every file, write_manifest its own: the entries remain
                 atomic.fsync_dir(self.staging)
             else:  # the safetensors writer does not sync
                 atomic.fsync_files(self.staging)
-            atomic.publish(self.staging, self.target)
+            atomic.publish(self.staging, self.target, keep_spare=self.format == "dcp")
         except OSError as exc:
             self.abandon()
             raise fail("TP608", f"saving to {self.target!r} failed: {exc.strerror or exc} (the previous checkpoint is left as it was)", self.target) from None
@@ -138,11 +147,24 @@ class Save:
         return error
 
     def _hear(self, verdict):
-        """Rank 0's verdict, on every rank."""
+        """Rank 0's verdict ("ok", text) or ("error", why), on every rank: one broadcast of
+        a few bytes when it is ok with a short text (the staging directory's name),
+        a second one with the message otherwise."""
         if not self.real_group:
             return verdict
+        import torch
         import torch.distributed as dist
 
+        short = torch.zeros(1 + _SHORT, dtype=torch.uint8)
+        if self.rank == 0:
+            kind, text = verdict
+            raw = text.encode()
+            if kind == "ok" and len(raw) <= _SHORT and b"\0" not in raw:
+                short[0] = 1
+                short[1:1 + len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else short[1:1]
+        dist.broadcast(short, src=0)
+        if short[0] == 1:
+            return "ok", bytes(short[1:].tolist()).rstrip(b"\0").decode()
         box = [verdict]
         dist.broadcast_object_list(box, src=0)
         return box[0]

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .atomic import write_text
+from .atomic import write_synced
 from .errors import fail, some
 
 MANIFEST = ".tpplan-checkpoint.json"
@@ -30,7 +30,7 @@ INCOMPLETE = "TP609"
 def write_manifest(directory: str, *, step: int | None, save_id: str | None, format: str) -> None:
     files = {e.name: e.stat().st_size for e in os.scandir(directory) if e.is_file() and e.name != MANIFEST}
     manifest = {"version": 1, "format": format, "step": step, "save_id": save_id, "files": dict(sorted(files.items()))}
-    write_text(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1) + "\n")
+    write_synced(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1) + "\n")  # in staging: its entry synced by the commit
 
 
 def read_manifest(directory: str | Path) -> dict[str, Any] | None:

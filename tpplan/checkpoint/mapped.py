@@ -121,7 +121,9 @@ def release(model: "nn.Module", directory: str | os.PathLike) -> list[str]:
     from torch.distributed.tensor import DTensor
 
     root = os.path.realpath(directory)
-    mappings = [(s, e, p) for s, e, p in _mappings() if os.path.realpath(p).startswith(root + os.sep)]
+    found = _mappings()
+    under = {p for p in {p for _, _, p in found} if os.path.realpath(p).startswith(root + os.sep)}  # each file once: a save's cost
+    mappings = [(s, e, p) for s, e, p in found if p in under]
     if not mappings:
         return []
     done, seen = [], set()

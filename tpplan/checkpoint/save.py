@@ -16,7 +16,9 @@ Saving into the directory a model was loaded from is safe: tensors that are
 still views of files there (`mapped.py`) are copied into memory first.
 
 Saves are atomic (`commit.py`): written into a staging directory beside the
-target, then renamed into place by rank 0 after every rank's files are synced.
+target, then renamed into place by rank 0 after every rank's files are synced;
+the previous copy stays beside it as the spare the next save overwrites in
+place (`atomic.py`).
 With `step=N` the target is `ROOT/step-N` of a training root (`steps.py`), with
 the optimizer state and `extra` beside the model (`training.py`), recorded as the
 latest only then; `async_save=True` writes in the background (`asyncsave.py`).
@@ -155,6 +157,10 @@ def _write_async(state: dict, save: "commit.Save"):
     group = asyncsave.process_group() if save.distributed else None
     if not save.distributed:  # DCP's thread warns that it assumes one process: the intent (quiet() cannot reach a thread)
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-    with quiet():
-        return dcp.async_save(state, storage_writer=FileSystemWriter(save.staging, sync_files=True), planner=save_planner(),
-                              process_group=group, no_dist=not save.distributed)
+    staged = asyncsave.stage(state)  # the only part the caller waits for
+    writer = FileSystemWriter(save.staging, sync_files=True)
+
+    def write():
+        return dcp.save(staged, storage_writer=writer, planner=save_planner(), process_group=group, no_dist=not save.distributed)
+
+    return asyncsave.in_background(write)

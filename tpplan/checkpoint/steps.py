@@ -5,13 +5,16 @@
     ROOT/latest           "step-20": written last, after step-20 is in place
     ROOT/.lock            held by the job saving here
     ROOT/.step-30.staging-XXXX   a save in progress, or killed (loads ignore it)
+    ROOT/.step-10.spare-XXXX     the step retention dropped: the next save's staging
 
 `latest` is replaced atomically (tmp, fsync, rename) only after its step's
 directory was renamed into place, so it always names a complete checkpoint
 (Megatron's `latest_checkpointed_iteration.txt`); without one (a root whose
 first save was killed after its rename) the newest step directory whose
 manifest checks out is the latest. The K newest steps up to the latest are
-kept (torchtitan's `keep_latest_k`); older ones are renamed aside, then removed.
+kept (torchtitan's `keep_latest_k`); older ones are renamed aside, then removed,
+all but one: the spare the next save overwrites (`atomic.py`), so a root holds
+K + 1 copies between saves, as many as during one.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .atomic import OLD, STAGING, fsync_dir, write_text
+from .atomic import OLD, SPARE, STAGING, fsync_dir, recyclable, write_text
 from .complete import MANIFEST, STEP_DIR, manifest_problem
 from .errors import fail
 
@@ -82,24 +85,33 @@ def record(root: str, step: int) -> None:
 
 def retain(root: str, newest: int, keep: int | None) -> list[int]:
     """Remove all but the `keep` newest steps up to `newest` (later ones, of an earlier
-    run that went further, are left alone). Returns the steps removed."""
+    run that went further, are left alone); the newest removed one becomes the root's
+    spare when it has none. Returns the steps removed."""
     if keep is None:
         return []
     older = sorted((s for s in steps_in(root) if s <= newest), reverse=True)[keep:]
+    spare = any(SPARE in e.name for e in Path(root).iterdir())
     for step in older:
         directory = step_dir(root, step)
-        aside = f"{os.path.join(root, f'.step-{step}')}{_DROP}{os.getpid()}"
+        stem = os.path.join(root, f".step-{step}")
+        if not spare and recyclable(directory):
+            os.rename(directory, f"{stem}{SPARE}{os.getpid()}")  # not synced: a step directory back after a crash is kept or dropped again
+            spare = True
+            continue
+        aside = f"{stem}{_DROP}{os.getpid()}"
         os.rename(directory, aside)  # atomic: a kill mid-removal leaves no half step directory
         shutil.rmtree(aside)
-    if older:
-        fsync_dir(root)
     return older
 
 
-def clean_root(root: str) -> None:
-    """What killed saves left in the root: staging and dropped directories removed, an
-    old copy whose swap was cut short (its step directory gone) put back."""
-    for entry in sorted(Path(root).iterdir()) if os.path.isdir(root) else []:
+def clean_root(root: str) -> Path | None:
+    """What earlier saves left in the root: an old copy whose swap was cut short (its
+    step directory gone) put back; one recyclable leftover (the spare first)
+    returned for this save to reuse; the other staging, dropped and old
+    directories removed."""
+    spare = None
+    entries = sorted(Path(root).iterdir()) if os.path.isdir(root) else []
+    for entry in sorted(entries, key=lambda e: SPARE not in e.name):
         name = entry.name
         if not name.startswith(".step-") or not entry.is_dir():
             continue
@@ -107,5 +119,9 @@ def clean_root(root: str) -> None:
         if OLD in name and not (Path(root) / stem).exists() and (entry / MANIFEST).exists():
             os.rename(entry, Path(root) / stem)
             fsync_dir(root)
-        elif STAGING in name or OLD in name or _DROP in name:
-            shutil.rmtree(entry, ignore_errors=True)
+        elif STAGING in name or OLD in name or _DROP in name or SPARE in name:
+            if spare is None and recyclable(entry):
+                spare = entry
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+    return spare
