@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dataflow import Dataflow
+from .gradsum import shared_tails
 
 if TYPE_CHECKING:
     from torch import nn
@@ -86,8 +87,10 @@ def propose(model: "nn.Module", flow: Dataflow, *, sp: bool = False, ep: bool = 
     groups: list[Group] = []
     claimed: set[str] = set()
     for consumer, prods in by_consumer.items():
-        groups.append(_pair(modules, flow, consumer, prods, sp))
         claimed.update(prods, [consumer])
+    for consumer, prods in by_consumer.items():
+        groups.append(_pair(modules, flow, consumer, prods, sp, claimed))
+        claimed.update(groups[-1].rules)
     groups += _embeddings_and_head(modules, flow, claimed, sp, loss_parallel)
     claimed.update(f for g in groups for f in g.rules)
     groups += _experts(modules, claimed, ep)
@@ -103,7 +106,7 @@ def _leaf(fqn: str) -> str:
     return fqn.rpartition(".")[2]
 
 
-def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool) -> Group:
+def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool, claimed: set) -> Group:
     projs = flow.projections
     rules: dict[str, Any] = {}
     divides = [modules[consumer].in_features]
@@ -129,6 +132,12 @@ def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool) ->
     else:
         note = f"{shown} -> {_leaf(consumer)}: {modules[consumer].in_features} features, column then row parallel"
     params = sum(modules[f].weight.numel() for f in [*prods, consumer])
+    # a whole projection (MLA's kv_a_proj_with_mqa) whose rotary tail meets the heads as it is
+    for fqn, last in shared_tails(modules, flow, consumer, prods, claimed).items():
+        width = modules[fqn].out_features
+        rules[fqn] = {"style": "sum_output_grad"} if last == width else {"style": "sum_output_grad", "last": last}
+        what = "output" if last == width else f"last {last} of {width} output features"
+        note += f"; {_leaf(fqn)} whole, its {what} meeting the heads whole: that gradient summed"
     if sp:
         rules = {**_gather_once(flow, prods), **rules}
     return Group("pair", rules, note, divides, kv, params)
