@@ -211,3 +211,53 @@ def test_moe_experts_found_by_shape(tmp_path):
     report_ep, _ = init_json(tmp_path, model, "--tp", "2", "--ep")
     assert rules_of(report_ep["plan"])["model.layers.*.mlp.experts"] == {"style": "expert_parallel", "dispatch": "all_reduce"}
     check_written(plan, model, 2)
+
+
+class _LatentAttention(__import__("torch").nn.Module):
+    """MLA as DeepSeek V3 writes it, small: a latent kv projection whose last `rope`
+    features (the rotary key) bypass kv_b and meet every head whole, written into the key
+    with in-place copies into slices of a new tensor (transformers' `expand_kv`)."""
+
+    def __init__(self, vocab=64, dim=32, heads=4, nope=8, rope=4, latent=16):
+        from torch import nn
+
+        super().__init__()
+        self.heads, self.nope, self.rope, self.latent = heads, nope, rope, latent
+        self.embed = nn.Embedding(vocab, dim)
+        self.q_proj = nn.Linear(dim, heads * (nope + rope), bias=False)
+        self.kv_a = nn.Linear(dim, latent + rope, bias=False)
+        self.kv_norm = nn.RMSNorm(latent)
+        self.kv_b = nn.Linear(latent, heads * (nope + nope), bias=False)
+        self.o_proj = nn.Linear(heads * nope, dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        import torch
+
+        x = self.embed(ids)
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.nope + self.rope).transpose(1, 2)
+        latent, k_rot = torch.split(self.kv_a(x), [self.latent, self.rope], dim=-1)
+        kv = self.kv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.nope).transpose(1, 2)
+        k_pass, v = torch.split(kv, [self.nope, self.nope], dim=-1)
+        k_rot = k_rot.view(b, 1, s, self.rope).expand(-1, k_pass.shape[1], -1, -1)
+        k = k_pass.new_empty(b, k_pass.shape[1], s, self.nope + self.rope)
+        k[..., : self.nope].copy_(k_pass)  # as transformers' DeepseekV3Attention.expand_kv writes it
+        k[..., self.nope:].copy_(k_rot)
+        weights = torch.softmax(q @ k.transpose(-2, -1) / (self.nope + self.rope) ** 0.5, dim=-1)
+        out = (weights @ v).transpose(1, 2).reshape(b, s, -1)
+        return self.head(x + self.o_proj(out))
+
+
+@pytest.mark.slow  # 20 s on the shared CI machine: dry runs with --check
+def test_mla_rotary_key_gets_its_gradient_summed_on_its_last_features_only():
+    # kv_a's output reaches kv_b (colwise: its input gradient summed by torch) and, through
+    # the in-place writes into the key, the heads of o_proj as it is: only that tail is summed
+    from tpplan import infer_plan
+
+    plan = infer_plan(_LatentAttention, tp=[2])
+    rules = rules_of(plan.text)
+    assert rules["{q_proj,kv_b}"] == "colwise" and rules["o_proj"] == "rowwise"
+    assert rules["kv_a"] == {"style": "sum_output_grad", "last": 4}
+    assert "# Dropped" not in plan.text
+    assert "kv_a whole, its last 4 of 20 output features meeting the heads whole: that gradient summed" in plan.text

@@ -3,7 +3,9 @@
 `tpplan init` infers rules from the data flow, not from module names. For every
 Linear (and Embedding) call it follows the output through the ops after it, and
 stops at the next Linear that takes it as input: that Linear is one of the
-output's *consumers*. A projection whose only consumer is one other Linear (q, k
+output's *consumers*. It follows only tensors that carry a gradient (not a top-k's
+indices, a mask built from them, or detached values: they select, they carry no
+features), and in-place writes into a view (`copy_` into `t[..., :n]`) into its base. A projection whose only consumer is one other Linear (q, k
 and v reach o_proj through heads and attention; gate and up reach down_proj
 through the activation and the product) is the column half of a pair; the consumer,
 whose own output goes on to many (the residual stream), is the row half.
@@ -59,6 +61,7 @@ class Dataflow:
     linear_of: dict = field(default_factory=dict)  # id(op) -> (the Linear whose call it is, its activation node)
     bases: dict = field(default_factory=dict)  # node -> the node it is a view of
     shapes: list = field(default_factory=list)  # node -> its full shape
+    needs_grad: list = field(default_factory=list)  # node -> whether it carries a gradient
 
     def first_linears(self, node: int) -> set:
         """The Linears `node` reaches first (as their activation), through every op but a Linear."""
@@ -73,7 +76,7 @@ class Dataflow:
                         reached.add(hit[0])
                     continue
                 for out in _written(op, self.bases):
-                    if out not in seen:
+                    if out not in seen and self.needs_grad[out]:
                         seen.add(out)
                         frontier.append(out)
         return reached
@@ -152,7 +155,7 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
     takers = {e.fqn for e in trace.events if isinstance(e, Call) and any(
         n in stream for n in (*e.args, *e.kwargs.values()) if n is not None)}
     return Dataflow(projections, embeddings, output_nodes, takers, calls, consumers, dict(outputs_of),
-                    dict(linear_of), bases, trace.shapes)
+                    dict(linear_of), bases, trace.shapes, trace.needs_grad)
 
 
 def _stream_nodes(starts: list[int], consumers, linear_of, trace) -> set:
@@ -201,7 +204,7 @@ def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_no
             if proj.heads is None and op.name in _RESHAPES and node in first:
                 proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in op.outputs])
             for out in _written(op, bases):
-                if out not in seen:
+                if out not in seen and trace.needs_grad[out]:  # not through indices (a top-k's) or detached values
                     seen.add(out)
                     frontier.append(out)
 
