@@ -104,8 +104,10 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
         first = exc.problems[0]
         if first.code == "TP500":  # the tiny model fails on one device: no plan to judge
             row.status = "does not run"
-        elif first.code == "TP329" or "needs --inputs" in first.message:
-            row.status = "needs --inputs"
+        elif first.code == "TP329" and "cannot make default inputs" in first.message:
+            row.status = "needs --inputs"  # a multimodal model's first module is no Embedding
+        elif first.code == "TP329":  # its forward fails on the default inputs without any plan (meta, fake, real)
+            row.status = "does not run"
         else:
             row.status = f"init {first.code}"
         row.text = str(first)
@@ -116,7 +118,7 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
     if 4 in results:
         ours = results[4]
         row.rank_bytes, row.total_bytes, row.backward = ours.rank_bytes, ours.total_bytes, backward_collectives(ours.comms)
-    theirs = _transformers_at_4(meta, ref, model_type, build)
+    theirs, their_text = _transformers_at_4(meta, ref, model_type, build)
     gaps = []
     if not all(row.passed.values()):
         gaps.append(f"--check fails at TP {[d for d, ok in row.passed.items() if not ok]}")
@@ -126,8 +128,8 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
         row.theirs = f"fails: {theirs.check.get('error', '')}"
     else:
         row.theirs_bytes, row.theirs_backward = theirs.rank_bytes, backward_collectives(theirs.comms)
-    if theirs is not None:
-        shard = sharded_by(theirs.plan_text, meta)
+    if theirs is not None and not row.theirs:  # transformers' plan runs: what it shards is what init must keep
+        shard = sharded_by(their_text, meta)
         lost = sorted({m for d in inferred.proven.dropped for m in d.modules if m in shard})
         if lost:
             why = next(d.why for d in inferred.proven.dropped if set(d.modules) & shard)
@@ -144,18 +146,16 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
 
 def _transformers_at_4(meta, ref, model_type, build):
     """The figures of transformers' own plan at TP 4 (init's compare, at the one degree
-    compared: a dry run on fake tensors), with its text; None when it has no plan."""
+    compared: a dry run on fake tensors) and its text; (None, None) when it has no plan."""
     from tpplan.init.compare import figures, transformers_plan
     from tpplan.init.prove import Target
 
     if not getattr(getattr(meta, "config", None), "base_model_tp_plan", None):
-        return None
+        return None, None
     text = transformers_plan(meta)
     if text is None:
-        return None
-    result = figures(Target(meta, ref, lambda: build(model_type), check=False), text, [4], lambda event: None)[4]
-    result.plan_text = text
-    return result
+        return None, None
+    return figures(Target(meta, ref, lambda: build(model_type), check=False), text, [4], lambda event: None)[4], text
 
 
 def _params():

@@ -44,6 +44,7 @@ class Projection:
     fqn: str
     consumers: set = field(default_factory=set)  # Linears its output reaches first (capped at _MAX_CONSUMERS + 1)
     to_output: bool = False  # its output reaches the model's output without passing another Linear
+    to_stream: bool = False  # its output is added into the residual stream (a row half, never a column one)
     heads: tuple | None = None  # (heads, head_dim): the first view of its output into heads
     inputs: set = field(default_factory=set)  # node ids of its activation inputs
     calls: int = 0
@@ -145,13 +146,13 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
             embeddings[owner] = embeddings.get(owner, False) or reads_input
             if reads_input:
                 outputs_of[owner].append(event.outputs[0])
-    for fqn, proj in projections.items():
-        _follow(proj, outputs_of[fqn], consumers, linear_of, output_nodes, trace, bases)
     # The stream starts where the model's input enters it: the token embedding, or a stem
     # Linear that reads the input (a ViT's patch projection).
     stems = [f for f, p in projections.items() if p.inputs & model_inputs]
     starts = [n for fqn in [*(f for f, reads in embeddings.items() if reads), *stems] for n in outputs_of[fqn]]
     stream = _stream_nodes(starts, consumers, linear_of, trace)
+    for fqn, proj in projections.items():
+        _follow(proj, outputs_of[fqn], consumers, linear_of, output_nodes, trace, bases, stream)
     takers = {e.fqn for e in trace.events if isinstance(e, Call) and any(
         n in stream for n in (*e.args, *e.kwargs.values()) if n is not None)}
     return Dataflow(projections, embeddings, output_nodes, takers, calls, consumers, dict(outputs_of),
@@ -187,7 +188,7 @@ def _written(op: Op, bases: dict) -> list[int]:
     return out
 
 
-def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_nodes, trace, bases) -> None:
+def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_nodes, trace, bases, stream) -> None:
     seen = set(starts)
     frontier = list(starts)
     first = set(starts)
@@ -195,6 +196,8 @@ def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_no
         node = frontier.pop()
         if node in output_nodes:
             proj.to_output = True
+        if node in stream and node not in first:
+            proj.to_stream = True
         for op in consumers.get(node, ()):
             hit = linear_of.get(id(op))
             if hit is not None:

@@ -78,7 +78,9 @@ def propose(model: "nn.Module", flow: Dataflow, *, sp: bool = False, ep: bool = 
     modules = dict(model.named_modules())
     projs = flow.projections
     # One consumer, which is not the head (the last layer's row half reaches only the head).
-    producers = {f for f, p in projs.items() if len(p.consumers) == 1 and not p.to_output
+    # Not one whose output is added into the residual stream: the last layer's row half reaches
+    # only the head's first Linear (BERT's transform.dense), through the residual add and a norm.
+    producers = {f for f, p in projs.items() if len(p.consumers) == 1 and not p.to_output and not p.to_stream
                  and not projs[next(iter(p.consumers))].to_output}
     producers -= {f for f in producers if next(iter(projs[f].consumers)) in producers}  # a chain: only its last link pairs
     by_consumer: dict[str, list[str]] = {}
@@ -160,6 +162,8 @@ def _gather_once(flow: Dataflow, prods: list[str]) -> dict[str, Any]:
 
 
 def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_parallel: bool) -> list[Group]:
+    from torch import nn
+
     from ..sharding.tied import shared_parameters
 
     groups: dict[str, Group] = {}
@@ -183,17 +187,30 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
                             [head.out_features], params=head.weight.numel())
     # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
-    for group in shared_parameters(modules[""]):
-        owners = [fqn for fqn, _ in group if fqn in groups]
-        if len(owners) > 1:
-            first = groups[owners[0]]
-            for other in owners[1:]:
-                merged = groups.pop(other)
-                first.rules.update(merged.rules)
-                first.divides += merged.divides
-                first.note += f"; {merged.note} (tied to it)"
-        elif owners and len({fqn for fqn, _ in group}) > 1:
-            groups.pop(owners[0])  # tied to a module that stays whole: it stays whole too
+    home = {fqn: fqn for fqn in groups}  # module -> the key of the group its rule is in
+    for tie in shared_parameters(modules[""]):
+        keys = list(dict.fromkeys(home[fqn] for fqn, _ in tie if fqn in home))
+        first = groups[keys[0]] if keys else None
+        for other in keys[1:]:
+            merged = groups.pop(other)
+            first.rules.update(merged.rules)
+            first.divides += merged.divides
+            first.note += f"; {merged.note} (tied to it)"
+            home.update((fqn, keys[0]) for fqn in merged.rules)
+        if first is None:
+            continue
+        loose = [(fqn, name) for fqn, name in tie if fqn not in home]
+        if all(fqn in modules and not isinstance(modules[fqn], (nn.Linear, nn.Embedding)) and fqn not in claimed
+               for fqn, _ in loose):
+            # a module that only holds the tensor (BERT's LMPredictionHead.bias, tied to its decoder's):
+            # the same rows of it on each rank, as the vocabulary-parallel rule lays them out
+            for fqn, name in loose:
+                value = first.rules.get(fqn, {"style": "local_params", "params": {}})
+                first.rules[fqn] = {**value, "params": {**value["params"], name: "shard(0)"}}
+                home[fqn] = keys[0]
+        else:
+            for key in keys:  # tied to a module that stays whole: it stays whole too
+                groups.pop(key, None)
     return list(groups.values())
 
 
