@@ -10,8 +10,9 @@ Otherwise the sweep records the first gap; OUTCOMES lists the known true ones (w
 transformers 5.24), so a regression, or a gap that closes, fails here. Families
 transformers cannot build or run on a tiny config skip with the reason.
 
-A couple of families run in CI (FAST, each under 3 s); the rest are `slow`
-(`pytest -m slow`), and `python tests/test_init_sweep.py [TYPE...]` prints the table.
+Every family is `slow` (`pytest -m slow`): none takes under 3 s (init's dry runs
+with --check at two degrees and the compared plan's take 10-40 s a family), so FAST
+is empty; `python tests/test_init_sweep.py [--timeout S] [TYPE...]` prints the table.
 """
 
 from __future__ import annotations
@@ -31,7 +32,46 @@ SKIPS = ("does not build", "does not run", "needs --inputs")
 PASS = "pass"
 
 # model type -> the gap the sweep finds (its `gap` text starts so); a family not listed must pass
-OUTCOMES: dict[str, str] = {}
+OUTCOMES: dict[str, str] = {
+    # init shards more than transformers' plan (transformers' per-rank bytes are higher: it leaves attention, the
+    # dense MLP or the shared expert whole), and each more pair costs one backward all-reduce: a trade, not a fault
+    "afmoe": "more backward collectives at TP 4",
+    "axk1": "more backward collectives at TP 4",
+    "axk2": "more backward collectives at TP 4",
+    "bamba": "more backward collectives at TP 4",
+    "deepseek_v3": "more backward collectives at TP 4",
+    "diffllama": "more backward collectives at TP 4",
+    "falcon_h1": "more backward collectives at TP 4",
+    "gpt_oss": "more backward collectives at TP 4",
+    "granitemoe": "more backward collectives at TP 4",
+    "granitemoehybrid": "more backward collectives at TP 4",
+    "granitemoeshared": "more backward collectives at TP 4",
+    "hunyuan_v1_dense": "more backward collectives at TP 4",
+    "hunyuan_v1_moe": "more backward collectives at TP 4",
+    "jamba": "more backward collectives at TP 4",
+    "lfm3": "more backward collectives at TP 4",
+    # q_norm/k_norm over all heads' features (not per head) after the colwise q/k: the lint's TP321 at q_proj, and
+    # init infers no layout for such a norm, so the attention pair is dropped (transformers' plan keeps it sharded)
+    "olmo2": "dropped 8 module(s) transformers shards",
+    "olmo3": "dropped 8 module(s) transformers shards",
+    "flex_olmo": "dropped 8 module(s) transformers shards",
+    # sliding-window attention reads a sequence slice of the colwise q (TP322 shard(1)): no inference for it
+    "granite_swa": "dropped 8 module(s) transformers shards",
+    "granitemoe_swa": "dropped 8 module(s) transformers shards",
+    # the attention module's own per-head gate_bias meets the colwise gate_proj: init infers no sharded own parameter
+    "beam": "dropped 10 module(s) transformers shards",
+    # dt_proj's local shard meets a whole tensor (TP321); transformers' own plan fails its dry run here (TP502)
+    "doge": "dropped 8 module(s) transformers shards",
+    # a rotary-key-only norm (k_rope_only_layernorm) whole beside the colwise heads: its gradient is a rank's share
+    "dots3_note_text": "dropped 8 module(s) transformers shards",
+    # linear attention's in_proj_a/b gates meet the colwise heads whole (TP321)
+    "lara_mini": "dropped 1 module(s) transformers shards",
+    # fused qkv_proj cut into kinds along its shard (TP326) with 8 query and 4 KV heads: packed takes equal blocks
+    "phi3": "dropped 4 module(s) transformers shards",
+    # vocabulary 200058 is not divisible by 4: init shards only evenly, transformers' head shards unevenly
+    "inkling2_text": "dropped 1 module(s) transformers shards",
+    "inkling2_loop_text": "dropped 1 module(s) transformers shards",
+}
 FAST: list[str] = []
 
 
@@ -183,7 +223,7 @@ def _cell(value) -> str:
     return "" if value is None else str(value)
 
 
-class _Timeout(Exception):
+class _Timeout(BaseException):  # not an Exception: the dry run's own handlers must not take it for the model's failure
     pass
 
 
