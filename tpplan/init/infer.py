@@ -4,7 +4,10 @@ From the data flow (dataflow.py) and the parameters' shapes:
 
 - pair: the producers of one consumer colwise (whole heads: `heads: auto` when a
   degree exceeds their KV heads), the consumer rowwise: its all-reduce (or, with
-  sequence parallelism, reduce-scatter) returns to the residual stream;
+  sequence parallelism, reduce-scatter) returns to the residual stream; a Linear
+  left whole whose output's tail meets the heads as it is (MLA's rotary key)
+  joins the pair with `sum_output_grad` (gradsum.py); a pair that fails its proof
+  is tried once more gathered (`Group.gather`);
 - embedding: the Embedding that reads the model's input, vocabulary-parallel;
 - head: a Linear whose output is the model's output (the logits), colwise and
   gathered (or kept sharded for `loss_parallel`);
@@ -41,6 +44,26 @@ class Group:
     divides: list = field(default_factory=list)  # sizes every degree must divide
     kv_heads: dict = field(default_factory=dict)  # producer fqn -> (KV heads, query heads)
     params: int = 0  # parameters the group shards (the bulk decides the degrees)
+    gathered: bool = False  # a pair whose activations are gathered (its sharded-activation form failed)
+
+    def gather(self) -> "Group | None":
+        """The pair with its column half's output gathered and its row half taking the whole
+        input (weights still sharded; activations whole between them, so whatever sits
+        between them, a norm over every head's features, computes as on one device); None
+        for a group that is no pair or is gathered already."""
+        if self.kind != "pair" or self.gathered:
+            return None
+        from ..lint.edits import with_options
+
+        rules = {}
+        for fqn, value in self.rules.items():
+            style = value if isinstance(value, str) else value.get("style")
+            if style == "colwise":
+                rules[fqn] = with_options(value, {"output_layouts": "replicate"})
+            elif style == "rowwise":
+                rules[fqn] = with_options(value, {"input_layouts": "replicate"})
+            # sum_output_grad and gathers of a shared input: the whole activations need neither
+        return Group(self.kind, rules, f"{self.note}; gathered between them", self.divides, self.kv_heads, self.params, True)
 
     def allows(self, degree: int) -> bool:
         if any(size % degree for size in self.divides):

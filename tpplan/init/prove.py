@@ -134,6 +134,10 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
         for group, why in blamed:
             # Blocks alike (the same rules under their globs) fail alike: dropped together.
             for alike in [g for g in groups if _shape(g) == _shape(group)]:
+                gathered = alike.gather()  # a pair tries once more with whole activations between its halves
+                if gathered is not None:
+                    groups[groups.index(alike)] = gathered
+                    continue
                 groups.remove(alike)
                 dropped.append(Dropped(_first_key(alike), why, tuple(alike.rules)))
     return Proven(groups, degrees, rules, edits, dropped, results), text
