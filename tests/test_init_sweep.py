@@ -53,8 +53,6 @@ OUTCOMES: dict[str, str] = {
     # sliding-window attention (TP322 shard(1) at q_proj): the pair passes gathered, with 48 bytes per rank more
     # than transformers' plan (83264 > 83216: a small parameter init leaves whole)
     "granite_swa": "more bytes per rank at TP 4",
-    # linear attention's in_proj_a/b gates meet the colwise heads whole (TP321; found before init gathered a failing pair)
-    "lara_mini": "dropped 1 module(s) transformers shards",
     # vocabulary 200058 is not divisible by 4: init shards only evenly, transformers' head shards unevenly
     "inkling2_text": "dropped 1 module(s) transformers shards",
     "inkling2_loop_text": "dropped 1 module(s) transformers shards",
