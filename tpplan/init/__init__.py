@@ -2,7 +2,9 @@
 
     dataflow.py  where each projection's output goes (one traced forward)
     infer.py     the rules that follow from it, in groups that stand or fall together
-    prove.py     the lint's edits, the lint, the dry run's --check at every degree; drops what fails
+    gradsum.py   sum_output_grad for a whole projection whose tail meets a pair's heads (MLA)
+    prove.py     the lint's edits, the lint, the dry run's --check at every degree; gathers a
+                 pair that fails, drops what still fails
     render.py    YAML with globs over repeated layers and one comment per group
     compare.py   the same figures for another plan (transformers' own, or --compare)
 

@@ -3,7 +3,9 @@
 `tpplan init` infers rules from the data flow, not from module names. For every
 Linear (and Embedding) call it follows the output through the ops after it, and
 stops at the next Linear that takes it as input: that Linear is one of the
-output's *consumers*. A projection whose only consumer is one other Linear (q, k
+output's *consumers*. It follows only tensors that carry a gradient (not a top-k's
+indices, a mask built from them, or detached values: they select, they carry no
+features), and in-place writes into a view (`copy_` into `t[..., :n]`) into its base. A projection whose only consumer is one other Linear (q, k
 and v reach o_proj through heads and attention; gate and up reach down_proj
 through the activation and the product) is the column half of a pair; the consumer,
 whose own output goes on to many (the residual stream), is the row half.
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
 
 # Ops that split the last dim into two (a head split).
 _RESHAPES = {"view", "reshape", "unflatten", "view_as"}
+# Ops whose output is a view of their first input: an in-place write into it writes into the base.
+_VIEWS = {"getitem", "view", "reshape", "transpose", "permute", "narrow", "select", "slice", "unsqueeze", "squeeze",
+          "expand", "as_strided", "flatten", "unflatten", "view_as", "t", "diagonal", "split", "chunk", "unbind"}
 # How far a walk goes before giving up on a tensor (a deep model's residual stream reaches everything).
 _MAX_CONSUMERS = 2
 
@@ -39,6 +44,7 @@ class Projection:
     fqn: str
     consumers: set = field(default_factory=set)  # Linears its output reaches first (capped at _MAX_CONSUMERS + 1)
     to_output: bool = False  # its output reaches the model's output without passing another Linear
+    to_stream: bool = False  # its output is added into the residual stream (a row half, never a column one)
     heads: tuple | None = None  # (heads, head_dim): the first view of its output into heads
     inputs: set = field(default_factory=set)  # node ids of its activation inputs
     calls: int = 0
@@ -52,6 +58,29 @@ class Dataflow:
     stream: set = field(default_factory=set)  # modules that take the residual stream as an input
     calls: dict = field(default_factory=dict)  # module fqn -> its first Call event
     readers: dict = field(default_factory=dict)  # node -> the ops that take it
+    outputs: dict = field(default_factory=dict)  # Linear fqn -> its output nodes (one per call)
+    linear_of: dict = field(default_factory=dict)  # id(op) -> (the Linear whose call it is, its activation node)
+    bases: dict = field(default_factory=dict)  # node -> the node it is a view of
+    shapes: list = field(default_factory=list)  # node -> its full shape
+    needs_grad: list = field(default_factory=list)  # node -> whether it carries a gradient
+
+    def first_linears(self, node: int) -> set:
+        """The Linears `node` reaches first (as their activation), through every op but a Linear."""
+        reached: set = set()
+        seen, frontier = {node}, [node]
+        while frontier:
+            current = frontier.pop()
+            for op in self.readers.get(current, ()):
+                hit = self.linear_of.get(id(op))
+                if hit is not None:
+                    if hit[1] == current:
+                        reached.add(hit[0])
+                    continue
+                for out in _written(op, self.bases):
+                    if out not in seen and self.needs_grad[out]:
+                        seen.add(out)
+                        frontier.append(out)
+        return reached
 
     def shared_input(self, fqns: list[str]) -> int | None:
         """The one tensor all of `fqns` (projections) take, when nothing else reads it."""
@@ -86,6 +115,7 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
     model_inputs = {n for n in trace.inputs if n is not None}
     output_nodes: set = set()
     calls: dict[str, Call] = {}
+    bases: dict[int, int] = {}
     stack: list[str] = []
     for event in trace.events:
         if isinstance(event, Call):
@@ -99,6 +129,10 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
             continue
         for node in event.inputs:
             consumers[node].append(event)
+        if event.name in _VIEWS and event.inputs:
+            for out in event.outputs:
+                if out != event.inputs[0]:
+                    bases.setdefault(out, event.inputs[0])
         owner = stack[-1] if stack else ""
         module = modules.get(owner)
         if event.name == "linear" and isinstance(module, nn.Linear) and event.inputs and event.outputs:
@@ -112,16 +146,17 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
             embeddings[owner] = embeddings.get(owner, False) or reads_input
             if reads_input:
                 outputs_of[owner].append(event.outputs[0])
-    for fqn, proj in projections.items():
-        _follow(proj, outputs_of[fqn], consumers, linear_of, output_nodes, trace)
     # The stream starts where the model's input enters it: the token embedding, or a stem
     # Linear that reads the input (a ViT's patch projection).
     stems = [f for f, p in projections.items() if p.inputs & model_inputs]
     starts = [n for fqn in [*(f for f, reads in embeddings.items() if reads), *stems] for n in outputs_of[fqn]]
     stream = _stream_nodes(starts, consumers, linear_of, trace)
+    for fqn, proj in projections.items():
+        _follow(proj, outputs_of[fqn], consumers, linear_of, output_nodes, trace, bases, stream)
     takers = {e.fqn for e in trace.events if isinstance(e, Call) and any(
         n in stream for n in (*e.args, *e.kwargs.values()) if n is not None)}
-    return Dataflow(projections, embeddings, output_nodes, takers, calls, consumers)
+    return Dataflow(projections, embeddings, output_nodes, takers, calls, consumers, dict(outputs_of),
+                    dict(linear_of), bases, trace.shapes, trace.needs_grad)
 
 
 def _stream_nodes(starts: list[int], consumers, linear_of, trace) -> set:
@@ -141,7 +176,19 @@ def _stream_nodes(starts: list[int], consumers, linear_of, trace) -> set:
     return seen
 
 
-def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_nodes, trace) -> None:
+def _written(op: Op, bases: dict) -> list[int]:
+    """Where an op's data goes: its outputs and, for an in-place write into a view (`copy_`
+    into `t[..., :n]`), the tensors that view is of, whose later readers see the write."""
+    out = list(op.outputs)
+    if op.inputs and op.inputs[0] in op.outputs and len(op.inputs) > 1:
+        node = op.inputs[0]
+        while node in bases:
+            node = bases[node]
+            out.append(node)
+    return out
+
+
+def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_nodes, trace, bases, stream) -> None:
     seen = set(starts)
     frontier = list(starts)
     first = set(starts)
@@ -149,6 +196,8 @@ def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_no
         node = frontier.pop()
         if node in output_nodes:
             proj.to_output = True
+        if node in stream and node not in first:
+            proj.to_stream = True
         for op in consumers.get(node, ()):
             hit = linear_of.get(id(op))
             if hit is not None:
@@ -157,8 +206,8 @@ def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_no
                 continue  # the next Linear: its output is its own
             if proj.heads is None and op.name in _RESHAPES and node in first:
                 proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in op.outputs])
-            for out in op.outputs:
-                if out not in seen:
+            for out in _written(op, bases):
+                if out not in seen and trace.needs_grad[out]:  # not through indices (a top-k's) or detached values
                     seen.add(out)
                     frontier.append(out)
 

@@ -4,7 +4,10 @@ From the data flow (dataflow.py) and the parameters' shapes:
 
 - pair: the producers of one consumer colwise (whole heads: `heads: auto` when a
   degree exceeds their KV heads), the consumer rowwise: its all-reduce (or, with
-  sequence parallelism, reduce-scatter) returns to the residual stream;
+  sequence parallelism, reduce-scatter) returns to the residual stream; a Linear
+  left whole whose output's tail meets the heads as it is (MLA's rotary key)
+  joins the pair with `sum_output_grad` (gradsum.py); a pair that fails its proof
+  is tried once more gathered (`Group.gather`);
 - embedding: the Embedding that reads the model's input, vocabulary-parallel;
 - head: a Linear whose output is the model's output (the logits), colwise and
   gathered (or kept sharded for `loss_parallel`);
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .dataflow import Dataflow
+from .gradsum import shared_tails
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,6 +44,26 @@ class Group:
     divides: list = field(default_factory=list)  # sizes every degree must divide
     kv_heads: dict = field(default_factory=dict)  # producer fqn -> (KV heads, query heads)
     params: int = 0  # parameters the group shards (the bulk decides the degrees)
+    gathered: bool = False  # a pair whose activations are gathered (its sharded-activation form failed)
+
+    def gather(self) -> "Group | None":
+        """The pair with its column half's output gathered and its row half taking the whole
+        input (weights still sharded; activations whole between them, so whatever sits
+        between them, a norm over every head's features, computes as on one device); None
+        for a group that is no pair or is gathered already."""
+        if self.kind != "pair" or self.gathered:
+            return None
+        from ..lint.edits import with_options
+
+        rules = {}
+        for fqn, value in self.rules.items():
+            style = value if isinstance(value, str) else value.get("style")
+            if style == "colwise":
+                rules[fqn] = with_options(value, {"output_layouts": "replicate"})
+            elif style == "rowwise":
+                rules[fqn] = with_options(value, {"input_layouts": "replicate"})
+            # sum_output_grad and gathers of a shared input: the whole activations need neither
+        return Group(self.kind, rules, f"{self.note}; gathered between them", self.divides, self.kv_heads, self.params, True)
 
     def allows(self, degree: int) -> bool:
         if any(size % degree for size in self.divides):
@@ -77,7 +101,9 @@ def propose(model: "nn.Module", flow: Dataflow, *, sp: bool = False, ep: bool = 
     modules = dict(model.named_modules())
     projs = flow.projections
     # One consumer, which is not the head (the last layer's row half reaches only the head).
-    producers = {f for f, p in projs.items() if len(p.consumers) == 1 and not p.to_output
+    # Not one whose output is added into the residual stream: the last layer's row half reaches
+    # only the head's first Linear (BERT's transform.dense), through the residual add and a norm.
+    producers = {f for f, p in projs.items() if len(p.consumers) == 1 and not p.to_output and not p.to_stream
                  and not projs[next(iter(p.consumers))].to_output}
     producers -= {f for f in producers if next(iter(projs[f].consumers)) in producers}  # a chain: only its last link pairs
     by_consumer: dict[str, list[str]] = {}
@@ -86,8 +112,10 @@ def propose(model: "nn.Module", flow: Dataflow, *, sp: bool = False, ep: bool = 
     groups: list[Group] = []
     claimed: set[str] = set()
     for consumer, prods in by_consumer.items():
-        groups.append(_pair(modules, flow, consumer, prods, sp))
         claimed.update(prods, [consumer])
+    for consumer, prods in by_consumer.items():
+        groups.append(_pair(modules, flow, consumer, prods, sp, claimed))
+        claimed.update(groups[-1].rules)
     groups += _embeddings_and_head(modules, flow, claimed, sp, loss_parallel)
     claimed.update(f for g in groups for f in g.rules)
     groups += _experts(modules, claimed, ep)
@@ -103,7 +131,7 @@ def _leaf(fqn: str) -> str:
     return fqn.rpartition(".")[2]
 
 
-def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool) -> Group:
+def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool, claimed: set) -> Group:
     projs = flow.projections
     rules: dict[str, Any] = {}
     divides = [modules[consumer].in_features]
@@ -129,6 +157,12 @@ def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool) ->
     else:
         note = f"{shown} -> {_leaf(consumer)}: {modules[consumer].in_features} features, column then row parallel"
     params = sum(modules[f].weight.numel() for f in [*prods, consumer])
+    # a whole projection (MLA's kv_a_proj_with_mqa) whose rotary tail meets the heads as it is
+    for fqn, last in shared_tails(modules, flow, consumer, prods, claimed).items():
+        width = modules[fqn].out_features
+        rules[fqn] = {"style": "sum_output_grad"} if last == width else {"style": "sum_output_grad", "last": last}
+        what = "output" if last == width else f"last {last} of {width} output features"
+        note += f"; {_leaf(fqn)} whole, its {what} meeting the heads whole: that gradient summed"
     if sp:
         rules = {**_gather_once(flow, prods), **rules}
     return Group("pair", rules, note, divides, kv, params)
@@ -151,6 +185,8 @@ def _gather_once(flow: Dataflow, prods: list[str]) -> dict[str, Any]:
 
 
 def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_parallel: bool) -> list[Group]:
+    from torch import nn
+
     from ..sharding.tied import shared_parameters
 
     groups: dict[str, Group] = {}
@@ -174,17 +210,30 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
                             [head.out_features], params=head.weight.numel())
     # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
-    for group in shared_parameters(modules[""]):
-        owners = [fqn for fqn, _ in group if fqn in groups]
-        if len(owners) > 1:
-            first = groups[owners[0]]
-            for other in owners[1:]:
-                merged = groups.pop(other)
-                first.rules.update(merged.rules)
-                first.divides += merged.divides
-                first.note += f"; {merged.note} (tied to it)"
-        elif owners and len({fqn for fqn, _ in group}) > 1:
-            groups.pop(owners[0])  # tied to a module that stays whole: it stays whole too
+    home = {fqn: fqn for fqn in groups}  # module -> the key of the group its rule is in
+    for tie in shared_parameters(modules[""]):
+        keys = list(dict.fromkeys(home[fqn] for fqn, _ in tie if fqn in home))
+        first = groups[keys[0]] if keys else None
+        for other in keys[1:]:
+            merged = groups.pop(other)
+            first.rules.update(merged.rules)
+            first.divides += merged.divides
+            first.note += f"; {merged.note} (tied to it)"
+            home.update((fqn, keys[0]) for fqn in merged.rules)
+        if first is None:
+            continue
+        loose = [(fqn, name) for fqn, name in tie if fqn not in home]
+        if all(fqn in modules and not isinstance(modules[fqn], (nn.Linear, nn.Embedding)) and fqn not in claimed
+               for fqn, _ in loose):
+            # a module that only holds the tensor (BERT's LMPredictionHead.bias, tied to its decoder's):
+            # the same rows of it on each rank, as the vocabulary-parallel rule lays them out
+            for fqn, name in loose:
+                value = first.rules.get(fqn, {"style": "local_params", "params": {}})
+                first.rules[fqn] = {**value, "params": {**value["params"], name: "shard(0)"}}
+                home[fqn] = keys[0]
+        else:
+            for key in keys:  # tied to a module that stays whole: it stays whole too
+                groups.pop(key, None)
     return list(groups.values())
 
 

@@ -32,6 +32,7 @@ _MAX_ROUNDS = 8
 class Dropped:
     rule: str  # the group's first rule's key (a module, or the glob it belongs to)
     why: str
+    modules: tuple = ()  # every module the dropped group's rules planned
 
 
 @dataclass
@@ -86,7 +87,7 @@ def choose_degrees(groups: list[Group], given: Sequence[int] | None, dropped: li
     for group in groups:
         bad = [d for d in degrees if not group.allows(d)]
         if bad:
-            dropped.append(Dropped(_first_key(group), f"TP {', '.join(map(str, bad))} does not divide {_sizes(group)}"))
+            dropped.append(Dropped(_first_key(group), f"TP {', '.join(map(str, bad))} does not divide {_sizes(group)}", tuple(group.rules)))
         else:
             kept.append(group)
     return kept, degrees
@@ -124,6 +125,8 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
             if failure is None:
                 break
             degree, problem = failure
+            if problem.code == "TP500":
+                raise PlanError([problem])  # the model fails on one device: no rule of the plan is the cause
             blamed = [(g, f"TP {degree}: {problem.code}: {problem.message}") for g in _owner_groups(plan, problem, groups, rules)]
             blamed = blamed or _unlocated(groups, problem)
             if not blamed:
@@ -131,8 +134,12 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
         for group, why in blamed:
             # Blocks alike (the same rules under their globs) fail alike: dropped together.
             for alike in [g for g in groups if _shape(g) == _shape(group)]:
+                gathered = alike.gather()  # a pair tries once more with whole activations between its halves
+                if gathered is not None:
+                    groups[groups.index(alike)] = gathered
+                    continue
                 groups.remove(alike)
-                dropped.append(Dropped(_first_key(alike), why))
+                dropped.append(Dropped(_first_key(alike), why, tuple(alike.rules)))
     return Proven(groups, degrees, rules, edits, dropped, results), text
 
 
@@ -185,8 +192,8 @@ def _owner_groups(plan, problem: Problem, groups: list[Group], rules: dict) -> l
     """The groups whose rules the problem is located at (by the rule's line in the rendered plan)."""
     from ..core.globs import ModuleTree
 
-    if problem.line is None:
-        return []
+    if problem.line is None or problem.file != plan.file:
+        return []  # located elsewhere (the model's own code): no rule's line
     at = [rule for rule in plan.rules if rule.line == problem.line]
     if not at:
         return []

@@ -230,7 +230,7 @@ class _Tracer(TorchFunctionMode):
         for t in outs:
             fresh = id(t) not in self.ids
             nid = self.node(t)
-            if fresh and grad and t.is_floating_point():
+            if fresh and grad and (t.is_floating_point() or t.is_complex()):
                 self.trace.needs_grad[nid] = True
             out_ids.append(nid)
         self.trace.events.append(
