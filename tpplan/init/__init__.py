@@ -120,8 +120,8 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     if compare:
         from .compare import figures
 
-        for label, plan_text in compare.items():
-            inferred.compare[label] = figures(target, plan_text, proven.degrees, event)
+        for label, compared in compare.items():
+            inferred.compare[label] = figures(target, compared, proven.degrees, event)
     return inferred
 
 
