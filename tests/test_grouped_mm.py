@@ -127,4 +127,9 @@ def test_init_infers_a_float32_moe_above_the_values_limit(monkeypatch):
     assert not inferred.checked
     rules = yaml.safe_load(inferred.text)["rules"]
     assert rules["model.layers.*.mlp.experts"] == "expert_tp"
-    assert inferred.proven.results[2].to_json()["comms"] == {"forward": {"all_gather": 1, "all_reduce": 3}, "backward": {"all_reduce": 5}}
+    # OLMoE's q_norm/k_norm normalize the whole projection: the attention pair is gathered between
+    # its halves (transformers' colwise_gather_output / rowwise_split_input for OLMoE)
+    assert rules["model.layers.*.self_attn.o_proj"] == {"style": "rowwise", "input_layouts": "replicate"}
+    # 2 layers: q, k, v gathered (6) and the head (1); o_proj, experts (2 each) and the embedding summed
+    assert inferred.proven.results[2].to_json()["comms"] == {"forward": {"all_gather": 7, "all_reduce": 5},
+                                                             "backward": {"all_gather": 2, "all_reduce": 11}}

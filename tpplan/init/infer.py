@@ -53,15 +53,17 @@ class Group:
         for a group that is no pair or is gathered already."""
         if self.kind != "pair" or self.gathered:
             return None
+        from ..core.placements import PlacementSpec
+        from ..core.schema import rule_spec
         from ..lint.edits import with_options
 
+        # which half a rule is, by where the style table puts a Linear's weight [out, in]
+        gathered = {PlacementSpec("shard", 0): {"output_layouts": "replicate"}, PlacementSpec("shard", 1): {"input_layouts": "replicate"}}
         rules = {}
         for fqn, value in self.rules.items():
-            style = value if isinstance(value, str) else value.get("style")
-            if style == "colwise":
-                rules[fqn] = with_options(value, {"output_layouts": "replicate"})
-            elif style == "rowwise":
-                rules[fqn] = with_options(value, {"input_layouts": "replicate"})
+            options = gathered.get(rule_spec(value).semantics.placement("Linear", "weight"))
+            if options is not None:
+                rules[fqn] = with_options(value, options)
             # sum_output_grad and gathers of a shared input: the whole activations need neither
         return Group(self.kind, rules, f"{self.note}; gathered between them", self.divides, self.kv_heads, self.params, True)
 
