@@ -461,3 +461,19 @@ def test_an_empty_plan_still_gets_its_report_every_parameter_whole(tmp_path):
     assert result.exit_code == 0, result.output
     assert "Parameters at TP 2" in result.output and "Modules and styles" not in result.output
     assert "check against a single device: passed, max |diff| 0" in result.output
+
+
+def test_a_check_that_would_not_fit_in_memory_is_not_run_and_says_so(monkeypatch):
+    """Above the values limit --check runs with real values after the fake pass; where the
+    two models' parameters and gradients exceed the free memory it would be killed: the
+    report keeps the fake pass, the check is null (not passed) and a note says why."""
+    from tpplan.runtime import ladder, simulate
+
+    monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
+    monkeypatch.setattr(ladder, "available_memory", lambda: 1 << 16)  # the tiny MLP's check needs 16 B x 16.7 k elements
+    report = dry_run(ApplyOptions(plan=str(PLANS / "mlp_tp.yaml"), model="tpplan.models.mlp:tiny", tp=2, check=True))
+    assert report.ok and report.check is None and report.comms
+    assert any(n.startswith("--check was not run: real values would need about 261") for n in report.notes), report.notes
+    monkeypatch.setattr(ladder, "available_memory", lambda: 1 << 30)
+    report = dry_run(ApplyOptions(plan=str(PLANS / "mlp_tp.yaml"), model="tpplan.models.mlp:tiny", tp=2, check=True))
+    assert report.check is not None and report.check.passed

@@ -45,6 +45,30 @@ def values_allowed(model: "nn.Module") -> bool:
     return model_bytes(model) <= simulate.VALUES_LIMIT_BYTES
 
 
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def values_short_of_memory(model: "nn.Module") -> str | None:
+    """Why a `--check` with real values cannot run here (None when it can, or when the
+    free memory is unknown): the sharded copy and the one-device reference each hold the
+    parameters and their gradients, in float32."""
+    from .report import human_bytes
+
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    needed = 4 * 4 * sum(t.numel() for t in tensors.values())
+    free = available_memory()
+    if free is None or needed <= free:
+        return None
+    return (f"real values would need about {human_bytes(needed)} (the sharded model and the one-device reference, "
+            f"parameters and gradients in float32), and {human_bytes(free)} is available")
+
+
 def available(model: "nn.Module", start: str = "meta") -> tuple[str, ...]:
     """The rungs from `start` up that `model` may use: values only when it is small."""
     modes = MODES[MODES.index(start):]
