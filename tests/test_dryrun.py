@@ -418,37 +418,16 @@ def test_the_lint_does_not_blame_the_plan_for_a_model_failing_on_one_device(mixe
     assert " fails: " not in result.output
 
 
-DRAFTER = '''\
-from torch import nn
 
 
-class Drafter(nn.Module):  # as transformers' Gemma 4 assistant: token ids alone do not run it
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.up = nn.Linear(16, 64)
-
-    def forward(self, ids, target_states=None):
-        if target_states is None:
-            raise ValueError("target_states cannot be None")
-        return self.up(self.embed(ids) + target_states)
-
-
-def build():
-    return Drafter()
-'''
-
-
-def test_a_model_the_default_inputs_cannot_run_without_a_plan_either_is_told_to_take_inputs_not_blamed_on_the_plan(tmp_path, monkeypatch):
-    (tmp_path / "drafter.py").write_text(DRAFTER)
+def test_a_model_the_default_inputs_cannot_run_without_a_plan_either_is_told_to_take_inputs_not_blamed_on_the_plan(tmp_path):  # tests/drafter_model.py
     (tmp_path / "drafter.yaml").write_text("version: 1\nrules:\n  up: colwise\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    report = dry_run(ApplyOptions(plan=str(tmp_path / "drafter.yaml"), model="drafter:build", tp=2))
+    report = dry_run(ApplyOptions(plan=str(tmp_path / "drafter.yaml"), model="drafter_model:build", tp=2))
     (problem,) = report.problems
-    assert (problem.code, problem.file, problem.line) == ("TP500", str(tmp_path / "drafter.py"), 12)
+    assert (problem.code, problem.file, problem.line) == ("TP500", str(Path(__file__).parent / "drafter_model.py"), 12)
     assert problem.message == (
         "the model fails on one device too (on the default inputs (2, 8): a model that needs others takes --inputs MOD:FN), "
-        "so the plan is not the cause: without the plan, one forward and backward on one device (drafter:build) failed: "
+        "so the plan is not the cause: without the plan, one forward and backward on one device (drafter_model:build) failed: "
         "ValueError: target_states cannot be None"
     )
 

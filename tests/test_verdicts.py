@@ -193,34 +193,11 @@ def test_an_uneven_shard_passes_check_after_the_fake_pass(tmp_path):
     assert report.problems == [] and report.check.passed
 
 
-DRAFTER = """\
-from torch import nn
-
-
-class Drafter(nn.Module):  # as transformers' Gemma 4 assistants: token ids alone do not run it
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.up = nn.Linear(16, 64)
-
-    def forward(self, ids, target_states=None):
-        if target_states is None:
-            raise ValueError("target_states cannot be None")
-        return self.up(self.embed(ids) + target_states)
-
-
-def build():
-    return Drafter()
-"""
-
-
 @pytest.mark.usefixtures("no_process_group_leaks")
-def test_a_model_that_fails_on_one_device_too_is_not_run_not_a_miss(tmp_path, monkeypatch):
+def test_a_model_that_fails_on_one_device_too_is_not_run_not_a_miss(tmp_path):  # tests/drafter_model.py
     # found by the family sweep: gemma4_unified_assistant's tiny model needs the target model's
     # states; the dry run's TP500 (the model fails without the plan) checked no plan
-    (tmp_path / "drafter_model.py").write_text(DRAFTER)
     (tmp_path / "plan.yaml").write_text("version: 1\nrules:\n  up: colwise\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
     verdict = judge(tmp_path / "plan.yaml", "drafter_model:build", 2)
     assert (verdict.kind, verdict.lint, verdict.check, verdict.disclosed) == ("not-run", (), ("not run",), ("TP329",))
     assert "TP500 the model fails on one device too" in verdict.check_text
