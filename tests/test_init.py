@@ -263,3 +263,16 @@ def test_mla_rotary_key_gets_its_gradient_summed_on_its_last_features_only():
     assert rules["kv_a"] == {"style": "sum_output_grad", "last": 4}
     assert "# Dropped" not in plan.text
     assert "kv_a whole, its last 4 of 20 output features meeting the heads whole: that gradient summed" in plan.text
+
+
+def test_a_gathered_head_splits_an_uneven_vocabulary(tmp_path):
+    """A vocabulary the degree does not divide (transformers' Inkling 2: 200058 at TP 4) still
+    gets a colwise head, its columns split as DTensor's uneven shards and gathered; the
+    proof's --check at that degree keeps it."""
+    from tpplan import infer_plan
+    from tpplan.models.llama import LlamaConfig, Transformer
+
+    plan = infer_plan(lambda: Transformer(LlamaConfig(vocab_size=258)), tp=[4])
+    rules = rules_of(plan.text)
+    assert rules["output"] == {"style": "colwise", "output_layouts": "replicate"}
+    assert "# Not checked" not in plan.text  # proven with values, at 65+65+65+63 columns (torch.chunk's cut)

@@ -209,8 +209,9 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         value.update({"use_local_output": False} if loss_parallel else {"output_layouts": "replicate"})
         head = modules[fqn]
         how = "sharded for loss_parallel" if loss_parallel else "gathered"
+        # gathered, the columns may split unevenly (DTensor's uneven shards; the proof checks it); loss_parallel's may not
         groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
-                            [head.out_features], params=head.weight.numel())
+                            [head.out_features] if loss_parallel else [], params=head.weight.numel())
     # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
     home = {fqn: fqn for fqn in groups}  # module -> the key of the group its rule is in
     for tie in shared_parameters(modules[""]):
