@@ -28,14 +28,14 @@ if TYPE_CHECKING:
 MODES = ("meta", "fake", "values")
 
 
+def _tensors(model: "nn.Module") -> list:
+    """The model's parameters and buffers, a tied tensor once."""
+    return list({id(t): t for t in (*model.parameters(), *model.buffers())}.values())
+
+
 def model_bytes(model: "nn.Module") -> int:
     """Bytes of the model's parameters and buffers, a tied tensor once."""
-    seen, total = set(), 0
-    for tensor in (*model.parameters(), *model.buffers()):
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            total += tensor.numel() * tensor.element_size()
-    return total
+    return sum(t.numel() * t.element_size() for t in _tensors(model))
 
 
 def values_allowed(model: "nn.Module") -> bool:
@@ -60,8 +60,7 @@ def values_short_of_memory(model: "nn.Module") -> str | None:
     parameters and their gradients, in float32."""
     from .report import human_bytes
 
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    needed = 4 * 4 * sum(t.numel() for t in tensors.values())
+    needed = 4 * 4 * sum(t.numel() for t in _tensors(model))
     free = available_memory()
     if free is None or needed <= free:
         return None

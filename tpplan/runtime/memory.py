@@ -224,8 +224,9 @@ def _untracked_modules() -> Iterator[list]:
         yield skipped
     for w in caught:
         text = str(w.message)
-        if text.startswith("Module is None. Skipping"):
-            skipped += [w] if "PRE_BW" in text else []
+        if text.startswith("Module is None. Skipping"):  # PRE_BW once per module; its POST_BW twin dropped
+            if "PRE_BW" in text:
+                skipped.append(w)
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 

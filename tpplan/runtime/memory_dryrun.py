@@ -4,6 +4,7 @@ measurement itself is memory.py's)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from .memory import plan_memory
@@ -31,18 +32,16 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     if options.inputs and (train.batch is not None or train.seq is not None):
         report.notes.append("--inputs gives the inputs: --batch and --seq size only the default inputs and are not used")
     batch, seq = train.batch or 2, train.seq or 8
-    decided: dict[str, PlanError | None] = {}
 
+    @functools.cache  # the same at every degree: decided once
     def blame_model() -> PlanError | None:
         """The model's own TP500 when it fails without the plan on one device too (in
-        the planned dtype; the same at every degree, so decided once)."""
+        the planned dtype)."""
         from .one_device import one_device_failure
         from .training import torch_dtype
 
-        if "model" not in decided:
-            event("forward and backward without the plan")
-            decided["model"] = one_device_failure(options, factory, torch_dtype(train.dtype), batch, seq)
-        return decided["model"]
+        event("forward and backward without the plan")
+        return one_device_failure(options, factory, torch_dtype(train.dtype), batch, seq)
 
     def one(tp: int) -> ApplyReport:
         scratch = ApplyReport(mode="dry-run", plan_file=report.plan_file, model=report.model, device="fake", backend="fake")
