@@ -20,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
 
+from families import family_params  # noqa: E402
 from tpplan import load_plan  # noqa: E402
 
 PASS = ("pass", None)
@@ -112,14 +113,8 @@ def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
     return PASS, ""
 
 
-def _params():
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        marks = () if model_type in FAST else (pytest.mark.slow,)
-        yield pytest.param(model_type, marks=marks, id=model_type)
-
-
 @pytest.mark.usefixtures("no_process_group_leaks")
-@pytest.mark.parametrize("model_type", _params())
+@pytest.mark.parametrize("model_type", family_params(FAST))
 def test_family_passes_or_gets_its_true_problem(model_type, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -27,6 +27,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # noqa: E402
+from families import family_params  # noqa: E402
 
 SKIPS = ("does not build", "does not run", "needs --inputs")
 PASS = "pass"
@@ -198,14 +199,8 @@ def _transformers_at_4(meta, ref, model_type, build):
     return figures(Target(meta, ref, lambda: build(model_type), check=False), text, [4], lambda event: None)[4], text
 
 
-def _params():
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        marks = () if model_type in FAST else (pytest.mark.slow,)
-        yield pytest.param(model_type, marks=marks, id=model_type)
-
-
 @pytest.mark.usefixtures("no_process_group_leaks")
-@pytest.mark.parametrize("model_type", _params())
+@pytest.mark.parametrize("model_type", family_params(FAST))
 def test_init_proves_a_plan_no_costlier_than_transformers(model_type):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

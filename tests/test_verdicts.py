@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from lint_helpers import lint, only
 from test_lint_fuzz import mutated
+from families import family_params
 from verdict_cases import KNOWN, degrees, rule_examples, shipped, swept
 
 from tpplan import PlanError, load_plan
@@ -152,17 +153,8 @@ def test_many_fuzzed_plans_get_the_verdict_of_check():
 # -- the family sweep ----------------------------------------------------------------------------
 
 
-def _family_params():
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        yield pytest.param(model_type, marks=() if model_type in FAMILIES else (pytest.mark.slow,), id=model_type)
-    del transformers
-
-
 @pytest.mark.usefixtures("no_process_group_leaks")
-@pytest.mark.parametrize("model_type", _family_params())
+@pytest.mark.parametrize("model_type", family_params(FAMILIES))
 def test_a_familys_plan_gets_the_verdict_of_check(model_type, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
