@@ -27,6 +27,8 @@ def init(
     sp: Annotated[bool, typer.Option("--sp", help="Sequence parallelism: norms on the residual stream sharded on the sequence.")] = False,
     ep: Annotated[bool, typer.Option("--ep", help="Experts whole per rank (expert_parallel) instead of each sharded (expert_tp).")] = False,
     loss_parallel: Annotated[bool, typer.Option("--loss-parallel", help="Keep the head's logits sharded on the vocabulary (loss_parallel).")] = False,
+    shard_more: Annotated[bool, typer.Option("--shard-more", help="Shard every group the proof keeps, also where the model's own plan "
+                                             "(transformers' tp_plan) leaves it whole: fewer bytes per rank, more backward collectives.")] = False,
     from_plan: Annotated[
         Optional[Path],
         typer.Option("--from", metavar="PLAN", help="Start from this plan: apply the fixes the lint is sure of "
@@ -54,7 +56,8 @@ def init(
     embedding, the output head, experts by shape and, with --sp, the norms on the
     residual stream. The plan is written only as proven: the lint and
     `apply --dry-run --check` at every degree of its mesh.sizes; a rule that fails is
-    dropped and the plan says why. Exit 0 when a plan is written (an empty plan is
+    dropped and the plan says why. A model with its own plan (transformers' tp_plan): what
+    that plan leaves whole stays whole (a trade its authors chose) unless --shard-more. Exit 0 when a plan is written (an empty plan is
     one), 1 when the model cannot be built or traced.
     """
     from ..core.problems import PlanError
@@ -77,7 +80,8 @@ def init(
             from ..init import run_init
 
             inferred = run_init(factory, ref=model, tp=degrees, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs,
-                                output=str(output) if output else None, compare=compare_text, auto_compare=True)
+                                output=str(output) if output else None, compare=compare_text, auto_compare=True,
+                                shard_more=shard_more)
     except PlanError:
         raise  # the app prints the problems (TP500: the model does not build; TP329: no trace), exit 1
     if output is not None:

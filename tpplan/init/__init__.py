@@ -7,6 +7,7 @@
                  pair that fails, drops what still fails
     render.py    YAML with globs over repeated layers and one comment per group
     compare.py   the same figures for another plan (transformers' own, or --compare)
+    within.py    keeps to the model's own plan where it leaves a module whole (--shard-more: not)
 
 `infer_plan(model, tp=[2, 4])` is the Python entry; `init(...)` the CLI's.
 """
@@ -53,20 +54,23 @@ class Inferred:
 
 
 def infer_plan(model: "nn.Module | Callable[[], nn.Module]", tp: Sequence[int] | None = None, sp: bool = False, *,
-               ep: bool = False, loss_parallel: bool = False, inputs: str | None = None) -> "Plan":
+               ep: bool = False, loss_parallel: bool = False, inputs: str | None = None, shard_more: bool = False) -> "Plan":
     """A proven plan for `model` (a module, or a factory that builds one: a factory lets
     the check rebuild it; a module is copied). `tp`: the degrees (default: every degree
-    in 2..8 the model's dims allow). Its YAML, as `tpplan init` writes it, is `plan.text`."""
-    return run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs).plan
+    in 2..8 the model's dims allow). A model with its own plan (transformers' tp_plan):
+    what that plan leaves whole stays whole unless `shard_more` (within.py). Its YAML,
+    as `tpplan init` writes it, is `plan.text`."""
+    return run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs, shard_more=shard_more).plan
 
 
 def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = None, tp: Sequence[int] | None = None,
              sp: bool = False, ep: bool = False, loss_parallel: bool = False, inputs: str | None = None,
              output: str | None = None, compare: dict[str, str] | None = None, auto_compare: bool = False,
-             on_event: Callable[[str], None] | None = None) -> Inferred:
+             shard_more: bool = False, on_event: Callable[[str], None] | None = None) -> Inferred:
     """Infer, prove and render. `model`: a module or its factory; `ref`: how to name it (MOD:FN).
     `compare`: {name: plan text} of plans to dry-run beside it; `auto_compare`: also transformers'
-    own TP plan of an HF model that has one. Raises PlanError (TP500: the
+    own TP plan of an HF model that has one. That plan bounds the inferred one unless
+    `shard_more`: what it leaves whole stays whole (within.py). Raises PlanError (TP500: the
     model does not build; TP329: its forward cannot be traced)."""
     from torch import nn
 
@@ -97,6 +101,11 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
         raise PlanError([error("TP329", f"cannot infer a plan: the forward of {type(meta).__name__} cannot be traced ({ctx.trace_error})", ref)])
     flow = analyze(ctx.trace, ctx.modules)
     proposal = propose(meta, flow, sp=sp, ep=ep, loss_parallel=loss_parallel, stream_modules=flow.stream)
+    shipped = _shipped_plan(meta)
+    if shipped is not None and not shard_more:
+        from .within import sharded_modules, within
+
+        proposal = within(proposal, sharded_modules(shipped, meta), "transformers' plan")
     checked = values_allowed(meta) and not (isinstance(model, nn.Module) and _on_meta(model))
     target = Target(meta, ref, factory, inputs, check=checked)
     name = f"{type(meta).__name__}-init" + ("-sp" if sp else "")
@@ -111,18 +120,23 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     text = text + "".join(f"{line}\n" for line in footer)
     inferred = Inferred(text, proven, unplanned, checked)
     compare = dict(compare or {})
-    if auto_compare and getattr(getattr(meta, "config", None), "base_model_tp_plan", None):
-        from .compare import transformers_plan
-
-        imported = transformers_plan(meta)
-        if imported is not None:
-            compare["transformers"] = imported
+    if auto_compare and shipped is not None:
+        compare["transformers"] = shipped
     if compare:
         from .compare import figures
 
         for label, compared in compare.items():
             inferred.compare[label] = figures(target, compared, proven.degrees, event)
     return inferred
+
+
+def _shipped_plan(meta: "nn.Module") -> str | None:
+    """transformers' own TP plan of an HF model that has one, as tpplan YAML."""
+    if not getattr(getattr(meta, "config", None), "base_model_tp_plan", None):
+        return None
+    from .compare import transformers_plan
+
+    return transformers_plan(meta)
 
 
 def _on_meta(model: "nn.Module") -> bool:
