@@ -265,17 +265,21 @@ def test_mla_rotary_key_gets_its_gradient_summed_on_its_last_features_only():
     assert "kv_a whole, its last 4 of 20 output features meeting the heads whole: that gradient summed" in plan.text
 
 
-def test_a_gathered_head_splits_an_uneven_vocabulary(tmp_path):
-    """A vocabulary the degree does not divide (transformers' Inkling 2: 200058 at TP 4) still
-    gets a colwise head, its columns split as DTensor's uneven shards and gathered; the
-    proof's --check at that degree keeps it."""
+def test_a_head_whose_vocabulary_a_degree_does_not_divide_is_split_evenly_where_it_can_be(tmp_path):
+    """A vocabulary the degree does not divide (transformers' Inkling 2: 200058 at TP 4): where
+    the degrees divide the head's inputs, it is split on them (rowwise, as transformers' Inkling 2
+    plan does: even bytes per rank); where they do not, its columns split unevenly (DTensor's
+    uneven shards, gathered). The proof's --check at that degree keeps either."""
     from tpplan import infer_plan
     from tpplan.models.llama import LlamaConfig, Transformer
 
     plan = infer_plan(lambda: Transformer(LlamaConfig(vocab_size=258)), tp=[4])
-    rules = rules_of(plan.text)
-    assert rules["output"] == {"style": "colwise", "output_layouts": "replicate"}
-    assert "# Not checked" not in plan.text  # proven with values, at 65+65+65+63 columns (torch.chunk's cut)
+    assert rules_of(plan.text)["output"] == {"style": "rowwise", "input_layouts": "replicate"}
+    assert "# output: the output head, split on its 128 inputs (a degree does not divide its 258 columns)" in plan.text
+    assert "# Not checked" not in plan.text  # (the embedding's 258 rows do not split at TP 4: dropped, whole)
+    plan = infer_plan(lambda: Transformer(LlamaConfig(vocab_size=259)), tp=[3])  # 3 divides neither 259 nor 128
+    assert rules_of(plan.text)["output"] == {"style": "colwise", "output_layouts": "replicate"}
+    assert "# Not checked" not in plan.text  # proven with values, at 87+86+86 columns (torch.chunk's cut)
 
 
 def test_a_model_with_its_own_plan_keeps_to_it_where_it_leaves_modules_whole_unless_shard_more(tmp_path):

@@ -39,10 +39,6 @@ OUTCOMES: dict[str, str] = {
     # (local_params shard(0)); init's sharded pair fails the lint there (TP322: 8 sinks meet 2 local heads) and
     # passes gathered, with those 8 floats whole: 48 bytes per rank more (83264 > 83216)
     "granite_swa": "more bytes per rank at TP 4",
-    # a vocabulary of 200058 at TP 4: init's gathered colwise head splits it unevenly (rank 0 holds 50015 rows,
-    # 128 bytes more than the even split of transformers' rowwise head on the hidden dim)
-    "inkling2_text": "more bytes per rank at TP 4",
-    "inkling2_loop_text": "more bytes per rank at TP 4",
     # transformers' own plan is wrong here (activation sparsity takes the mean and std over the features it
     # shards: TP321, confirmed by --check's TP505, tests/test_hf_sweep.py): init rightly leaves those MLPs whole
     "gemma3n_text": "more bytes per rank at TP 4",

@@ -45,6 +45,7 @@ class Group:
     kv_heads: dict = field(default_factory=dict)  # producer fqn -> (KV heads, query heads)
     params: int = 0  # parameters the group shards (the bulk decides the degrees)
     gathered: bool = False  # a pair whose activations are gathered (its sharded-activation form failed)
+    by_rows: tuple | None = None  # a head's (columns, inputs, rule, note): split on its inputs where a degree splits its columns unevenly
 
     def gather(self) -> "Group | None":
         """The pair with its column half's output gathered and its row half taking the whole
@@ -73,7 +74,10 @@ class Group:
         return all(kv % degree == 0 or (degree % kv == 0 and q % degree == 0) for kv, q in self.kv_heads.values())
 
     def rules_at(self, degrees) -> dict:
-        """The rules for `degrees`: `heads: auto` on a KV projection a degree replicates."""
+        """The rules for `degrees`: `heads: auto` on a KV projection a degree replicates; a head
+        split on its inputs where a degree does not divide its columns and every degree its inputs."""
+        if self._by_rows(degrees):
+            return {fqn: self.by_rows[2] for fqn in self.rules}
         out = {}
         for fqn, value in self.rules.items():
             kv = self.kv_heads.get(fqn)
@@ -81,6 +85,15 @@ class Group:
                 value = {**({"style": value} if isinstance(value, str) else value), "heads": "auto"}
             out[fqn] = value
         return out
+
+    def note_at(self, degrees) -> str:
+        return self.by_rows[3] if self._by_rows(degrees) else self.note
+
+    def _by_rows(self, degrees) -> bool:
+        if self.by_rows is None:
+            return False
+        columns, inputs = self.by_rows[:2]
+        return any(columns % d for d in degrees) and not any(inputs % d for d in degrees)
 
 
 @dataclass(frozen=True)
@@ -209,9 +222,16 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         value.update({"use_local_output": False} if loss_parallel else {"output_layouts": "replicate"})
         head = modules[fqn]
         how = "sharded for loss_parallel" if loss_parallel else "gathered"
-        # gathered, the columns may split unevenly (DTensor's uneven shards; the proof checks it); loss_parallel's may not
+        # gathered, the columns may split unevenly (DTensor's uneven shards; the proof checks it); loss_parallel's may not.
+        # Where a degree splits them unevenly and every degree divides the inputs, the inputs are split instead: as
+        # few bytes per rank, evenly (a forward all-reduce of the logits for the all-gather of their columns)
+        by_rows = None
+        if not (sp or loss_parallel):
+            by_rows = (head.out_features, head.in_features, {"style": "rowwise", "input_layouts": "replicate"},
+                       f"{_leaf(fqn)}: the output head, split on its {head.in_features} inputs (a degree does not divide its "
+                       f"{head.out_features} columns), its partial logits all-reduced")
         groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
-                            [head.out_features] if loss_parallel else [], params=head.weight.numel())
+                            [head.out_features] if loss_parallel else [], params=head.weight.numel(), by_rows=by_rows)
     # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
     home = {fqn: fqn for fqn in groups}  # module -> the key of the group its rule is in
     for tie in shared_parameters(modules[""]):
@@ -222,6 +242,7 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
             first.rules.update(merged.rules)
             first.divides += merged.divides
             first.note += f"; {merged.note} (tied to it)"
+            first.by_rows = None  # one parameter, laid out as the embedding's rows
             home.update((fqn, keys[0]) for fqn in merged.rules)
         if first is None:
             continue

@@ -147,7 +147,7 @@ def _all_rules(groups: list[Group], degrees: list[int]) -> dict[str, tuple[Any, 
     out = {}
     for group in groups:
         for fqn, value in group.rules_at(degrees).items():
-            out[fqn] = (value, group.note)
+            out[fqn] = (value, group.note_at(degrees))
     return out
 
 
