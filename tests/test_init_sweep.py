@@ -35,10 +35,6 @@ PASS = "pass"
 
 # model type -> the gap the sweep finds (its `gap` text starts so); a family not listed must pass
 OUTCOMES: dict[str, str] = {
-    # sliding-window attention with per-head sinks: transformers lays out `self_attn.sinks` with the heads
-    # (local_params shard(0)); init's sharded pair fails the lint there (TP322: 8 sinks meet 2 local heads) and
-    # passes gathered, with those 8 floats whole: 48 bytes per rank more (83264 > 83216)
-    "granite_swa": "more bytes per rank at TP 4",
     # a vocabulary of 200058 at TP 4: init's gathered colwise head splits it unevenly (rank 0 holds 50015 rows,
     # 128 bytes more than the even split of transformers' rowwise head on the hidden dim)
     "inkling2_text": "more bytes per rank at TP 4",
