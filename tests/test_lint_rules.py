@@ -464,6 +464,42 @@ def test_heads_meeting_a_per_head_parameter_of_their_module_name_local_params_fo
     assert not [p for p in lint(fixed, model, select=["TP320", "TP321", "TP322", "TP323", "TP325", "TP328"])]
 
 
+class _ScaledMLP(nn.Module):
+    """A learned per-feature scale between the halves of a pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.scale = nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * self.scale)
+
+
+class _ScaledLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mlp = nn.Embedding(32, 16), _ScaledMLP()
+
+    def forward(self, ids):
+        return self.mlp(self.embed(ids))
+
+
+def test_features_meeting_a_per_feature_parameter_of_their_module_name_local_params_for_it():
+    with torch.device("meta"):
+        model = _ScaledLM()
+    problem = only(lint("""
+        version: 1
+        rules:
+          mlp.up: colwise
+          mlp.down: rowwise
+    """, model, select=["TP321"]), "TP321")
+    assert (problem.line, problem.column) == (3, 3)
+    assert "the local shard(-1) (2, 8, 64) that colwise 'mlp.up' (rule 'mlp.up' at plan.yaml:3) returns meets a tensor of " \
+           "full size in 'mul' inside 'mlp'" in problem.message
+    assert "give 'mlp' {style: local_params, params: {scale: shard(0)}}" in problem.message
+
+
 def test_the_per_head_parameter_edit_turns_the_modules_rule_into_local_params_or_adds_to_it():
     from tpplan import load_plan
     from tpplan.lint.context import LintContext
