@@ -265,6 +265,24 @@ def test_mla_rotary_key_gets_its_gradient_summed_on_its_last_features_only():
     assert "kv_a whole, its last 4 of 20 output features meeting the heads whole: that gradient summed" in plan.text
 
 
+def test_a_per_head_parameter_is_sharded_with_the_heads_not_gathered():
+    """Attention sinks (tests/sink_attention.py: a (heads,) parameter added to the scores):
+    the sharded q/k/v -> o pair needs them laid out with the heads; the lint's edit does it
+    (merged into TP340's prepare_module_input on the same module) and the proof's --check
+    compares every gradient, the sinks' shards included, with one device's."""
+    from sink_attention import build
+
+    from tpplan import infer_plan
+
+    plan = infer_plan(build, tp=[2])
+    rules = rules_of(plan.text)
+    assert rules["blocks.*"] == {"style": "local_params", "input_layouts": "replicate", "desired_input_layouts": "replicate",
+                                 "use_local_output": False, "params": {"sinks": "shard(0)"}}
+    assert rules["blocks.*.{q_proj,k_proj,v_proj}"] == "colwise" and rules["blocks.*.o_proj"] == "rowwise"
+    assert "sinks sharded on dim 0, as the local shard of 'blocks.*.q_proj' it meets: each rank holds its own part (TP322)" in plan.text
+    assert "# Dropped" not in plan.text and "gathered between them" not in plan.text and "# Not checked" not in plan.text
+
+
 def test_a_head_whose_vocabulary_a_degree_does_not_divide_is_split_evenly_where_it_can_be(tmp_path):
     """A vocabulary the degree does not divide (transformers' Inkling 2: 200058 at TP 4): where
     the degrees divide the head's inputs, it is split on them (rowwise, as transformers' Inkling 2

@@ -35,10 +35,6 @@ PASS = "pass"
 
 # model type -> the gap the sweep finds (its `gap` text starts so); a family not listed must pass
 OUTCOMES: dict[str, str] = {
-    # sliding-window attention with per-head sinks: transformers lays out `self_attn.sinks` with the heads
-    # (local_params shard(0)); init's sharded pair fails the lint there (TP322: 8 sinks meet 2 local heads) and
-    # passes gathered, with those 8 floats whole: 48 bytes per rank more (83264 > 83216)
-    "granite_swa": "more bytes per rank at TP 4",
     # transformers' own plan is wrong here (activation sparsity takes the mean and std over the features it
     # shards: TP321, confirmed by --check's TP505, tests/test_hf_sweep.py): init rightly leaves those MLPs whole
     "gemma3n_text": "more bytes per rank at TP 4",

@@ -432,6 +432,93 @@ def test_a_sequence_shard_meeting_the_replicated_residual_is_an_open_region():
     assert "meets a tensor of full size in 'add' inside 'blocks.0'" in problem.message
 
 
+SINKS_SHARDED_HEADS = """\
+version: 1
+rules:
+  blocks.*.{q_proj,k_proj,v_proj}: colwise
+  blocks.*.o_proj: rowwise
+"""
+
+
+@pytest.mark.parametrize("model, op", [("sink_attention:build", "add"), ("sink_attention:build_concat", "cat")])
+def test_heads_meeting_a_per_head_parameter_of_their_module_name_local_params_for_it(tmp_path, model, op):
+    """Attention sinks (tests/sink_attention.py): a (heads,) parameter of the attention module
+    added to the scores (or appended to them, as gpt-oss does) meets 2 of the 4 heads at TP 2;
+    sharded the same way it fits, and the fix says so where the sequence-parallel advice was."""
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(SINKS_SHARDED_HEADS)
+    result = CliRunner().invoke(app, ["validate", str(plan), "--model", model, "--tp", "2"])
+    assert result.exit_code == 1
+    (line,) = [line for line in result.output.splitlines() if " TP322 " in line]
+    assert line.startswith(f"{plan}:3:3: TP322 the local shard(1) (2, 4, 8, 8) that colwise 'blocks.0.q_proj'")
+    assert f"meets a tensor of full size in '{op}' inside 'blocks.0'" in line
+    assert ("that tensor comes straight from the parameter 'blocks.*.sinks' of the module it runs in, whose dim 0 is as "
+            "long as the sharded dim (4): shard it the same way, give 'blocks.*' {style: local_params, params: "
+            "{sinks: shard(0)}}") in line
+    assert "sequence-parallel" not in line
+    fixed = SINKS_SHARDED_HEADS + "  blocks.*: {style: local_params, params: {sinks: shard(0)}}\n"
+    assert not [p for p in lint(fixed, model, select=["TP320", "TP321", "TP322", "TP323", "TP325", "TP328"])]
+
+
+class _ScaledMLP(nn.Module):
+    """A learned per-feature scale between the halves of a pair."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.scale = nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)) * self.scale)
+
+
+class _ScaledLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.mlp = nn.Embedding(32, 16), _ScaledMLP()
+
+    def forward(self, ids):
+        return self.mlp(self.embed(ids))
+
+
+def test_features_meeting_a_per_feature_parameter_of_their_module_name_local_params_for_it():
+    with torch.device("meta"):
+        model = _ScaledLM()
+    problem = only(lint("""
+        version: 1
+        rules:
+          mlp.up: colwise
+          mlp.down: rowwise
+    """, model, select=["TP321"]), "TP321")
+    assert (problem.line, problem.column) == (3, 3)
+    assert "the local shard(-1) (2, 8, 64) that colwise 'mlp.up' (rule 'mlp.up' at plan.yaml:3) returns meets a tensor of " \
+           "full size in 'mul' inside 'mlp'" in problem.message
+    assert "give 'mlp' {style: local_params, params: {scale: shard(0)}}" in problem.message
+
+
+def test_the_per_head_parameter_edit_turns_the_modules_rule_into_local_params_or_adds_to_it():
+    from tpplan import load_plan
+    from tpplan.lint.context import LintContext
+    from tpplan.lint.edits import _param_shards, lint_edits
+
+    def edits(extra: str, found=lint_edits):
+        ctx = LintContext(load_plan(text=SINKS_SHARDED_HEADS + extra), meta_model("sink_attention:build"), [2])
+        return [(e.code, e.key, e.options, e.add) for e in found(ctx) if e.code in ("TP322", "TP340")]
+
+    sinks = {"style": "local_params", "params": {"sinks": "shard(0)"}}
+    assert edits("", _param_shards) == [("TP322", "blocks.0", sinks, True), ("TP322", "blocks.1", sinks, True)]
+    # one new rule per module a round: TP340's prepare_module_input first, turned into local_params the next round
+    assert [(code, key) for code, key, _, _ in edits("")] == [("TP340", "blocks.0"), ("TP340", "blocks.1")]
+    prepared = "  blocks.*: {style: prepare_module_input, input_layouts: replicate, desired_input_layouts: replicate}\n"
+    assert edits(prepared) == [("TP322", "blocks.*", sinks, False)]  # its input options stay (with_options)
+    assert edits("  blocks.*: local_params\n") == [("TP322", "blocks.*", sinks, False)]
+    assert edits("  blocks.*: {style: local_params, params: {sinks: shard(0)}}\n") == []
+
+
 def test_a_dtensor_meeting_a_plain_tensor_is_an_error_at_the_rule_that_kept_it():
     problem = only(lint("""
         version: 1

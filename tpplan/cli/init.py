@@ -32,7 +32,8 @@ def init(
     from_plan: Annotated[
         Optional[Path],
         typer.Option("--from", metavar="PLAN", help="Start from this plan: apply the fixes the lint is sure of "
-                     "(TP311 heads, TP325 local_params, TP326 packed, TP340 shared input) and write the fixed plan.",
+                     "(TP311 heads, TP325 local_params, TP321/TP322 a parameter sharded with the shard it meets, "
+                     "TP326 packed, TP340 shared input) and write the fixed plan.",
                      show_default=False),
     ] = None,
     compare: Annotated[

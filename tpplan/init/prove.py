@@ -176,6 +176,8 @@ def _lint_fixed(target, groups, degrees, proposal, name, description, header, ev
             else:
                 for fqn in by_pattern.get(edit.key, ()):
                     value, note = rules[fqn]
+                    if "style" in edit.options:  # the rule becomes another style: its comment says why too
+                        note = f"{note}; {edit.why} ({edit.code})" if note else f"{edit.why} ({edit.code})"
                     rules[fqn] = (with_options(value, edit.options), note)
         applied += edits
     return rules, applied, text, plan

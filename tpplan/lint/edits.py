@@ -9,6 +9,10 @@ finding it fixes cannot disagree:
 - TP326 (fused projection): `packed` on the colwise rule whose output is cut into kinds;
 - TP311 (heads): `heads: auto` where only the KV heads fail and the degree is a multiple of them;
 - TP325 (replicated partial gradient): a `local_params` rule on the module;
+- TP321/TP322 (a shard meets a module's own parameter that sharded the same way fits it,
+  per-head attention sinks): that parameter in the `params` of a `local_params` rule on
+  its module (a new rule, or the module's local_params or prepare_module_input rule
+  turned into one);
 - TP340 (shared input): a `prepare_module_input` on the parent whose colwise children
   each turn the same plain input into a DTensor (one backward all-reduce instead of one per child).
 """
@@ -39,7 +43,13 @@ def with_options(value: Any, options: dict) -> Any:
 
 def lint_edits(ctx: "LintContext") -> list[Edit]:
     """Every edit the lint is sure of for `ctx`'s plan, model and degrees (in the order above)."""
-    return [*_packed(ctx), *_heads(ctx), *_local_params(ctx), *_shared_inputs(ctx)]
+    edits, added = [], set()
+    for edit in [*_packed(ctx), *_heads(ctx), *_local_params(ctx), *_shared_inputs(ctx), *_param_shards(ctx)]:
+        if edit.add and edit.key in added:
+            continue  # one new rule per module: the next round sees it (and edits it)
+        added.update([edit.key] if edit.add else [])
+        edits.append(edit)
+    return edits
 
 
 def _packed(ctx) -> list[Edit]:
@@ -93,6 +103,40 @@ def _local_params(ctx) -> list[Edit]:
         seen.add(leak.fqn)
         out.append(Edit("TP325", leak.fqn, "local_params", True,  # type: ignore[arg-type]
                         f"replicated parameters ({', '.join(names)}) computing on sharded activations: their gradients are summed"))
+    return out
+
+
+def _param_shards(ctx) -> list[Edit]:
+    """A module's own parameter sharded as the activation it meets (flow.py's OwnParam): in
+    the params of a local_params rule on it. Only where no parameter of the module turns
+    from a plain tensor into a replicated one with a summed gradient (local_params' default),
+    which would be wrong for one used whole."""
+    from ..core.globs import generalize
+
+    if ctx.flow is None or not ctx.splits:
+        return []
+    out, seen = [], set()
+    for leak in ctx.flow.leaks:
+        found = leak.param
+        if found is None:
+            continue
+        rule = ctx.matched.get(found.fqn)
+        style = rule.spec.style if rule is not None else None
+        if style not in (None, "local_params", "prepare_module_input"):
+            continue
+        params = {k: str(v) for k, v in ((rule.spec.params or {}) if style == "local_params" else {}).items()}
+        params[found.name] = f"shard({found.dim})"
+        own = {k for k, p in ctx.modules[found.fqn]._parameters.items() if p is not None}
+        if style != "local_params" and own - set(params):
+            continue
+        key = found.fqn if rule is None else rule.pattern
+        if (key, found.name) in seen:
+            continue
+        seen.add((key, found.name))
+        code = "TP322" if leak.sequence else "TP321"
+        why = (f"{found.name} sharded on dim {found.dim}, as the local shard of '{generalize(leak.value.src.fqn)}' it meets: "
+               "each rank holds its own part")
+        out.append(Edit(code, key, {"style": "local_params", "params": params}, rule is None, why))
     return out
 
 

@@ -36,12 +36,13 @@ from .layouts import (
     Mismatch,
     Mixed,
     OutputSite,
+    OwnParam,
     Source,
     Stop,
     placement_lay,
 )
 from .grad_sums import GradSums
-from .ops import ELEMENTWISE, OpSemantics
+from .ops import ELEMENTWISE, SHAPE_ONLY_OTHERS, OpSemantics
 from .trace import Call, Op, Return, Trace
 
 _REPLICATE = PlacementSpec("replicate")
@@ -66,6 +67,8 @@ class _Interpreter:
         self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
         self.report.grad_sums = self.sums.found
         self.report.shared_operands = self.sums.shared_operands
+        # node -> (parameter node, where each of its dims went): views of a parameter
+        self.derived: dict[int, tuple[int, tuple]] = {n: (n, tuple(range(len(self.shape(n))))) for n in trace.params}
         self.own_params()
 
     def own_params(self) -> None:
@@ -274,10 +277,47 @@ class _Interpreter:
     def op(self, op: Op) -> None:
         values = [self.value(n) for n in op.inputs]
         self.layouts_of(op, values)
+        self.derive(op, values)
         results = [self.value(n) for n in op.outputs]
         if not self.in_local_params():
             self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)
         self.sums.op(op.inputs, values, op.outputs, results)
+
+    def derive(self, op: Op, values: list[Lay]) -> None:
+        """Follow a replicated parameter's dims through the ops that only reshape it
+        (`sinks.view(1, -1, 1)`, `.expand(...)`, `.to(...)`), the way a shard of each would go."""
+        found = self.derived.get(op.inputs[0]) if op.inputs else None
+        if found is None or len(op.outputs) != 1 or values[0].kind != "R" or values[0].dt is not False:
+            return
+        if len(op.inputs) > 1 and op.name not in SHAPE_ONLY_OTHERS:
+            return
+        param, dims = found
+        out = self.shape(op.outputs[0])
+        moved = []
+        for dim in dims:
+            lays = None if dim is None else self.ops.semantics(op, [Lay("S", False, dim), *values[1:]])
+            new = lays[0].dim if isinstance(lays, list) and lays and lays[0].kind == "S" else None
+            moved.append(new if new is not None and out[new] == self.shape(op.inputs[0])[dim] else None)
+        if any(d is not None for d in moved):
+            self.derived[op.outputs[0]] = (param, tuple(moved))
+
+    def own_param(self, leak: Leak) -> Leak:
+        """`leak` with the parameter (of a module running around the op) whose view is the
+        full tensor it meets, when sharding that parameter on the facing dim fits the shard."""
+        if leak.against is None or leak.value.kind != "S":
+            return leak
+        node, dim = leak.against
+        param, dims = self.derived.get(node, (None, ()))
+        if param is None or dim not in dims or (self.value(param).kind, self.value(param).dt) != ("R", False):
+            return leak
+        owner, name = self.trace.params[param]
+        at = dims.index(dim)
+        size = self.shape(param)[at]
+        if size != leak.shape[leak.value.dim] or size != self.shape(node)[dim]:
+            return leak
+        if not any(f.fqn == owner and not f.owned for f in self.frames):
+            return leak  # not the running module's own: another module's weight, used here whole
+        return dataclasses.replace(leak, param=OwnParam(owner, name, at))
 
     def in_local_params(self) -> bool:
         """Inside a planned module with parameters of its own that computes on local tensors
@@ -314,6 +354,7 @@ class _Interpreter:
             return self.set_all(op, unknown)
         outs = self.ops.semantics(op, values)
         if isinstance(outs, Leak):
+            outs = self.own_param(outs)
             self.report.leaks.append(outs)
             return self.set_all(op, Lay("?", None, None, outs.value.src))
         if isinstance(outs, Fused):

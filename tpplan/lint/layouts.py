@@ -15,7 +15,9 @@ What can go wrong is recorded as findings that the TP32x rules turn into problem
   layout it does not have (a shard declared replicated, or the reverse);
 - `Leak`: a plain shard or partial reaches what needs the full tensor: a module
   the plan leaves alone that has parameters, an op that mixes it with full
-  tensors or reduces over the sharded dim, or the model's output;
+  tensors or reduces over the sharded dim, or the model's output (`OwnParam`
+  when the full tensor is a view of a running module's own parameter, such as
+  per-head sinks, that sharded like the activation would fit it);
 - `Mixed`: a DTensor meets a plain tensor (torch raises);
 - `Stop`: a plain shard or partial meets an op the flow does not model (or not
   with these arguments): its layout is unknown from there on, nothing it
@@ -91,12 +93,25 @@ class Mismatch:
 
 
 @dataclass(frozen=True)
+class OwnParam:
+    """A replicated parameter of a module running around the op (per-head attention
+    sinks) that meets a local shard along a dim exactly the shard's full size: laid out
+    the same way (local_params `params: {name: shard(dim)}`), the shapes agree."""
+
+    fqn: str  # the module that holds it
+    name: str
+    dim: int  # the parameter's dim facing the sharded one
+
+
+@dataclass(frozen=True)
 class Leak:
     value: Lay  # plain S or P, with its source
     where: str  # 'module', 'output', 'op', 'reduce'
     fqn: str  # the module reached (where='module'), or the module the op runs in
     detail: str  # module class, op name
     shape: tuple
+    against: tuple | None = None  # where='op': (node, dim) of the full tensor facing the sharded dim
+    param: OwnParam | None = None  # that full tensor is a parameter's view which sharding would fit
 
     @property
     def sequence(self) -> bool:

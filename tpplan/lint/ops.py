@@ -40,6 +40,7 @@ REDUCTIONS = frozenset({
 })
 SHAPE_ONLY_OTHERS = frozenset({"type_as", "to", "view_as", "reshape_as", "expand_as", "new_empty", "new_zeros", "new_ones", "new_full"})
 SPLITS = frozenset({"chunk", "split", "tensor_split", "unbind", "split_with_sizes"})
+CATS = frozenset({"cat", "concat", "concatenate", "stack"})
 
 
 def _arg(op: Op, index: int, name: str, default: Any = None) -> Any:
@@ -143,8 +144,8 @@ class OpSemantics:
         self.shape = shape  # node id -> full shape
         self.where = where  # () -> the module the op runs in
 
-    def leak(self, value: Lay, where: str, op: Op, node: int) -> Leak:
-        return Leak(value, where, self.where(), op.name, self.shape(node))
+    def leak(self, value: Lay, where: str, op: Op, node: int, against: tuple | None = None) -> Leak:
+        return Leak(value, where, self.where(), op.name, self.shape(node), against)
 
     def semantics(self, op: Op, values: list[Lay]) -> "list[Lay] | Leak | Fused | None":
         """Output layouts of an op on plain inputs, some sharded or partial; a Leak when
@@ -175,7 +176,7 @@ class OpSemantics:
             return self.elementwise(op, values, shapes, out_shapes)
         if name in ("softmax", "log_softmax", "layer_norm", "rms_norm"):
             return self.leak(sharded[0][1], "reduce", op, op.inputs[sharded[0][0]])
-        if len(sharded) != 1 or sharded[0][0] != 0:
+        if len(sharded) != 1 or sharded[0][0] != 0 or name in CATS:
             return self.multi(op, values, shapes, out_shapes)
         if first.kind == "S" and _packable(first):
             cut = self.kinds(op, first, shapes[0], out_shapes)
@@ -308,8 +309,8 @@ class OpSemantics:
         for i, v in enumerate(values):
             if v.kind == "R":
                 j = dim - (len(out) - len(shapes[i]))
-                if 0 <= j < len(shapes[i]) and shapes[i][j] != 1:
-                    return self.leak(values[shard_index], "op", op, op.inputs[shard_index])  # a full tensor meets the shard
+                if 0 <= j < len(shapes[i]) and shapes[i][j] != 1:  # a full tensor meets the shard
+                    return self.leak(values[shard_index], "op", op, op.inputs[shard_index], (op.inputs[i], j))
         if not all(s == out for s in out_shapes):
             return None
         return [Lay("S", False, dim, values[shard_index].src, values[shard_index].blocks)] * len(out_shapes)
@@ -341,7 +342,7 @@ class OpSemantics:
                 if all(v.kind == "R" and self.broadcasts(shapes[i], len(out_shapes[0]), dim) for i, v in enumerate(values) if i >= 3):
                     return [Lay("S", False, dim, src)] * len(out_shapes)
             return None
-        if name in ("cat", "concat", "concatenate", "stack") and all(len(s) == len(shapes[0]) for s in shapes):
+        if name in CATS and all(len(s) == len(shapes[0]) for s in shapes):
             ndim = len(shapes[0])
             along = _arg(op, 1, "dim", 0)
             dims = {v.dim for _, v in shards}
@@ -353,7 +354,7 @@ class OpSemantics:
                 return None
             for i, v in enumerate(values):
                 if v.kind == "R" and shapes[i][dim] != 1:
-                    return self.leak(shards[0][1], "op", op, op.inputs[shards[0][0]])
+                    return self.leak(shards[0][1], "op", op, op.inputs[shards[0][0]], (op.inputs[i], dim))
             return [Lay("S", False, dim + (1 if name == "stack" and along <= dim else 0), src)]
         if name in ELEMENTWISE:
             return self.elementwise(op, values, shapes, out_shapes)

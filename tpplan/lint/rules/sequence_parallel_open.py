@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..registry import Finding, LintRule
 from ..text import generalize, shard_text
 from .replicated_partial_grad import claims
-from .shard_leak import leak_message
+from .shard_leak import leak_message, own_param_fix
 
 
 def check(ctx):
@@ -29,6 +29,8 @@ def check(ctx):
                 f"{leak_message(leak)}: the sequence-parallel region is never closed; gather before the end, e.g. give "
                 f"the last rule input_layouts: {shard} and output_layouts: replicate"
             ))
+        elif leak.param is not None:
+            yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {own_param_fix(ctx, leak)}")
         else:
             yield Finding(ctx.at(src.rule), (
                 f"{leak_message(leak)}; close the sequence-parallel region before it (input_layouts: {shard}, "
@@ -47,7 +49,10 @@ RULE = LintRule(
         `use_local_output: true`), and any other local shard of a dim that is not
         the features (attention heads, say), and reports where one reaches a
         module with parameters that no rule covers, an op that needs the whole
-        dim, or the model's output.
+        dim, or the model's output. Heads that meet a parameter of the
+        attention module as long as the heads (attention sinks added to the
+        scores) need that parameter sharded with them, not a closed region:
+        `local_params` with `params: {sinks: shard(0)}` (as TP321 says).
     """,
     why="""
         Position-wise modules run fine on a sequence shard, so a norm forgotten

@@ -20,6 +20,25 @@ def leak_message(leak) -> str:
     return f"{what} meets a tensor of full size in '{leak.detail}'{inside}: a shape error at run time, or wrong values"
 
 
+def own_param_fix(ctx, leak) -> str | None:
+    """The fix of a leak into a module's own parameter (per-head sinks) that, sharded as the
+    activation is, fits it: that parameter laid out by local_params on its module."""
+    found = leak.param
+    if found is None:
+        return None
+    layout = f"{{{found.name}: shard({found.dim})}}"
+    rule = ctx.matched.get(found.fqn)
+    where = f"'{generalize(found.fqn)}'"
+    if rule is not None and rule.spec.style == "local_params":
+        how = f"add {found.name}: shard({found.dim}) to the params of {styled(found.fqn, rule)}"
+    else:
+        how = f"give {where} {{style: local_params, params: {layout}}}"
+    size = leak.shape[leak.value.dim]
+    return (f"that tensor comes straight from the parameter '{generalize(found.fqn)}.{found.name}' of the module it "
+            f"runs in, whose dim {found.dim} is as long as the sharded dim ({size}): shard it the same way, {how} "
+            "(each rank holds the entries of its own part)")
+
+
 def check(ctx):
     if ctx.flow is None or not ctx.splits:
         return  # no trace (TP329); or TP 1 only, where every layout is the whole tensor
@@ -36,6 +55,8 @@ def check(ctx):
         elif leak.where == "output":
             fix = (f"give '{src.rule.pattern}' output_layouts: replicate, or use_local_output: false to return a "
                    "DTensor (with loss_parallel)")
+        elif leak.param is not None:
+            fix = own_param_fix(ctx, leak)
         else:
             fix = (f"give '{src.rule.pattern}' output_layouts: replicate, or shard what it meets with a rule of its own")
         yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {fix}")
@@ -53,7 +74,12 @@ RULE = LintRule(
         place that needs the whole tensor: a module with parameters that the
         plan leaves alone, an op that meets a tensor of full size or reduces
         over the sharded dim, or the model's output. Shards of the sequence dim
-        are TP322's.
+        are TP322's. Where the full tensor an op meets comes straight (through
+        views and expands) from a parameter of the module the op runs in, along
+        a dim as long as the sharded one (a per-feature scale after a colwise
+        Linear, per-head attention sinks), the fix is to shard that parameter
+        the same way: `local_params` on the module with `params: {NAME:
+        shard(D)}` (`tpplan init` applies it).
     """,
     why="""
         A colwise Linear hands on one rank's slice of its output features. Only a
