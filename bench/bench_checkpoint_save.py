@@ -100,6 +100,12 @@ def worker(args) -> None:
         optimizer.zero_grad(set_to_none=True)
         return time.perf_counter() - start, time.thread_time() - cpu
 
+    def all_done(handle) -> bool:
+        """Whether the save is done on every rank (rank 0's commits last): the ranks take as many steps."""
+        flag = torch.tensor([1 if handle.done() else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     step(), step()  # warm, and AdamW's state exists
     load = [os.getloadavg()[0]]
     plain, during, blocked, writer_cpu, root = [], [], [], [], os.path.join(where, "async")
@@ -110,7 +116,7 @@ def worker(args) -> None:
         handle = tpplan.save_checkpoint(model, root, step=n, keep=2, optimizer=optimizer, async_save=True)
         stall = time.perf_counter() - start
         steps = []
-        while not handle.done():
+        while not all_done(handle):
             steps.append(step())
         handle.wait()
         spent = (time.process_time() - process_cpu) - (time.thread_time() - thread_cpu)  # the writer's (and torch's other threads')

@@ -7,6 +7,7 @@ lr 0.02 so that a wrong optimizer state or data position shows in the losses):
   the AdamW state of step 20;
 - the same checkpoint resumed on one device (TP 1, no torchrun) follows the
   uninterrupted losses to float tolerance;
+- the same with --async-save (every 5 steps): bitwise from whichever step was complete;
 - (slow) 10 steps, a kill, a new job with --resume: bitwise again; resumed at TP 4 on
   4 ranks: to tolerance."""
 
@@ -120,3 +121,25 @@ def test_kill_then_resume_in_a_new_job_is_bitwise_and_another_tp_degree_is_close
     worst = max(abs(float(resumed[s]) - float(want[s])) for s in resumed)
     print("TP 4 resume: max loss diff", worst)
     assert list(resumed) == list(range(11, 21)) and worst < 1e-4
+
+
+def test_max_restarts_resumes_from_asynchronous_saves_bitwise(uninterrupted, tmp_path, monkeypatch):
+    """--async-save: every 5 steps a save written in the background while training goes on.
+    Rank 1 is killed in step 13: the restarted job resumes from the latest complete step (10,
+    or 5 while step 10's write was still going on) and ends bitwise equal to the uninterrupted
+    run: the staged copy holds the state of the step it was taken at."""
+    want_root, want = uninterrupted
+    monkeypatch.setenv("KILL_RANK", "1")
+    monkeypatch.setenv("KILL_STEP", "13")
+    root = tmp_path / "ckpt"
+    args = [*ARGS[:-1], "5", "--async-save"]
+    result = torchrun(2, "--max-restarts", "1", "tests/train_killed.py", *args, "--save", str(root), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 1: SIGKILL in step 13" in result.stderr
+    resumed = re.search(rf"resumed from {re.escape(str(root))} at step (\d+)", result.stdout)
+    assert resumed and resumed.group(1) in ("5", "10"), result.stdout[-2000:]
+    got = losses(result.stdout)
+    assert list(got) == list(range(1, 21)) and got == want
+    a, b = final(want_root), final(root)
+    assert a["step"] == b["step"] == 20 and max_diff(a, b) == 0.0
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-10", "step-15", "step-20"]  # --keep 3
