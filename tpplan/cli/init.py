@@ -28,7 +28,7 @@ def init(
     ep: Annotated[bool, typer.Option("--ep", help="Experts whole per rank (expert_parallel) instead of each sharded (expert_tp).")] = False,
     loss_parallel: Annotated[bool, typer.Option("--loss-parallel", help="Keep the head's logits sharded on the vocabulary (loss_parallel).")] = False,
     shard_more: Annotated[bool, typer.Option("--shard-more", help="Shard every group the proof keeps, also where the model's own plan "
-                                             "(transformers' tp_plan) leaves it whole: fewer bytes per rank, more backward collectives.")] = False,
+                                             "(transformers' tp_plan) leaves it whole and sharding it runs more backward collectives.")] = False,
     from_plan: Annotated[
         Optional[Path],
         typer.Option("--from", metavar="PLAN", help="Start from this plan: apply the fixes the lint is sure of "
@@ -57,8 +57,9 @@ def init(
     embedding, the output head, experts by shape and, with --sp, the norms on the
     residual stream. The plan is written only as proven: the lint and
     `apply --dry-run --check` at every degree of its mesh.sizes; a rule that fails is
-    dropped and the plan says why. A model with its own plan (transformers' tp_plan): what
-    that plan leaves whole stays whole (a trade its authors chose) unless --shard-more. Exit 0 when a plan is written (an empty plan is
+    dropped and the plan says why. A model with its own plan (transformers' tp_plan): where
+    sharding more would run more backward collectives than it, what it leaves whole stays
+    whole (a trade its authors chose) unless --shard-more. Exit 0 when a plan is written (an empty plan is
     one), 1 when the model cannot be built or traced.
     """
     from ..core.problems import PlanError

@@ -7,7 +7,7 @@
                  pair that fails, drops what still fails
     render.py    YAML with globs over repeated layers and one comment per group
     compare.py   the same figures for another plan (transformers' own, or --compare)
-    within.py    keeps to the model's own plan where it leaves a module whole (--shard-more: not)
+    within.py    keeps to the model's own plan where sharding more would cost backward collectives
 
 `infer_plan(model, tp=[2, 4])` is the Python entry; `init(...)` the CLI's.
 """
@@ -57,8 +57,9 @@ def infer_plan(model: "nn.Module | Callable[[], nn.Module]", tp: Sequence[int] |
                ep: bool = False, loss_parallel: bool = False, inputs: str | None = None, shard_more: bool = False) -> "Plan":
     """A proven plan for `model` (a module, or a factory that builds one: a factory lets
     the check rebuild it; a module is copied). `tp`: the degrees (default: every degree
-    in 2..8 the model's dims allow). A model with its own plan (transformers' tp_plan):
-    what that plan leaves whole stays whole unless `shard_more` (within.py). Its YAML,
+    in 2..8 the model's dims allow). A model with its own plan (transformers' tp_plan): where
+    sharding more than it would cost backward collectives, what it leaves whole stays whole
+    unless `shard_more` (within.py). Its YAML,
     as `tpplan init` writes it, is `plan.text`."""
     return run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs, shard_more=shard_more).plan
 
@@ -69,8 +70,9 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
              shard_more: bool = False, on_event: Callable[[str], None] | None = None) -> Inferred:
     """Infer, prove and render. `model`: a module or its factory; `ref`: how to name it (MOD:FN).
     `compare`: {name: plan text} of plans to dry-run beside it; `auto_compare`: also transformers'
-    own TP plan of an HF model that has one. That plan bounds the inferred one unless
-    `shard_more`: what it leaves whole stays whole (within.py). Raises PlanError (TP500: the
+    own TP plan of an HF model that has one. Where sharding all that is proven would run more
+    backward collectives than that plan, what it leaves whole stays whole, unless `shard_more`
+    (within.py). Raises PlanError (TP500: the
     model does not build; TP329: its forward cannot be traced)."""
     from torch import nn
 
@@ -81,6 +83,7 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     from ..runtime.ladder import values_allowed
     from ..runtime.modelref import build_model
     from .dataflow import analyze
+    from .compare import figures
     from .infer import propose
     from .prove import Target, plan_text, prove
 
@@ -102,10 +105,6 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     flow = analyze(ctx.trace, ctx.modules)
     proposal = propose(meta, flow, sp=sp, ep=ep, loss_parallel=loss_parallel, stream_modules=flow.stream)
     shipped = _shipped_plan(meta)
-    if shipped is not None and not shard_more:
-        from .within import sharded_modules, within
-
-        proposal = within(proposal, sharded_modules(shipped, meta), "transformers' plan")
     checked = values_allowed(meta) and not (isinstance(model, nn.Module) and _on_meta(model))
     target = Target(meta, ref, factory, inputs, check=checked)
     name = f"{type(meta).__name__}-init" + ("-sp" if sp else "")
@@ -114,6 +113,17 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
               f"# proven with the lint and apply --dry-run{' --check' if checked else ''} at {degrees_text}."]
     description = f"Tensor parallelism inferred by tpplan init for {type(meta).__name__}" + (" with sequence parallelism" if sp else "") + "."
     proven, _ = prove(target, proposal, tp, name=name, description=description, header=header, on_event=event)
+    figured: dict = {}  # label -> its figures at proven.degrees
+    if shipped is not None and not shard_more:
+        from .within import costlier, sharded_modules, within
+
+        figured["transformers"] = theirs = figures(target, shipped, proven.degrees, event)
+        why = costlier(proven.results, theirs)
+        if why is not None:  # keep to the shipped plan's trade: what it leaves whole stays whole
+            event(f"keeping to transformers' plan: {why}")
+            proposal = within(proposal, sharded_modules(shipped, meta), "transformers' plan", why)
+            proven, _ = prove(target, proposal, tp, name=name, description=description, header=header, on_event=event)
+            figured.clear()
     unplanned = [u for u in proposal.unplanned if u.fqn not in proven.rules]  # the lint's edits planned some
     footer = _footer(proven, unplanned, checked)
     text = plan_text(proven.rules, [n for n, _ in meta.named_modules()], proven.degrees, proposal, name, description, header)
@@ -122,11 +132,8 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     compare = dict(compare or {})
     if auto_compare and shipped is not None:
         compare["transformers"] = shipped
-    if compare:
-        from .compare import figures
-
-        for label, compared in compare.items():
-            inferred.compare[label] = figures(target, compared, proven.degrees, event)
+    for label, compared in compare.items():
+        inferred.compare[label] = figured.get(label) or figures(target, compared, proven.degrees, event)
     return inferred
 
 

@@ -1,11 +1,12 @@
 """Within the model's own plan: a model that ships a TP plan (transformers' `tp_plan`)
-has had its trade of bytes for collectives chosen by its authors. By default `init`
-keeps to it where it leaves a module whole: a group the data flow finds but that plan
-does not shard at all is left whole too, when sharding it would add a backward
-collective (a pair's, the head's, the experts' input gradient, all-reduced). So the
-inferred plan holds no more bytes per rank and runs no more backward collectives than
-the shipped one (what init adds: its proof, the lint's fixes, the embedding, which
-costs no backward collective). `--shard-more` shards every group it can prove.
+had its trade of bytes for collectives chosen by its authors. `init` shards all it
+proves; where that would run more backward collectives than the shipped plan at some
+degree (a pair, the head or experts that plan leaves whole each add one: their input's
+gradient, all-reduced), it keeps to the shipped plan's choice: a group that plan does
+not shard at all is left whole, and the rest proven again. So the inferred plan runs
+no more backward collectives than the shipped one, and holds no more bytes per rank
+(what init adds where it costs nothing: its proof, the lint's fixes, the embedding).
+`--shard-more` shards every group it can prove.
 """
 
 from __future__ import annotations
@@ -32,14 +33,30 @@ def sharded_modules(plan_text: str, model: "nn.Module") -> set[str]:
             if placed.placement is not None and placed.placement.kind == "shard"}
 
 
-def within(proposal: Proposal, sharded: set[str], label: str) -> Proposal:
+def costlier(ours: dict, theirs: dict) -> str | None:
+    """Why the plan proven with figures `ours` ({degree: Degree}) costs more backward collectives
+    than the one with `theirs` (None when it does not, or when theirs failed: nothing to keep to)."""
+    if any(theirs.get(d) is None or (theirs[d].check is not None and theirs[d].check.get("passed") is False) for d in ours):
+        return None
+    for degree, mine in ours.items():
+        a, b = _backward(mine.comms), _backward(theirs[degree].comms)
+        if a > b:
+            return f"sharding all init proves runs {a} backward collectives at TP {degree} where that plan runs {b}"
+    return None
+
+
+def _backward(comms: dict) -> int:
+    return sum((comms or {}).get("backward", {}).values())
+
+
+def within(proposal: Proposal, sharded: set[str], label: str, cost: str) -> Proposal:
     """`proposal` without the groups that `label`'s plan (sharding `sharded`) leaves
     wholly unsharded and that cost a backward collective; their modules go to the
-    unplanned, with why."""
+    unplanned, with why (`cost`: what sharding them costs)."""
     kept, unplanned = [], list(proposal.unplanned)
     for group in proposal.groups:
         if group.kind in _COSTS_BACKWARD and not sharded & set(group.rules):
-            why = f"{label} leaves it whole: sharding it saves bytes but adds a backward collective (--shard-more shards it)"
+            why = f"{label} leaves it whole: {cost} (--shard-more shards it)"
             unplanned += [Unplanned(fqn, why) for fqn in group.rules]
         else:
             kept.append(group)
