@@ -121,13 +121,13 @@ def _param_shards(ctx) -> list[Edit]:
         if found is None:
             continue
         rule = ctx.matched.get(found.fqn)
-        style = rule.spec.style if rule is not None else None
-        if style not in (None, "local_params", "prepare_module_input"):
+        if rule is not None and not _inputs_only(rule.spec):
             continue
-        params = {k: str(v) for k, v in ((rule.spec.params or {}) if style == "local_params" else {}).items()}
+        holds = rule is not None and lays_out_own_params(rule.spec)
+        params = {k: str(v) for k, v in ((rule.spec.params or {}) if holds else {}).items()}
         params[found.name] = f"shard({found.dim})"
         own = {k for k, p in ctx.modules[found.fqn]._parameters.items() if p is not None}
-        if style != "local_params" and own - set(params):
+        if not holds and own - set(params):
             continue
         key = found.fqn if rule is None else rule.pattern
         if (key, found.name) in seen:
@@ -138,6 +138,18 @@ def _param_shards(ctx) -> list[Edit]:
                "each rank holds its own part")
         out.append(Edit(code, key, {"style": "local_params", "params": params}, rule is None, why))
     return out
+
+
+def lays_out_own_params(spec) -> bool:
+    """Whether the style lays out its module's own parameters by an option (local_params' `params`)."""
+    return "params" in type(spec).model_fields
+
+
+def _inputs_only(spec) -> bool:
+    """Whether the style does nothing but lay out its module's inputs (the table's semantics):
+    such a rule can become local_params, its input options kept."""
+    semantics = spec.semantics
+    return semantics.inputs == "layouts" and semantics.outputs == "none" and not semantics.params and not semantics.runs_module
 
 
 def _shared_inputs(ctx) -> list[Edit]:

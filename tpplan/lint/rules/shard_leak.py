@@ -23,13 +23,15 @@ def leak_message(leak) -> str:
 def own_param_fix(ctx, leak) -> str | None:
     """The fix of a leak into a module's own parameter (per-head sinks) that, sharded as the
     activation is, fits it: that parameter laid out by local_params on its module."""
+    from ..edits import lays_out_own_params
+
     found = leak.param
     if found is None:
         return None
     layout = f"{{{found.name}: shard({found.dim})}}"
     rule = ctx.matched.get(found.fqn)
     where = f"'{generalize(found.fqn)}'"
-    if rule is not None and rule.spec.style == "local_params":
+    if rule is not None and lays_out_own_params(rule.spec):
         how = f"add {found.name}: shard({found.dim}) to the params of {styled(found.fqn, rule)}"
     else:
         how = f"give {where} {{style: local_params, params: {layout}}}"
