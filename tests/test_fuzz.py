@@ -269,3 +269,15 @@ def test_texts_that_once_crashed_now_report_located_problems(plan_error, text, e
 def test_a_surrogate_pair_escape_reads_as_its_character():
     plan = load_plan(text='version: 1\nname: "\\ud83d\\ude00"\nrules: {}\n')
     assert plan.name == "\U0001f600"
+
+
+def test_a_style_or_key_with_a_line_break_is_quoted_on_one_line():
+    """Found by test_structured_random_plans: rules {'version': '\\n'}."""
+    from tpplan import PlanError, load_plan
+
+    for text, expected in [('version: 1\nrules: {version: "\\n"}\n', "unknown style '\\n' in rule 'version'"),
+                           ('version: 1\nrules: {a: {style: colwise, "x\\ty": 1}}\n', "unknown key 'x\\ty'")]:
+        with pytest.raises(PlanError) as raised:
+            load_plan(text=text)
+        message = raised.value.problems[0].message
+        assert expected in message and "\n" not in message and "\t" not in message, message

@@ -181,10 +181,17 @@ def _model_at(path: tuple, data: Any) -> type[BaseModel] | None:
     return None
 
 
+def _quoted(text) -> str:
+    """The plan's own word in quotes; Python's repr when it holds a line break or other
+    unprintable character (a message is one line)."""
+    text = str(text)
+    return f"'{text}'" if text.isprintable() else repr(text)
+
+
 def _where(path: tuple) -> str:
     if len(path) >= 2 and path[0] == "rules":
-        return f" in rule '{path[1]}'"
-    return f" in '{'.'.join(map(str, path))}'" if path else " at the top level"
+        return f" in rule {_quoted(path[1])}"
+    return f" in {_quoted('.'.join(map(str, path)))}" if path else " at the top level"
 
 
 def _did_you_mean(word: Any, choices: list[str]) -> str:
@@ -209,7 +216,7 @@ def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
         model = _model_at(path[:-1], data)
         allowed = [f for f in model.model_fields if f != "style"] if model else []
         key = path[-1]
-        message = f"unknown key '{key}'{_where(path[:-1])}{_did_you_mean(key, allowed)}"
+        message = f"unknown key {_quoted(key)}{_where(path[:-1])}{_did_you_mean(key, allowed)}"
         if model is not None and model in STYLE_SPECS.values():
             message += f" (options of {data['rules'][path[1]]['style']}: {', '.join(allowed) or 'none'})"
         return error("TP100", message, file, *source.locate(path, key=True))
@@ -220,7 +227,7 @@ def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
         hint = f"; {other_tool}" if other_tool else _did_you_mean(style, list(STYLE_NAMES))
         return error(
             "TP103",
-            f"unknown style '{style}'{_where(path)}{hint} (styles: {', '.join(STYLE_NAMES)})",
+            f"unknown style {_quoted(style)}{_where(path)}{hint} (styles: {', '.join(STYLE_NAMES)})",
             file, *source.locate(at),
         )
     if kind == "string_pattern_mismatch" and path[-1:] == ("style",):
