@@ -59,8 +59,8 @@ def init(
     `apply --dry-run --check` at every degree of its mesh.sizes; a rule that fails is
     dropped and the plan says why. A model with its own plan (transformers' tp_plan): where
     sharding more would run more backward collectives than it, what it leaves whole stays
-    whole (a trade its authors chose) unless --shard-more. Exit 0 when a plan is written (an empty plan is
-    one), 1 when the model cannot be built or traced.
+    whole (a trade its authors chose) unless --shard-more. Exit 0 when a plan is written
+    (an empty plan is one), 1 when the model cannot be built or traced.
     """
     from ..core.problems import PlanError
     from ..runtime.modelref import load_callable

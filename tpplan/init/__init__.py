@@ -59,8 +59,7 @@ def infer_plan(model: "nn.Module | Callable[[], nn.Module]", tp: Sequence[int] |
     the check rebuild it; a module is copied). `tp`: the degrees (default: every degree
     in 2..8 the model's dims allow). A model with its own plan (transformers' tp_plan): where
     sharding more than it would cost backward collectives, what it leaves whole stays whole
-    unless `shard_more` (within.py). Its YAML,
-    as `tpplan init` writes it, is `plan.text`."""
+    unless `shard_more` (within.py). Its YAML, as `tpplan init` writes it, is `plan.text`."""
     return run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs, shard_more=shard_more).plan
 
 
@@ -72,8 +71,8 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     `compare`: {name: plan text} of plans to dry-run beside it; `auto_compare`: also transformers'
     own TP plan of an HF model that has one. Where sharding all that is proven would run more
     backward collectives than that plan, what it leaves whole stays whole, unless `shard_more`
-    (within.py). Raises PlanError (TP500: the
-    model does not build; TP329: its forward cannot be traced)."""
+    (within.py). Raises PlanError (TP500: the model does not build; TP329: its forward cannot
+    be traced)."""
     from torch import nn
 
     from ..core.problems import PlanError, error
