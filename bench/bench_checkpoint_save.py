@@ -22,6 +22,10 @@ temporary directory (`--dir`, default the system's).
    printed: how long the `save_checkpoint` call itself blocked (the copy of the
    state to CPU memory, not in the step times), the CPU seconds of the training
    thread per step and of the writer per save, and the load average.
+3. A reference for the machine: the same steps while a separate process at nice 19
+   writes as many bytes as the rank's share of one checkpoint (a plain buffer, fsynced:
+   no serialization, no DCP) vs without: what writing that much costs the training here
+   by itself (2 ranks filling 2 cores: 1.23-1.48 measured, above the async save's own).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import time
 
 from _common import ROOT, arguments, exit_code, median, within
 
+FLOOR_WRITE = "import os, sys; os.nice(19); f = open(sys.argv[1], 'wb'); f.write(bytearray(int(sys.argv[2]))); f.flush(); os.fsync(f.fileno())"
 SAVE_GOAL = 1.05
 STEP_GOAL = 1.1
 PLAN = ROOT / "plans" / "llama_tp.yaml"
@@ -101,8 +106,10 @@ def worker(args) -> None:
         return time.perf_counter() - start, time.thread_time() - cpu
 
     def all_done(handle) -> bool:
-        """Whether the save is done on every rank (rank 0's commits last): the ranks take as many steps."""
-        flag = torch.tensor([1 if handle.done() else 0])
+        """Whether the save (or the floor's writer process) is done on every rank (rank 0's commits
+        last): the ranks take as many steps."""
+        done = handle.done() if hasattr(handle, "done") else handle.poll() is not None
+        flag = torch.tensor([1 if done else 0])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
@@ -127,6 +134,16 @@ def worker(args) -> None:
         writer_cpu.append(spent)
         during += steps
         plain += after
+    # 3. The reference: the same steps while a process of its own at nice 19 writes as many bytes as this
+    # rank's share of a checkpoint (a plain buffer and an fsync: no serialization, no DCP)
+    share = sum(os.path.getsize(os.path.join(root, f"step-{warm + args.saves - 1}", f)) for f in
+                os.listdir(os.path.join(root, f"step-{warm + args.saves - 1}"))) // world
+    floor_steps, floor_plain = [], []
+    for _ in range(args.saves):
+        writer = subprocess.Popen([sys.executable, "-c", FLOOR_WRITE, os.path.join(where, f"floor-{rank}.bin"), str(share)])
+        while not all_done(writer):
+            floor_steps.append(step())
+        floor_plain += [step() for _ in range(args.every)]
     load.append(os.getloadavg()[0])
     dist.barrier()
     if rank == 0:
@@ -149,6 +166,11 @@ def worker(args) -> None:
             ok = ok and within(step_ratio, STEP_GOAL)
         else:
             print("  every async save finished before the next step began")
+        if floor_steps:
+            floor = median(walls(floor_steps)) / median(walls(floor_plain))
+            print(f"  reference: training step while a nice-19 process writes {share / 2**20:.0f} MiB (a rank's share, no serialization) "
+                  f"and fsyncs: median {median(walls(floor_steps)) * 1e3:.1f} ms ({len(floor_steps)} steps) vs {median(walls(floor_plain)) * 1e3:.1f} ms")
+            print(f"ratio step during that write / without: {floor:.3f}   (writing that much, by itself, on this machine)")
         code = exit_code(bool(os.environ.get("BENCH_CHECK")), ok)
         if code:
             raise SystemExit(code)
