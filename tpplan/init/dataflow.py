@@ -18,6 +18,7 @@ its features into (heads, head_dim)), whether an output reaches the model's outp
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -66,21 +67,8 @@ class Dataflow:
 
     def first_linears(self, node: int) -> set:
         """The Linears `node` reaches first (as their activation), through every op but a Linear."""
-        reached: set = set()
-        seen, frontier = {node}, [node]
-        while frontier:
-            current = frontier.pop()
-            for op in self.readers.get(current, ()):
-                hit = self.linear_of.get(id(op))
-                if hit is not None:
-                    if hit[1] == current:
-                        reached.add(hit[0])
-                    continue
-                for out in _written(op, self.bases):
-                    if out not in seen and self.needs_grad[out]:
-                        seen.add(out)
-                        frontier.append(out)
-        return reached
+        return {what for kind, what, _ in _reach([node], self.readers, self.linear_of, self.bases, self.needs_grad)
+                if kind == "linear"}
 
     def shared_input(self, fqns: list[str]) -> int | None:
         """The one tensor all of `fqns` (projections) take, when nothing else reads it."""
@@ -188,28 +176,41 @@ def _written(op: Op, bases: dict) -> list[int]:
     return out
 
 
-def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_nodes, trace, bases, stream) -> None:
-    seen = set(starts)
-    frontier = list(starts)
-    first = set(starts)
-    while frontier and len(proj.consumers) <= _MAX_CONSUMERS:
+def _reach(starts: list[int], readers, linear_of, bases, needs_grad) -> Iterator[tuple]:
+    """The walk from `starts` through every op but a Linear, following only tensors that
+    carry a gradient (not a top-k's indices or detached values) and in-place writes into
+    a view's base. Yields ("node", None, n) for each tensor as it is reached,
+    ("linear", fqn, n) when the Linear `fqn` takes n as its activation (its output is its
+    own: not followed), and ("op", op, n) for each other op that reads n."""
+    seen, frontier = set(starts), list(starts)
+    while frontier:
         node = frontier.pop()
-        if node in output_nodes:
-            proj.to_output = True
-        if node in stream and node not in first:
-            proj.to_stream = True
-        for op in consumers.get(node, ()):
+        yield "node", None, node
+        for op in readers.get(node, ()):
             hit = linear_of.get(id(op))
             if hit is not None:
                 if hit[1] == node:
-                    proj.consumers.add(hit[0])
-                continue  # the next Linear: its output is its own
-            if proj.heads is None and op.name in _RESHAPES and node in first:
-                proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in op.outputs])
+                    yield "linear", hit[0], node
+                continue
+            yield "op", op, node
             for out in _written(op, bases):
-                if out not in seen and trace.needs_grad[out]:  # not through indices (a top-k's) or detached values
+                if out not in seen and needs_grad[out]:
                     seen.add(out)
                     frontier.append(out)
+
+
+def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_nodes, trace, bases, stream) -> None:
+    first = set(starts)
+    for kind, what, node in _reach(starts, consumers, linear_of, bases, trace.needs_grad):
+        if kind == "node":
+            if len(proj.consumers) > _MAX_CONSUMERS:
+                break
+            proj.to_output |= node in output_nodes
+            proj.to_stream |= node in stream and node not in first
+        elif kind == "linear":
+            proj.consumers.add(what)
+        elif proj.heads is None and what.name in _RESHAPES and node in first:
+            proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in what.outputs])
 
 
 def _head_split(shape: tuple, outs: list) -> tuple | None:
