@@ -36,6 +36,7 @@ import secrets
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 STAGING = ".staging-"
@@ -158,20 +159,27 @@ def leftovers(target: str) -> list[Path]:
 
 
 def clean(target: str) -> Path | None:
-    """Tidy what earlier saves of `target` left: an old copy whose swap was cut short
-    (no `target`) goes back into place; one recyclable leftover (a spare first) is
-    returned for this save to reuse; the others are removed."""
+    """Tidy what earlier saves of `target` left (`tidy`): an old copy whose swap was cut
+    short goes back into place when there is no `target`."""
+    old = f".{Path(target).name}{OLD}"
+    return tidy(leftovers(target), lambda e: Path(target) if e.name.startswith(old) and not os.path.lexists(target) else None)
+
+
+def tidy(entries: list[Path], put_back: Callable[[Path], Path | None]) -> Path | None:
+    """Earlier saves' leftover directories (`entries`, in order): one whose swap was cut
+    short goes back where `put_back(entry)` says (None: not such a one); the first
+    recyclable one (a spare first) is returned for this save to reuse; the others are
+    removed."""
     spare = None
-    entries = sorted(leftovers(target), key=lambda e: SPARE not in e.name)
-    for entry in entries:
-        if entry.name.startswith(f".{Path(target).name}{OLD}") and not os.path.lexists(target):
-            os.rename(entry, target)
-            fsync_dir(str(Path(target).parent))
-            continue
-        if spare is None and recyclable(entry):
+    for entry in sorted(entries, key=lambda e: SPARE not in e.name):
+        home = put_back(entry)
+        if home is not None:
+            os.rename(entry, home)
+            fsync_dir(str(home.parent))
+        elif spare is None and recyclable(entry):
             spare = entry
-            continue
-        shutil.rmtree(entry, ignore_errors=True)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
     return spare
 
 

@@ -23,7 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .atomic import OLD, SPARE, STAGING, fsync_dir, recyclable, write_text
+from .atomic import OLD, SPARE, STAGING, recyclable, tidy, write_text
 from .complete import MANIFEST, STEP_DIR, manifest_problem
 from .errors import fail
 
@@ -105,23 +105,16 @@ def retain(root: str, newest: int, keep: int | None) -> list[int]:
 
 
 def clean_root(root: str) -> Path | None:
-    """What earlier saves left in the root: an old copy whose swap was cut short (its
-    step directory gone) put back; one recyclable leftover (the spare first)
-    returned for this save to reuse; the other staging, dropped and old
-    directories removed."""
-    spare = None
-    entries = sorted(Path(root).iterdir()) if os.path.isdir(root) else []
-    for entry in sorted(entries, key=lambda e: SPARE not in e.name):
-        name = entry.name
-        if not name.startswith(".step-") or not entry.is_dir():
-            continue
-        stem = name[1:].split(".", 1)[0]
-        if OLD in name and not (Path(root) / stem).exists() and (entry / MANIFEST).exists():
-            os.rename(entry, Path(root) / stem)
-            fsync_dir(root)
-        elif STAGING in name or OLD in name or _DROP in name or SPARE in name:
-            if spare is None and recyclable(entry):
-                spare = entry
-            else:
-                shutil.rmtree(entry, ignore_errors=True)
-    return spare
+    """What earlier saves left in the root (`atomic.tidy`): an old copy whose swap was cut
+    short (its step directory gone) put back; one recyclable leftover (the spare first)
+    returned for this save to reuse; the other staging, dropped and old directories removed."""
+    if not os.path.isdir(root):
+        return None
+    markers = (STAGING, OLD, _DROP, SPARE)
+    entries = sorted(e for e in Path(root).iterdir() if e.name.startswith(".step-") and e.is_dir() and any(m in e.name for m in markers))
+
+    def put_back(entry: Path) -> Path | None:
+        home = Path(root) / entry.name[1:].split(".", 1)[0]
+        return home if OLD in entry.name and not home.exists() and (entry / MANIFEST).exists() else None
+
+    return tidy(entries, put_back)
