@@ -4,10 +4,11 @@ process group) against the peak measured on real ranks for the same step.
     python bench/bench_memory_accuracy.py [--seq 1024] [--configs tp tp-sp fsdp-tp] [--device cpu|cuda] [--check]
 
 Model: tpplan.models.llama:bench_1024 (dim 1024, 4 layers, 16 heads / 8 KV
-heads, FFN 2816, vocab 32000), batch 1, fp32, AdamW, 4 ranks:
+heads, FFN 2816, vocab 32000), batch 1, fp32, AdamW, 4 ranks (`one`: 1):
   tp       plans/llama_tp.yaml at TP 4
   tp-sp    plans/llama_tp_sp.yaml at TP 4
   fsdp-tp  plans/llama_tp.yaml at TP 2 x FSDP2 2
+  one      plans/llama_tp.yaml on one rank (TP 1), for a machine with one GPU
 Measured: each config runs under `torchrun --nproc-per-node 4` (gloo on CPU);
 every rank builds the model on real tensors and runs the same
 `tpplan.runtime.memory.measure_training_step` with torch's MemTracker /
@@ -31,7 +32,8 @@ import _common
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "tpplan.models.llama:bench_1024"
-CONFIGS = {"tp": ("llama_tp.yaml", 4, 1), "tp-sp": ("llama_tp_sp.yaml", 4, 1), "fsdp-tp": ("llama_tp.yaml", 2, 2)}
+CONFIGS = {"tp": ("llama_tp.yaml", 4, 1), "tp-sp": ("llama_tp_sp.yaml", 4, 1), "fsdp-tp": ("llama_tp.yaml", 2, 2),
+           "one": ("llama_tp.yaml", 1, 1)}  # one rank: the allocator's figure on a machine with a single GPU
 GOAL = 0.10
 
 
@@ -94,7 +96,8 @@ def worker(config: str, seq: int, device_type: str) -> None:
 
 def measured(config: str, seq: int, device_type: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", __file__,
+    _, tp, dp = CONFIGS[config]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp * dp}", __file__,
                "--worker", config, "--seq", str(seq), "--device", device_type]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
@@ -106,7 +109,7 @@ def measured(config: str, seq: int, device_type: str) -> list[dict]:
 def main() -> int:
     parser = _common.arguments(__doc__, check="unless every predicted peak is within the goal (a tenth) of the measured one")
     parser.add_argument("--seq", type=int, default=1024)
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=["tp", "tp-sp", "fsdp-tp"], choices=list(CONFIGS))
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -115,7 +118,7 @@ def main() -> int:
         return 0
 
     mib = 2**20
-    print(f"{MODEL}, batch 1, seq {args.seq}, fp32, AdamW, 4 ranks ({args.device})")
+    print(f"{MODEL}, batch 1, seq {args.seq}, fp32, AdamW ({args.device})")
     header = f"{'config':9} {'predicted MiB':>14} {'measured MiB':>13} {'pred/meas':>10}"
     header += f" {'allocator MiB':>14} {'pred/alloc':>11}" if args.device == "cuda" else ""
     print(header)
