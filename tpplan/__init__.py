@@ -19,6 +19,7 @@ _EXPORTS = {
     "infer_plan": "init",
     "CheckpointError": "checkpoint.errors",
     "AsyncSave": "checkpoint.asyncsave",
+    "param_groups": "runtime.training",
     **dict.fromkeys(
         [
             "NoParallel",

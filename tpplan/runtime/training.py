@@ -68,11 +68,29 @@ def torch_dtype(name: str | None) -> "torch.dtype | None":
     return None if name is None else getattr(torch, DTYPES[name])
 
 
+def param_groups(model: "nn.Module") -> list[dict]:
+    """The model's trainable parameters as optimizer parameter groups: the DTensors
+    in one, the plain tensors (what no rule shards: a norm outside sequence
+    parallelism) in another.
+
+    torch's foreach and fused optimizers, the default on CUDA, update a group's
+    tensors of one device and dtype in one call, and DTensor refuses a call that
+    mixes DTensors with plain tensors ("got mixed torch.Tensor and DTensor"): a
+    plan that leaves any parameter whole fails at the first step on a GPU, and
+    only there (the CPU default is one tensor at a time). A group each keeps
+    those calls apart at the same speed."""
+    from torch.distributed.tensor import DTensor
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = [[p for p in trainable if isinstance(p, DTensor)], [p for p in trainable if not isinstance(p, DTensor)]]
+    return [{"params": params} for params in groups if params]
+
+
 def make_optimizer(name: str, model: "nn.Module", lr: float = LEARNING_RATE) -> "torch.optim.Optimizer | None":
     """AdamW, SGD, or None (`none`: forward and backward only)."""
     import torch
 
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = param_groups(model)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)
     if name == "sgd":

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from ..checkpoint.meta import meta_parameters
 from .report import CheckResult
+from .training import param_groups
 from .simulate import (
     allowed_diff,
     default_inputs,
@@ -251,7 +252,7 @@ def check_parity(
         replicas = differences(model, "after backward")
         if reference_steps:
             _one_copy_per_rank(model, tp)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=_STEP_LR)
+            optimizer = torch.optim.AdamW(param_groups(model), lr=_STEP_LR)
             for step, (want_outputs, want_grads) in enumerate(reference_steps, start=1):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
