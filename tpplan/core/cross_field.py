@@ -36,6 +36,7 @@ and tests/test_cross_field.py check the rest agrees):
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -335,8 +336,6 @@ def _merge(*schemas: dict) -> dict:
 
 def _container(annotation: Any) -> str | None:
     """'array' or 'object' for a (possibly optional, possibly Annotated) list or dict type."""
-    import typing
-
     while True:
         origin = typing.get_origin(annotation)
         if origin is typing.Annotated:

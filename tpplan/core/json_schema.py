@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from .external_styles import EXTERNAL_PATTERN, external_specs, like_names
-from .style_table import STYLE_NAMES, STYLE_SPECS, StyleSpec
+from .style_table import STYLE_NAMES, STYLE_SPECS
 
 LIKE_NAMES = like_names(STYLE_SPECS)
 
