@@ -4,7 +4,9 @@ Each spec class holds its options (pydantic fields, named and defaulted as
 torch's constructor) and a `semantics` class attribute, a `StyleSemantics`
 (style_model.py), that says what the style does, and methods for the facts
 that depend on the options or the module (`param_placements`, `needs_parent`,
-`declared_input`, ...). Everything else reads them and never branches on a
+`declared_input`, ...), and a `cross_field` tuple, the rules between its options
+as data (cross_field.py: the loader's TP105 checks and the JSON Schema's
+conditions are both read from it). Everything else reads them and never branches on a
 style's name (tests/test_style_table.py checks): `sharding.compile` (the torch
 class), `Plan.apply`, the lint's layout flow (`lint/flow.py`), facts
 (`lint/facts.py`) and rules (parameter placements, which modules a style applies
