@@ -24,6 +24,7 @@ from tpplan import hf_models, load_plan  # noqa: E402
 from tpplan.cli.app import app  # noqa: E402
 from tpplan.lint.checks import check_model  # noqa: E402
 from tpplan import PlanError  # noqa: E402
+from tpplan.core.placements import PlacementSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = "plans/hf/qwen3_moe_ep_sp.yaml"
@@ -114,5 +115,20 @@ def test_all_to_all_layouts_are_the_token_dim():
     with pytest.raises(PlanError) as raised:
         load_plan(text=text)
     (problem,) = raised.value.problems
-    assert (problem.code, problem.line, problem.column) == ("TP104", 3, 14)
-    assert "output_layouts must be shard(0)" in problem.message
+    assert (problem.code, problem.line, problem.column) == ("TP105", 3, 61)  # at the option, as every cross-field rule
+    assert problem.message == (
+        "rule 'a.experts': with dispatch all_to_all, 'output_layouts' must be shard(0) "
+        "(the token dim of the experts' [T, H] input), not replicate"
+    )
+
+
+def test_all_to_all_reports_both_layouts_and_takes_any_spelling_of_shard_0():
+    text = "version: 1\nrules:\n  e: {style: expert_parallel, dispatch: all_to_all, input_layouts: shard(1), output_layouts: replicate}\n"
+    with pytest.raises(PlanError) as raised:
+        load_plan(text=text)
+    line = text.splitlines()[2]
+    assert [(p.code, p.line, p.column) for p in raised.value.problems] == [
+        ("TP105", 3, line.index("input_layouts") + 1), ("TP105", 3, line.index("output_layouts") + 1),
+    ]
+    spelled = "version: 1\nrules:\n  e: {style: expert_parallel, dispatch: all_to_all, input_layouts: ' SHARD( -00 )', output_layouts: 'packed_shard(0, 1)'}\n"
+    assert load_plan(text=spelled).rules[0].spec.output_layouts == PlacementSpec("shard", 0)

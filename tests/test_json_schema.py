@@ -25,7 +25,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pydantic import ValidationError
+
 from tpplan import PlanError, load_plan
+from tpplan.core import cross_field
+from tpplan.core.cross_field import LIST_BOUND
 from tpplan.core.globs import GlobSyntaxError, compile_glob
 from tpplan.core.problems import PlanError as _PlanError
 from tpplan.core.schema import STYLE_SPECS
@@ -43,9 +47,10 @@ UNDECIDABLE = {
     "integral float": "an integer written as a float (1.0): JSON Schema's integer is a mathematical value, 1.0 is one",
     "extends": "a non-blank 'extends': reaching the parent plan and what it holds needs the file system",
     "glob": "glob syntax of a rule key (ranges in order, '**' whole, braces flat, ...): not a regular language worth a pattern",
-    "lengths": "two layout lists of different lengths: JSON Schema cannot compare two values",
-    "entries": "a null desired entry facing a given one: an entry-by-entry comparison of two lists",
-    "kwarg names": "two keyword-layout mappings with different names: a key-by-key comparison of two mappings",
+    # the cross-field rules' limits (tpplan/core/cross_field.py, which names them: `beyond_schema`)
+    "lengths": f"two layout lists of different lengths, both longer than {LIST_BOUND}: the schema enumerates the lengths up to it",
+    "entries": f"a null desired entry facing a given one at an index >= {LIST_BOUND}: the schema names each index below it",
+    "kwarg names": "two non-empty keyword-layout mappings with different names: a key-by-key comparison of two mappings",
 }
 
 
@@ -124,19 +129,13 @@ def undecidable(data) -> str | None:
             return "glob"
         style = value.get("style") if isinstance(value, dict) else None
         cls = STYLE_SPECS.get(style) if isinstance(style, str) else None
-        for given, desired, required in _pairs(cls) if cls is not None else ():
-            mine, theirs = value.get(given), value.get(desired)
-            if given not in value or desired not in value or (not required and (mine is None or theirs is None)):
-                continue
-            if isinstance(mine, dict) and isinstance(theirs, dict):
-                if mine and theirs and set(mine) != set(theirs):
-                    return "kwarg names"
-                continue
-            mine, theirs = _as_list(mine), _as_list(theirs)
-            if len(mine) != len(theirs):
-                return "lengths"
-            if required and any(m is not None and t is None for m, t in zip(mine, theirs)):
-                return "entries"
+        try:
+            spec = cls.model_validate(value) if cls is not None else None
+        except ValidationError:
+            continue  # an option's own type or value: the schema decides it
+        blind = cross_field.beyond_schema(spec, cls.cross_field_rules()) if spec is not None else None
+        if blind is not None:
+            return blind
     return None
 
 
@@ -306,18 +305,14 @@ def style_values(draw, name: str):
             strategy = st.sampled_from(kind.split(":", 1)[1].split(","))
         assert strategy is not None, f"no strategy for {cls.__name__}.{key}: {kind} (teach _kind the new type)"
         value[key] = draw(st.one_of(strategy, st.none()) if nullable else strategy)
-    if value.get("heads") is not None and value.get("output_layouts") is not None:
-        # colwise with heads hands on local head slices: no output layout but shard(-1)
-        value["output_layouts"] = draw(st.sampled_from(["shard(-1)", " Shard( -01 )"]))
-    if value.get("packed") is not None:
-        # packed blocks are split per rank already: no heads, no output layout
-        value.pop("heads", None)
-        value.pop("output_layouts", None)
-    if value.get("dispatch") == "all_to_all":
-        # tokens sharded: the experts take and give shard(0), the token dim
-        for key in ("input_layouts", "output_layouts"):
-            if value.get(key) is not None:
-                value[key] = draw(st.sampled_from(["shard(0)", " SHARD( -00 )"]))
+    # Options drawn alone may break a rule between them: drop the option each broken rule
+    # names (its declaration, cross_field.py; the paired lists above break none).
+    for _ in cls.cross_field_rules():
+        broken = cls.model_validate(value).cross_field_problems()
+        for path, message in broken:
+            assert not cls.model_fields[path[0]].is_required(), message
+            value.pop(path[0], None)
+    assert not cls.model_validate(value).cross_field_problems(), value
     return value if len(value) > 1 or not draw(st.booleans()) else name
 
 
@@ -444,6 +439,9 @@ def test_fuzzed_corpus_was_mostly_decidable_and_held_both_verdicts():
         "version: 1\nrules:\n  a: {style: prepare_module_input, input_layouts: null, desired_input_layouts: null}\n",
         "version: 1\nrules:\n  a: {style: prepare_module_input, input_kwarg_layouts: {}}\n",
         "version: 1\nrules:\n  a: {style: colwise, output_layouts: ' Shard( -1 ) '}\n",
+        # shard(-1) in any spelling, packed_shard(-1, 1) too, where a rule allows only it
+        "version: 1\nrules:\n  a: {style: colwise, heads: 2, output_layouts: 'packed_shard(-01, 1)'}\n",
+        "version: 1\nrules:\n  a: {style: expert_parallel, dispatch: all_to_all, output_layouts: ' SHARD(-00) '}\n",
         "version: 1\nextends: null\nrules: {}\n",
         "version: 1\nrules:\n  '': no_parallel\n",
     ],
@@ -459,6 +457,11 @@ def test_the_schema_accepts_what_tpplan_loads(validator, text):
         "version: 1\nrules:\n  a: null\n",  # a null rule only deletes an inherited one
         "version: 1\nrules:\n  a: {style: prepare_module_input, desired_input_layouts: replicate}\n",
         "version: 1\nrules:\n  a: {style: prepare_module_input, input_layouts: [shard(1)]}\n",
+        # lists up to cross_field.LIST_BOUND entries: lengths and entries compared
+        "version: 1\nrules:\n  a: {style: prepare_module_input, input_layouts: [replicate], desired_input_layouts: [replicate, replicate]}\n",
+        "version: 1\nrules:\n  a: {style: prepare_module_output, output_layouts: [shard(1)], desired_output_layouts: [null]}\n",
+        "version: 1\nrules:\n  a: {style: colwise, packed: 3, heads: 2}\n",
+        "version: 1\nrules:\n  a: {style: colwise, packed: 3, output_layouts: replicate}\n",
         "version: 1\nrules:\n  a: {style: prepare_module_input, input_kwarg_layouts: {m: shard(1)}, desired_input_kwarg_layouts: {}}\n",
         "version: 1\nrules:\n  a: {style: prepare_module_input, desired_input_kwarg_layouts: {}}\n",
         "version: 1\nrules:\n  a: {style: prepare_module_output, output_layouts: shard(0)}\n",
@@ -478,6 +481,10 @@ def test_the_schema_rejects_what_tpplan_rejects(validator, text):
     assert verdicts(validator, text) == (False, False, None)
 
 
+def _rule(value: str) -> str:
+    return f"version: 1\nrules:\n  a: {value}\n".replace("'", "").replace("None", "null")
+
+
 @pytest.mark.parametrize(
     "text, reason",
     [
@@ -485,8 +492,10 @@ def test_the_schema_rejects_what_tpplan_rejects(validator, text):
         ("version: 1\nrules:\n  1: colwise\n", "non-string key"),
         ("version: 1\nrules:\n  'x[': colwise\n", "glob"),
         ("version: 1\nextends: nowhere.yaml\nrules: {}\n", "extends"),
-        ("version: 1\nrules:\n  a: {style: prepare_module_input, input_layouts: [replicate], desired_input_layouts: [replicate, replicate]}\n", "lengths"),
-        ("version: 1\nrules:\n  a: {style: prepare_module_output, output_layouts: [shard(1)], desired_output_layouts: [null]}\n", "entries"),
+        (_rule(f"{{style: prepare_module_input, input_layouts: {['replicate'] * (LIST_BOUND + 1)}, "
+               f"desired_input_layouts: {['replicate'] * (LIST_BOUND + 2)}}}"), "lengths"),
+        (_rule(f"{{style: prepare_module_output, output_layouts: {['shard(1)'] * (LIST_BOUND + 1)}, "
+               f"desired_output_layouts: {['replicate'] * LIST_BOUND + [None]}}}"), "entries"),
         ("version: 1\nrules:\n  a: {style: prepare_module_input, input_kwarg_layouts: {m: shard(1)}, desired_input_kwarg_layouts: {n: replicate}}\n", "kwarg names"),
     ],
 )

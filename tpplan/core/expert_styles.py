@@ -12,8 +12,9 @@ field's annotation string at start-up.
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
+from .cross_field import Allowed, Equals
 from .placements import PlacementSpec
 from .problems import StyleInputError
 from .style_model import (
@@ -215,6 +216,11 @@ class ExpertParallelSpec(_ExpertOptions):
     semantics = StyleSemantics(
         torch_class="tpplan.sharding.expert_parallel:AllReduceExpertParallel", experts="whole", **_EXPERT_SEMANTICS
     )
+    cross_field = tuple(
+        Allowed(name, (_SHARD0,), Equals("dispatch", "all_to_all"),
+                "with {when}, '{field}' must be shard(0) (the token dim of the experts' [T, H] input), not {value}")
+        for name in ("input_layouts", "output_layouts")
+    )
 
     def torch_class(self) -> str:
         # one class per dispatch (tpplan/sharding/expert_parallel.py)
@@ -230,15 +236,6 @@ class ExpertParallelSpec(_ExpertOptions):
     def param_placements(self, module):
         _experts_only(module, self.style)
         return {name: _SHARD0 for name in _own_parameters(module)}
-
-    @model_validator(mode="after")
-    def _token_shard_layouts(self):
-        if self.dispatch == "all_to_all":
-            for name in ("input_layouts", "output_layouts"):
-                layout = getattr(self, name)
-                if layout is not None and layout != _SHARD0:
-                    raise ValueError(f"with dispatch all_to_all, {name} must be shard(0) (the token dim of the experts' [T, H] input), not {layout}")
-        return self
 
     def declared_input(self):
         if self.dispatch == "all_to_all" and self.input_layouts is None:

@@ -36,6 +36,27 @@ PATTERN = (
     rf"|{_anycase('partial')}(\({_SPACE}*({'|'.join(map(_anycase, REDUCE_OPS))}){_SPACE}*\))?){_SPACE}*$"
 )
 
+def _number(value: int) -> str:
+    """Any spelling of the integer `value` the grammar reads: leading zeros, -0."""
+    if value == 0:
+        return "-?0+"
+    return f"{'-' if value < 0 else ''}0*{abs(value)}"
+
+
+def placement_pattern(placement: PlacementSpec) -> str:
+    """A JSON Schema regex for every spelling `parse_placement` reads as `placement`
+    (any case, blanks, leading zeros; a shard also as packed_shard(D, 1))."""
+    body = {"replicate": _anycase("replicate")}.get(placement.kind)
+    if placement.kind == "shard":
+        dim = rf"{_SPACE}*{_number(placement.dim)}{_SPACE}*"
+        packed = rf"{_anycase('packed_shard')}\({dim},{_SPACE}*{_number(placement.blocks)}{_SPACE}*\)"
+        body = packed if placement.blocks > 1 else rf"{_anycase('shard')}\({dim}\)|{packed}"
+    elif placement.kind == "partial":
+        op = rf"\({_SPACE}*{_anycase(placement.reduce_op)}{_SPACE}*\)"
+        body = _anycase("partial") + (f"({op})?" if placement.reduce_op == "sum" else op)
+    return rf"^{_SPACE}*({body}){_SPACE}*$"
+
+
 _SHARD = re.compile(rf"shard\({_SPACE}*(-?[0-9]+){_SPACE}*\)")
 _PACKED = re.compile(rf"packed_shard\({_SPACE}*(-?[0-9]+){_SPACE}*,{_SPACE}*([0-9]+){_SPACE}*\)")
 _PARTIAL = re.compile(rf"partial(?:\({_SPACE}*([a-z0-9_]+){_SPACE}*\))?")

@@ -44,8 +44,9 @@ The fields of `StyleSemantics`:
   the module and judges none of its inputs or outputs.
 
 Option names and defaults are those of torch's style constructors; the
-constructors' cross-field asserts are `cross_field_problems()`, reported at the
-offending key like any other schema error. No `from __future__ import annotations`
+constructors' cross-field asserts (and tpplan's own, between its options) are
+each spec's `cross_field` rules (cross_field.py), reported at the offending key
+like any other schema error and stated in the JSON Schema from the same data. No `from __future__ import annotations`
 here: pydantic would compile every field's annotation string at start-up.
 """
 
@@ -63,6 +64,8 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from .cross_field import Fills, Requires, Rule, SameKeys, SameLength
+from .cross_field import problems as broken_rules
 from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
 
 PLACEMENT_SCHEMA = {"type": "string", "pattern": PATTERN, "description": f"A placement: {GRAMMAR} (a parameter's also {PACKED_GRAMMAR})."}
@@ -153,6 +156,9 @@ class _Strict(BaseModel):
 class StyleSpec(_Strict):
     style: str
     semantics: ClassVar[StyleSemantics]
+    # The constructor's cross-field rules, as data (cross_field.py): the loader's TP105
+    # problems and the JSON Schema's conditions are both read from it.
+    cross_field: ClassVar[tuple[Rule, ...]] = ()
 
     def declared_input(self) -> "tuple[PlacementSpec | None, bool] | None":
         """For a style that runs the module: the layout it declares a plain first
@@ -174,9 +180,14 @@ class StyleSpec(_Strict):
         sizes of the blocks of the output's `size` features; None for a plain shard."""
         return None
 
+    @classmethod
+    def cross_field_rules(cls) -> tuple[Rule, ...]:
+        """The style's cross-field rules: those of its option groups first, then its own."""
+        return tuple(rule for klass in reversed(cls.__mro__) for rule in vars(klass).get("cross_field", ()))
+
     def cross_field_problems(self) -> list[tuple[tuple, str]]:
-        """(path within the rule, message) for each constructor rule this spec breaks."""
-        return []
+        """(path within the rule, message) for each cross-field rule this spec breaks."""
+        return broken_rules(self, self.cross_field_rules())
 
     def param_placements(self, module: Any) -> "dict[str, PlacementSpec] | None":
         """For a style whose placements depend on the module and the options: the
@@ -227,60 +238,26 @@ class _InputOptions(StyleSpec):
         option use_local_output on PrepareModuleInput, use_local_input on the other)."""
         return self.use_local_output
 
-    def cross_field_problems(self) -> list[tuple[tuple, str]]:
-        return [
-            *super().cross_field_problems(),
-            *_paired_lists(self, "input_layouts", "desired_input_layouts", desired_required=False),
-            *_paired_kwargs(self),
-        ]
+    cross_field = (
+        Requires("desired_input_layouts", "input_layouts",
+                 "'{a}' has no effect without '{b}': add '{b}' (the layouts the arguments arrive in)"),
+        Requires("input_layouts", "desired_input_layouts", "'{a}' needs '{b}' (one entry per entry of '{a}')"),
+        SameLength("input_layouts", "desired_input_layouts", "'{b}' has {len_b} entries but '{a}' has {len_a}: give one per argument"),
+        Requires("desired_input_kwarg_layouts", "input_kwarg_layouts", "'{a}' has no effect without '{b}'"),
+        SameKeys("input_kwarg_layouts", "desired_input_kwarg_layouts"),
+    )
 
 
 class _OutputOptions(StyleSpec):
     output_layouts: LayoutList
     desired_output_layouts: LayoutList
 
-    def cross_field_problems(self) -> list[tuple[tuple, str]]:
-        return [
-            *super().cross_field_problems(),
-            *_paired_lists(self, "output_layouts", "desired_output_layouts", desired_required=True),
-        ]
-
-
-def _paired_lists(spec: StyleSpec, given: str, desired: str, *, desired_required: bool):
-    layouts, wanted = getattr(spec, given), getattr(spec, desired)
-    if layouts is None and wanted is not None:
-        return [((desired,), f"'{desired}' has no effect without '{given}': add '{given}' (the layouts the arguments arrive in)")]
-    if layouts is None:
-        return []
-    if wanted is None:
-        return [((given,), f"'{given}' needs '{desired}' (one entry per entry of '{given}')")]
-    if len(layouts) != len(wanted):
-        return [((desired,), f"'{desired}' has {len(wanted)} entries but '{given}' has {len(layouts)}: give one per argument")]
-    if desired_required:
-        return [
-            ((desired, i), f"'{desired}' entry {i} is null but '{given}' entry {i} is {layout}: give the layout to redistribute to")
-            for i, (layout, target) in enumerate(zip(layouts, wanted))
-            if layout is not None and target is None
-        ]
-    return []
-
-
-def _paired_kwargs(spec: _InputOptions):
-    given, wanted = spec.input_kwarg_layouts, spec.desired_input_kwarg_layouts
-    if given is None and wanted is not None:
-        return [(("desired_input_kwarg_layouts",), "'desired_input_kwarg_layouts' has no effect without 'input_kwarg_layouts'")]
-    if given is None:
-        return []
-    wanted = wanted or {}
-    return [
-        (("input_kwarg_layouts", name), f"keyword argument {name!r} has a layout but no desired layout in 'desired_input_kwarg_layouts'")
-        for name in given
-        if name not in wanted
-    ] + [
-        (("desired_input_kwarg_layouts", name), f"keyword argument {name!r} has a desired layout but no layout in 'input_kwarg_layouts'")
-        for name in wanted
-        if name not in given
-    ]
+    # both required: given, as a list of one null when written as null
+    cross_field = (
+        SameLength("output_layouts", "desired_output_layouts", "'{b}' has {len_b} entries but '{a}' has {len_a}: give one per argument"),
+        Fills("output_layouts", "desired_output_layouts",
+              "'{b}' entry {i} is null but '{a}' entry {i} is {layout}: give the layout to redistribute to"),
+    )
 
 
 _TORCH_TP = "torch.distributed.tensor.parallel"

@@ -4,7 +4,9 @@ Each spec class holds its options (pydantic fields, named and defaulted as
 torch's constructor) and a `semantics` class attribute, a `StyleSemantics`
 (style_model.py), that says what the style does, and methods for the facts
 that depend on the options or the module (`param_placements`, `needs_parent`,
-`declared_input`, ...). Everything else reads them and never branches on a
+`declared_input`, ...), and a `cross_field` tuple, the rules between its options
+as data (cross_field.py: the loader's TP105 checks and the JSON Schema's
+conditions are both read from it). Everything else reads them and never branches on a
 style's name (tests/test_style_table.py checks): `sharding.compile` (the torch
 class), `Plan.apply`, the lint's layout flow (`lint/flow.py`), facts
 (`lint/facts.py`) and rules (parameter placements, which modules a style applies
@@ -37,6 +39,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
+from .cross_field import Allowed, Excludes, Given
 from .placements import PlacementSpec, parse_placement
 from .style_model import (
     _LAST_DIM,
@@ -87,6 +90,14 @@ class ColwiseSpec(_LinearOptions):
         input_option="input_layouts",
         feature_sharded_output=True,
     )
+    cross_field = (
+        Allowed("output_layouts", (_LAST_DIM,), Given("heads"),
+                "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"),
+        Excludes("packed", "heads",
+                 "colwise takes 'packed' or 'heads', not both: a packed projection's blocks are split per rank already"),
+        Excludes("packed", "output_layouts",
+                 "colwise with 'packed' hands on each rank's slice of every block: drop output_layouts", at="output_layouts"),
+    )
 
     def declared_input(self):
         return (self.input_layouts, False) if self.input_layouts is not None else (_REPLICATE, True)
@@ -121,16 +132,6 @@ class ColwiseSpec(_LinearOptions):
 
     def needs_parent(self) -> bool:
         return self.heads is not None  # the attention module's KV-group count becomes the local ratio
-
-    def cross_field_problems(self) -> list[tuple[tuple, str]]:
-        problems = super().cross_field_problems()
-        if self.heads is not None and self.output_layouts is not None and self.output_layouts != _LAST_DIM:
-            problems.append((("output_layouts",), "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"))
-        if self.packed is not None and self.heads is not None:
-            problems.append((("packed",), "colwise takes 'packed' or 'heads', not both: a packed projection's blocks are split per rank already"))
-        if self.packed is not None and self.output_layouts is not None:
-            problems.append((("output_layouts",), "colwise with 'packed' hands on each rank's slice of every block: drop output_layouts"))
-        return problems
 
 
 class RowwiseSpec(_LinearOptions):

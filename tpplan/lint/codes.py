@@ -52,9 +52,14 @@ _PLAN_CODES = {
         negative), `partial` or `partial(sum|avg|max|min)`.
     """),
     "TP105": ("cross-field", """
-        A rule's options contradict each other as torch's constructors would
-        assert at run time: `input_layouts` without `desired_input_layouts`,
-        lists of different lengths, a keyword layout without its desired layout.
+        A rule's options contradict each other, as torch's constructors would
+        assert at run time (`input_layouts` without `desired_input_layouts`,
+        lists of different lengths, a keyword layout without its desired layout)
+        or as tpplan's styles declare (colwise `packed` with `heads` or
+        `output_layouts`, colwise `heads` with an output layout other than
+        shard(-1), expert_parallel `dispatch: all_to_all` with a layout other
+        than shard(0)). Reported at the offending option; the JSON Schema states
+        the same rules (both read each style's one declaration).
     """),
     "TP106": ("plan-version", "The plan's `version` is not 1, the only version this tpplan reads."),
     "TP107": ("extends-target", """
