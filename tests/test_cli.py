@@ -373,6 +373,17 @@ def test_a_factory_that_returns_no_module_is_an_error(workdir, factories):
     assert "TP500 --model cli_test_factories:not_a_module returned a dict, not a torch.nn.Module" in result.stdout
 
 
+@pytest.mark.parametrize("factory", ["broken", "not_a_module"])
+def test_no_plan_is_reported_ok_when_the_model_it_was_to_be_checked_against_did_not_build(workdir, factories, factory):
+    plans = workdir("plan.yaml", GOOD), workdir("other.yaml", GOOD)
+    result = run("validate", *plans, "--model", f"cli_test_factories:{factory}")
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if ": ok" in line] == []
+    assert lines[0].startswith(f"{factories}:") and " TP500 " in lines[0]
+    assert lines[-1] == "1 error in 1 file"
+
+
 @pytest.mark.parametrize(
     "ref, message",
     [
