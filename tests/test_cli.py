@@ -119,7 +119,7 @@ def test_a_caret_past_the_end_of_its_line_still_points_at_the_column():
 def test_a_yaml_syntax_error_is_a_located_problem_not_a_traceback(workdir):
     result = run("validate", workdir("plan.yaml", "version: 1\nrules: [a\n"))
     assert result.exit_code == 1
-    assert result.stdout.startswith("plan.yaml:3:1: TP010 YAML syntax error")
+    assert result.stdout.startswith("plan.yaml:2:8: TP010 YAML syntax error: this '[' is never closed")
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
