@@ -314,6 +314,10 @@ def broken():
 
 def not_a_module():
     return {"blocks": []}
+
+
+def a_number():
+    return 3
 '''
 BROKEN_LINE = FACTORIES.splitlines().index("    raise ValueError(\"no such config: 'huge'\")") + 1
 
@@ -367,10 +371,11 @@ def test_a_factory_that_raises_is_reported_at_the_raising_line(workdir, factorie
     assert "Traceback" not in result.output
 
 
-def test_a_factory_that_returns_no_module_is_an_error(workdir, factories):
-    result = run("validate", workdir("plan.yaml", GOOD), "--model", "cli_test_factories:not_a_module")
+@pytest.mark.parametrize("factory, returned", [("not_a_module", "a dict"), ("a_number", "an int")])
+def test_a_factory_that_returns_no_module_is_an_error(workdir, factories, factory, returned):
+    result = run("validate", workdir("plan.yaml", GOOD), "--model", f"cli_test_factories:{factory}")
     assert result.exit_code == 1  # tpplan.runtime.modelref: a factory that runs is a model problem (TP500)
-    assert "TP500 --model cli_test_factories:not_a_module returned a dict, not a torch.nn.Module" in result.stdout
+    assert f"TP500 --model cli_test_factories:{factory} returned {returned}, not a torch.nn.Module" in result.stdout
 
 
 @pytest.mark.parametrize("factory", ["broken", "not_a_module"])
