@@ -119,7 +119,7 @@ def test_a_caret_past_the_end_of_its_line_still_points_at_the_column():
 def test_a_yaml_syntax_error_is_a_located_problem_not_a_traceback(workdir):
     result = run("validate", workdir("plan.yaml", "version: 1\nrules: [a\n"))
     assert result.exit_code == 1
-    assert result.stdout.startswith("plan.yaml:3:1: TP010 YAML syntax error")
+    assert result.stdout.startswith("plan.yaml:2:8: TP010 YAML syntax error: this '[' is never closed")
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 
@@ -314,6 +314,10 @@ def broken():
 
 def not_a_module():
     return {"blocks": []}
+
+
+def a_number():
+    return 3
 '''
 BROKEN_LINE = FACTORIES.splitlines().index("    raise ValueError(\"no such config: 'huge'\")") + 1
 
@@ -367,10 +371,22 @@ def test_a_factory_that_raises_is_reported_at_the_raising_line(workdir, factorie
     assert "Traceback" not in result.output
 
 
-def test_a_factory_that_returns_no_module_is_an_error(workdir, factories):
-    result = run("validate", workdir("plan.yaml", GOOD), "--model", "cli_test_factories:not_a_module")
+@pytest.mark.parametrize("factory, returned", [("not_a_module", "a dict"), ("a_number", "an int")])
+def test_a_factory_that_returns_no_module_is_an_error(workdir, factories, factory, returned):
+    result = run("validate", workdir("plan.yaml", GOOD), "--model", f"cli_test_factories:{factory}")
     assert result.exit_code == 1  # tpplan.runtime.modelref: a factory that runs is a model problem (TP500)
-    assert "TP500 --model cli_test_factories:not_a_module returned a dict, not a torch.nn.Module" in result.stdout
+    assert f"TP500 --model cli_test_factories:{factory} returned {returned}, not a torch.nn.Module" in result.stdout
+
+
+@pytest.mark.parametrize("factory", ["broken", "not_a_module"])
+def test_no_plan_is_reported_ok_when_the_model_it_was_to_be_checked_against_did_not_build(workdir, factories, factory):
+    plans = workdir("plan.yaml", GOOD), workdir("other.yaml", GOOD)
+    result = run("validate", *plans, "--model", f"cli_test_factories:{factory}")
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if ": ok" in line] == []
+    assert lines[0].startswith(f"{factories}:") and " TP500 " in lines[0]
+    assert lines[-1] == "1 error in 1 file"
 
 
 @pytest.mark.parametrize(

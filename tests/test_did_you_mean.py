@@ -90,5 +90,31 @@ def test_the_tables_agree_with_what_import_hf_does():
     assert set(UNSOUND_STYLES) == set(TRANSFORMERS_WITHOUT_EQUIVALENT)
 
 
+@pytest.mark.parametrize(
+    "word, ours",
+    [
+        ("column_parallel", "colwise"),  # difflib found 'no_parallel' closest
+        ("column", "colwise"),  # difflib found nothing
+        ("col_parallel", "colwise"),
+        ("ColumnParallelLinear", "colwise"),  # Megatron's class
+        ("row", "rowwise"),
+        ("row_parallel", "rowwise"),  # difflib found 'no_parallel' closest
+        ("RowParallelLinear", "rowwise"),
+        ("replicated", "no_parallel"),  # difflib found nothing
+        ("Replicate", "no_parallel"),  # torch's placement class
+    ],
+)
+def test_other_words_for_a_style_suggest_it(plan_error, word, ours):
+    problem = problem_of(plan_error, word)
+    assert (problem.code, problem.line, problem.column) == ("TP103", 3, 6)
+    assert problem.message == f"unknown style '{word}' in rule 'a'; did you mean '{ours}'?" + STYLES
+
+
+def test_the_exact_names_of_other_tools_come_before_the_synonyms(plan_error):
+    # 'col*' and 'replicate' would match these; their own answers are more exact
+    assert "write {style: colwise, output_layouts: replicate}" in problem_of(plan_error, "colwise_rep").message
+    assert "'replicate' is transformers' style for full parameters" in problem_of(plan_error, "replicate").message
+
+
 def test_a_typo_still_gets_the_closest_style(plan_error):
     assert "; did you mean 'rowwise'? (styles:" in problem_of(plan_error, "rowwize").message

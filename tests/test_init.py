@@ -134,6 +134,7 @@ def test_from_applies_the_fixes_the_lint_is_sure_of(tmp_path):
     assert rules["blocks.*.mlp.gate_up"] == {"style": "colwise", "packed": 2}
     assert rules["blocks.*.attn.proj"] == "rowwise"  # the user's rules stay as written
     assert "TP326 blocks.*.attn.qkv" in out.read_text()
+    assert "nothing could be sharded" not in result.output  # the report's word on the fixed plan, not on inferred groups
     check_written(out, model, 2)
 
 

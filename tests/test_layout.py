@@ -131,7 +131,8 @@ def test_core_and_cli_modules_import_without_torch():
 
 
 
-# Which layers each layer may import (README, "How the code is laid out").
+# Which layers each layer may import (docs/layout.md's table, which
+# test_the_layout_table_says_what_this_test_checks holds to this).
 # cli/, docs.py and __main__ sit on top and may import anything.
 MAY_IMPORT = {
     "core": {"core"},
@@ -165,6 +166,26 @@ def test_each_layer_imports_only_the_layers_below_it():
     )
     assert crossings == []
     assert set(MAY_IMPORT) >= {_layer(m) for m in module_names() if _layer(m) not in ("cli", "docs", "__main__", "__init__", "tpplan")}
+
+
+def _layout_table() -> dict[str, set[str]]:
+    """docs/layout.md's "may import" column: {layer: the layers it names in backticks}."""
+    import re
+
+    table = {}
+    for row in (PACKAGE.parent / "docs" / "layout.md").read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
+        if not row.startswith("| `tpplan/") or len(cells) != 3:
+            continue
+        named = set(re.findall(r"`([a-z_]+)`", cells[2]))
+        for folder in re.findall(r"`tpplan/([a-z_]+)(?:/|\.py)`", cells[0]):
+            if folder in MAY_IMPORT:
+                table[folder] = named & set(MAY_IMPORT)
+    return table
+
+
+def test_the_layout_table_says_what_this_test_checks():
+    assert _layout_table() == MAY_IMPORT
 
 
 def test_no_module_is_over_about_400_lines():

@@ -136,12 +136,28 @@ def test_plan_root_must_be_a_mapping(plan_error, text, kind, line, column):
 @pytest.mark.parametrize(
     "text, line, column, phrase",
     [
-        # a mis-indented key: the ':' after 'b' is where YAML gives up
+        # a key indented deeper than its sibling: read as the text 'colwise b', its ':' is the mistake
         ("version: 1\nrules:\n  a: colwise\n   b: rowwise\n", 4, 5, "mapping values are not allowed here"),
-        # an unclosed flow list runs to the end of the text
-        ("version: 1\nrules:\n  a: [colwise\n", 4, 1, "expected ',' or ']'"),
-        ("version: 1\nrules:\n\ta: colwise\n", 3, 1, "'\\t' that cannot start any token"),
-        ("version: 1\nrules:\n  a: 'colwise\n", 4, 1, "unexpected end of stream"),
+        # a key indented less than its sibling: the key itself
+        ("version: 1\nrules:\n  a: colwise\n b: rowwise\n", 4, 2, "expected <block end>"),
+        # a key without its ':' is joined with the next line: the key, not the next line's ':'
+        ("version: 1\nrules:\n  a colwise\n  b: rowwise\n", 3, 3, "'a colwise' has no ':' after its key"),
+        # ... and the last key of a block: not the line after it
+        ("version: 1\nrules:\n  a: colwise\n  b rowwise\nname: x\n", 4, 3, "could not find expected ':' (at 5:1)"),
+        # an unclosed '{' or '[': its opening, not the next line or the end of the file
+        ("version: 1\nrules: {a: colwise, b: rowwise\nname: x\n", 2, 8, "this '{' is never closed: expected ',' or '}', but got ':' at 3:5"),
+        ("version: 1\nrules:\n  a: {style: colwise\n  b: rowwise\n", 3, 6, "this '{' is never closed"),
+        ("version: 1\nrules: {a: colwise\n", 2, 8, "this '{' is never closed: expected ',' or '}', but got '<stream end>' at 3:1"),
+        ("version: 1\nrules:\n  a: [colwise\n", 3, 6, "this '[' is never closed"),
+        ("version: 1\nrules: [a\nname: x\n", 2, 8, "this '[' is never closed"),
+        # a mapping written over lines with a ',' missing: the end of the line that lacks it
+        ("version: 1\nrules: {\n  a: colwise\n  b: rowwise\n}\n", 3, 13, "a ',' missing here, or the '{' at 2:8 not closed"),
+        # a ',' missing inside one line: where the parser stopped is the place
+        ("version: 1\nrules: {a: colwise b: rowwise}\n", 2, 21, "expected ',' or '}'"),
+        ("version: 1\nrules:\n\ta: colwise\n", 3, 1, "YAML indents with spaces"),
+        ("version: 1\nrules:\n  a: colwise\n\tb: rowwise\n", 4, 1, "'\\t' that cannot start any token"),
+        # an unclosed quote: the opening quote, not the end of the file
+        ("version: 1\nrules:\n  a: 'colwise\n", 3, 6, "this quoted string is never closed"),
         ("version: 1\nname: \"x\x07\"\nrules: {}\n", 2, 9, "unacceptable character #x0007"),
         ("version: 1\nrules: {}\n---\nversion: 1\n", 3, 1, "expected a single document"),
     ],

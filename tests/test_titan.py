@@ -2,7 +2,7 @@
 own parallelize functions (plans/titan/): the lint is clean, the dry run's
 collectives equal those of torchtitan's function applied to the same model in
 the same simulated world, and --check passes. torchtitan is a development
-dependency only (README, development); without it these tests skip.
+dependency only (docs/development.md); without it these tests skip.
 
 The MoE plans (llama4, deepseek_v3_moe) shard the routed experts (expert_tp on
 GroupedExperts) and the shared experts as torchtitan's apply_moe_ep_tp does with a
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 if importlib.util.find_spec("torchtitan") is None:  # torchtitan itself needs triton: tpplan.titan_models imports it without
-    pytest.skip("torchtitan is not installed (pip install --no-deps torchtitan==0.2.2, README)", allow_module_level=True)
+    pytest.skip("torchtitan is not installed (pip install --no-deps torchtitan==0.2.2, docs/development.md)", allow_module_level=True)
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

@@ -2,8 +2,8 @@
 the plans in plans/titan/ and the tests that compare them with torchtitan's own
 parallelize functions.
 
-Needs `torchtitan==0.2.2` (not a dependency of tpplan: see the README's
-development section). Its model modules import the training stack but only one
+Needs `torchtitan==0.2.2` (not a dependency of tpplan: see
+docs/development.md). Its model modules import the training stack but only one
 CUDA-only piece: `torchtitan.models.moe.kernels` imports triton for expert
 parallelism's token permutation. `titan()` puts a module without triton in its
 place, whose functions raise, so the models import on CPU; nothing here calls them.

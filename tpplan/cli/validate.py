@@ -127,6 +127,8 @@ def _check_against_model(
     try:
         built = build_model(ref, "meta", factory)
     except PlanError as exc:
+        for entry, _ in loaded:
+            entry.checked = False
         return exc.problems
     problems: list[Problem] = []
     for entry, plan in loaded:

@@ -79,6 +79,18 @@ TRANSFORMERS_NO_RULE = {
 }
 
 
+# Other words for a style, as people write them (Megatron's ColumnParallelLinear and
+# RowParallelLinear, torch's Replicate placement): the name normalised (lower case,
+# no '_' or '-'; `*` any ending) -> the style. Looked up after the exact names above,
+# so `colwise_rep` and transformers' `replicate` keep their own answers.
+SYNONYMS = {
+    "col*": "colwise",  # column, column_parallel, col_parallel, ColumnParallelLinear
+    "row*": "rowwise",  # row, row_parallel, RowParallelLinear
+    "replicate": "no_parallel",  # Replicate
+    "replicated": "no_parallel",
+}
+
+
 def flow(value: Any) -> str:
     """A rule value as YAML flow text: `colwise`, `{style: colwise, output_layouts: replicate}`."""
     if isinstance(value, dict):
@@ -113,4 +125,15 @@ def suggestion(style: str) -> str | None:
         return f"'{style}' is transformers' style for {TRANSFORMERS_NO_RULE[style]}"
     if style in TRANSFORMERS_WITHOUT_EQUIVALENT:
         return f"'{style}' is a transformers style with no tpplan equivalent: {TRANSFORMERS_WITHOUT_EQUIVALENT[style]}"
+    synonym = synonym_of(style)
+    if synonym is not None:
+        return f"did you mean '{synonym}'?"
     return None
+
+
+def synonym_of(word: str) -> str | None:
+    """The style `word` is another name for (SYNONYMS), or None."""
+    from fnmatch import fnmatchcase  # error path only
+
+    normal = _normal(word)
+    return next((style for pattern, style in SYNONYMS.items() if fnmatchcase(normal, pattern)), None)

@@ -16,6 +16,7 @@ import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from .problems import PlanError, Problem, error
+from .yamlerrors import syntax_error
 
 Path = tuple  # of str keys and int indices, as pydantic error locations
 
@@ -174,9 +175,7 @@ def parse_yaml(text: str, file: str) -> tuple[Any, SourceMap]:
         builder = _Builder(loader, source)
         data = builder.build(node, ())
     except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
-        what = " ".join(s for s in (exc.context, exc.problem) if s)
+        line, col, what = syntax_error(exc, text)
         raise PlanError([error("TP010", f"YAML syntax error: {what}", file, line, col)]) from None
     except yaml.YAMLError as exc:  # e.g. ReaderError: control characters in the text
         line, col = _reader_position(exc, text)

@@ -64,7 +64,7 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
     fixed = "\n".join(lines) + "\n" + _with_rules(data, rules)
     target = Target(model, ref, factory, inputs, check=values_allowed(model))
     results, failure = dry_runs(target, load_plan(text=fixed, file=output or "<fixed>"), degrees, lambda text: None)
-    proven = Proven([], degrees, {}, applied, [], results)
+    proven = Proven([], degrees, {key: (value, None) for key, value in rules.items()}, applied, [], results)
     inferred = Inferred(fixed, proven, [], target.check, ok=failure is None)
     if failure is not None:
         degree, problem = failure

@@ -21,7 +21,13 @@ _PLAN_CODES = {
         binary file, or is not UTF-8 text. `validate` exits 2 (unreadable input)
         rather than 1.
     """),
-    "TP010": ("yaml-syntax", "The plan is not valid YAML; the position is where the parser stopped."),
+    "TP010": ("yaml-syntax", """
+        The plan is not valid YAML. The position is the mistake's, which is not
+        always where the parser stopped (the message says where it did): an
+        unclosed `{`, `[` or quote at its opening, a key written without its
+        ':' at that key, a ',' missing at the end of a line inside `{...}` or
+        `[...]` at that line's end.
+    """),
     "TP011": ("duplicate-key", """
         A mapping has the same key twice. PyYAML would silently keep the last one,
         so a rule written twice loses its first version without a word: merge or

@@ -28,6 +28,7 @@ class CheckedPlan:
     rules: int | None = None  # None: the plan did not load
     model: str | None = None  # MOD:FN it was checked against
     tp_sizes: list[int] = field(default_factory=list)
+    checked: bool = True  # False: a check asked for could not run (the --model did not build)
 
 
 @dataclass
@@ -134,7 +135,9 @@ def text_lines(outcome: Outcome) -> list[Line]:
     for name, problems in groups.items():
         if not problems:
             plan = plans[name]
-            if plan.rules is not None:
+            # "ok" only for a plan that loaded and got every check asked for: a plan the
+            # model could not be built for is not ok, whatever it holds (its error is elsewhere).
+            if plan.rules is not None and plan.checked:
                 lines.append([(f"{name}: ", ""), ("ok", "bold green"), (f", {_ok_detail(plan)}", "")])
             continue
         gutter = len(str(max(p.line for p in problems)))

@@ -122,7 +122,9 @@ def build_model(
     except Exception as exc:  # the user's factory: report where it raised, not a traceback
         raise model_failure(ref, "building the model", exc) from None
     if not isinstance(model, nn.Module):
-        raise PlanError([error("TP500", f"--model {ref} returned a {type(model).__name__}, not a torch.nn.Module", *_definition(factory, ref))])
+        kind = type(model).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise PlanError([error("TP500", f"--model {ref} returned {article} {kind}, not a torch.nn.Module", *_definition(factory, ref))])
     return model
 
 
