@@ -3,7 +3,8 @@ at TP 2 (tests/ckpt_matrix_worker.py) a tiny HF Llama is loaded from safetensors
 (zero-copy: parameters view the file), from DCP, or not at all; trained one AdamW
 step; saved synchronously or asynchronously (training going on during the write);
 and loaded back into a fresh model and optimizer. The loaded model and optimizer
-state equal the saved ones bitwise on every rank, key by key."""
+state equal the saved ones bitwise on every rank, key by key, and no save leaves a
+lock file."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_hf_dcp_and_no_load_by_sync_and_async_save_load_back_bitwise(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     cases = report["cases"]
+    assert report["locks"] == []
     assert sorted(cases) == sorted(f"{load}-{mode}" for load in ("hf", "dcp", "none") for mode in ("sync", "async"))
     for case, ranks in cases.items():
         for rank, got in enumerate(ranks):
