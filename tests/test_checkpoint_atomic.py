@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -296,3 +297,20 @@ def test_a_lock_file_removed_between_open_and_flock_is_not_trusted(tmp_path, mon
     assert len(opened) == 2 and os.fstat(fd).st_ino == os.stat(lock).st_ino == opened[1]
     atomic.release(lock)
     assert not os.path.exists(lock)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_checkpoint_directories_and_files_honour_the_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        save_checkpoint(model(1), tmp_path / "new" / "plain")  # its parent created too
+        save_checkpoint(model(1), tmp_path / "new" / "plain")  # the second save: into the first one's spare
+        save_checkpoint(model(2), tmp_path / "hf", format="hf")
+        save_checkpoint(model(3), tmp_path / "root", step=1, async_save=True).wait()
+    finally:
+        os.umask(previous)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert {m for p, m in modes.items() if (tmp_path / p).is_dir()} == {0o777 & ~umask}, modes
+    assert {m for p, m in modes.items() if (tmp_path / p).is_file()} == {0o666 & ~umask}, modes
+    assert {"new", "new/plain", "new/plain/__0_0.distcp", "hf", "hf/model-00001-of-00001.safetensors", "root", "root/latest", "root/step-1",
+            "root/step-1/.metadata"} <= set(modes)

@@ -35,7 +35,6 @@ import re
 import secrets
 import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -152,13 +151,19 @@ def _holder(fd: int, directory: bool) -> str:
 
 def new_staging(target: str, spare: Path | None = None) -> str:
     """The staging directory beside `target` (same file system: the rename is atomic):
-    `spare` renamed and emptied of its `.metadata` and manifest, else a fresh one."""
+    `spare` renamed and emptied of its `.metadata` and manifest, else a fresh one,
+    created as `mkdir` would (0777 less the umask: the checkpoint directory it becomes
+    is as readable as the user's other directories, not mkdtemp's 0700)."""
     p = Path(target)
     try:
-        if spare is None:
-            return tempfile.mkdtemp(prefix=f".{p.name}{STAGING}", dir=p.parent)
         while True:
             staging = p.parent / f".{p.name}{STAGING}{secrets.token_hex(4)}"
+            if spare is None:
+                try:
+                    os.mkdir(staging)
+                except FileExistsError:
+                    continue
+                return str(staging)
             if not os.path.lexists(staging):
                 break
         os.rename(spare, staging)
