@@ -314,3 +314,23 @@ def test_checkpoint_directories_and_files_honour_the_umask(tmp_path, umask):
     assert {m for p, m in modes.items() if (tmp_path / p).is_file()} == {0o666 & ~umask}, modes
     assert {"new", "new/plain", "new/plain/__0_0.distcp", "hf", "hf/model-00001-of-00001.safetensors", "root", "root/latest", "root/step-1",
             "root/step-1/.metadata"} <= set(modes)
+
+
+def test_where_a_directory_cannot_be_flocked_a_training_root_is_locked_by_a_file_for_the_save(tmp_path, monkeypatch):
+    import fcntl
+
+    real_flock, taken = fcntl.flock, []
+
+    def no_directories(fd, operation):  # NFS: flock is a POSIX lock, which a directory (read-only) cannot take
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        if operation & fcntl.LOCK_EX:
+            taken.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_directories)
+    save_checkpoint(model(1), tmp_path, step=1)
+    save_checkpoint(model(2), tmp_path, step=2, async_save=True).wait()
+    monkeypatch.undo()
+    assert taken == [str(tmp_path / ".lock")] * 2 and os.path.realpath(tmp_path) not in atomic._HELD
+    assert sorted(p.name for p in tmp_path.iterdir() if ".spare-" not in p.name) == ["latest", "step-1", "step-2"] and loads(tmp_path, 2)

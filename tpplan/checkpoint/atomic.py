@@ -71,13 +71,30 @@ def acquire(lock: str, *, keep: bool) -> None:
     dies, so a killed job never leaves a stale lock): a directory that exists is
     locked itself (a training root: no file), any other path is a lock file created
     for the save and removed by `release`. `keep`: held until the process exits (a
-    training root: no other job may save there meanwhile)."""
-    import fcntl
-
+    training root: no other job may save there meanwhile). Where the file system
+    cannot flock a directory (NFS emulates flock with POSIX locks, which need a file
+    open for writing), the directory is locked by `DIR/.lock` for the save alone."""
     key = os.path.realpath(lock)
     if key in _HELD:
         return
-    directory = os.path.isdir(lock)
+    if os.path.isdir(lock):
+        fd = _take(lock, directory=True)
+        if fd is not None:
+            _HELD[key] = (fd, keep, None)
+            return
+        lock, keep = os.path.join(lock, ".lock"), False
+    fd = _take(lock, directory=False)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    _HELD[key] = (fd, keep, lock)
+
+
+def _take(lock: str, *, directory: bool) -> int | None:
+    """The descriptor of `lock` (a directory, or a lock file it creates) flocked
+    exclusively; SaveRefused when another process holds it; None when a directory
+    cannot be flocked on its file system."""
+    import fcntl
+
     while True:
         try:
             fd = os.open(lock, os.O_RDONLY | os.O_DIRECTORY) if directory else os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
@@ -91,13 +108,14 @@ def acquire(lock: str, *, keep: bool) -> None:
             os.close(fd)
             where = lock if directory else str(Path(lock).parent)
             raise SaveRefused(f"another job is saving to {where!r} ({holder} holds {lock!r}): give each job its own checkpoint directory") from None
+        except OSError:
+            os.close(fd)
+            if directory:
+                return None
+            raise
         if directory or _same_file(fd, lock):
-            break
+            return fd
         os.close(fd)  # its holder removed the file between our open and flock: lock the path's file now
-    if not directory:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-    _HELD[key] = (fd, keep, None if directory else lock)
 
 
 def release(lock: str) -> None:
