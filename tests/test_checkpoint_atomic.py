@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -56,7 +57,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_staging_directory(t
     assert f"TP608 saving to '{tmp_path / 'ckpt'}' failed: rank 0: OSError: [Errno 28] No space left on device" in str(info.value)
     assert "the previous checkpoint is left as it was" in str(info.value)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.lock", "ckpt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert loads(tmp_path / "ckpt", 1)
     save_checkpoint(model(2), tmp_path / "ckpt")  # then over it: the new one
     assert loads(tmp_path / "ckpt", 2)
@@ -111,7 +112,7 @@ def test_a_training_root_records_the_latest_step_and_keeps_the_newest(tmp_path):
         optimizer.zero_grad()
         save_checkpoint(net, tmp_path, step=step, keep=2, optimizer=optimizer, extra={"pos": step * 4})
     spare = [p.name for p in tmp_path.iterdir() if ".spare-" in p.name]
-    assert sorted(p.name for p in tmp_path.iterdir() if ".spare-" not in p.name) == [".lock", "latest", "step-15", "step-20"]
+    assert sorted(p.name for p in tmp_path.iterdir() if ".spare-" not in p.name) == ["latest", "step-15", "step-20"]
     assert len(spare) == 1 and spare[0].startswith(".step-10.spare-")  # step-10 dropped, for step-25 to overwrite
     assert (tmp_path / "latest").read_text() == "step-20\n"
     manifest = json.loads((tmp_path / "step-20/.tpplan-checkpoint.json").read_text())
@@ -173,7 +174,7 @@ def test_two_jobs_saving_to_one_root_the_second_is_refused(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, timeout=120).stdout
     assert f"TP608 another job is saving to '{tmp_path}' (pid {os.getpid()} on " in out and "give each job its own checkpoint directory" in out
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-1"] and loads(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"] and loads(tmp_path, 1)
 
 
 FULL_DISK = """
@@ -218,7 +219,7 @@ def test_a_full_disk_and_a_read_only_one_on_a_small_tmpfs(tmp_path):
     assert f"TP608 saving to '{mount / 'step-2'}' failed: rank 0: " in out["full"]
     assert f"the file system of '{mount}' is full (0 bytes free)" in out["full"] or "No space left on device" in out["full"]
     assert f"TP608 cannot create the lock file '{read_only / '.ckpt.lock'}': Read-only file system" in out["read-only"]
-    assert (out["latest"], out["equal"], out["entries"]) == (1, True, [".lock", "latest", "step-1"])
+    assert (out["latest"], out["equal"], out["entries"]) == (1, True, ["latest", "step-1"])
 
 
 def test_an_asynchronous_save_holds_the_state_of_its_call_and_the_next_save_waits(tmp_path):
@@ -243,4 +244,93 @@ def test_a_failed_asynchronous_save_raises_at_wait_and_leaves_the_previous(tmp_p
     with pytest.raises(CheckpointError, match=f"TP608 saving to '{tmp_path / 'step-2'}' failed: .*Input/output error"):
         handle.wait()
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step-1"] and loads(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-1"] and loads(tmp_path, 1)
+
+
+def test_no_lock_file_is_left_by_plain_training_and_asynchronous_saves(tmp_path):
+    save_checkpoint(model(1), tmp_path / "plain")
+    save_checkpoint(model(2), tmp_path / "plain-async", async_save=True).wait()
+    save_checkpoint(model(3), tmp_path / "root", step=1)
+    save_checkpoint(model(4), tmp_path / "root-async", step=1, async_save=True).wait()
+    save_checkpoint(model(5), tmp_path / "root-async", step=2, async_save=True).wait()
+    assert [p for p in tmp_path.rglob("*") if "lock" in p.name] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain", "plain-async", "root", "root-async"]
+    assert sorted(p.name for p in (tmp_path / "root-async").iterdir() if ".spare-" not in p.name) == ["latest", "step-1", "step-2"]
+    assert loads(tmp_path / "plain", 1) and loads(tmp_path / "plain-async", 2) and loads(tmp_path / "root", 3) and loads(tmp_path / "root-async", 5)
+
+
+def test_a_plain_save_is_refused_while_another_job_holds_its_lock_file_and_runs_once_it_is_gone(tmp_path):
+    lock = str(tmp_path / ".ckpt.lock")
+    atomic.acquire(lock, keep=False)  # this process is saving to tmp_path/ckpt
+    job = textwrap.dedent(f"""
+        from tpplan import CheckpointError, save_checkpoint
+        from tpplan.models import mlp
+        try:
+            print(save_checkpoint(mlp.tiny(), {str(tmp_path / 'ckpt')!r}))
+        except CheckpointError as exc:
+            print(exc)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    refused = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert f"TP608 another job is saving to '{tmp_path}' (pid {os.getpid()} on " in refused and f"holds '{lock}'" in refused
+    atomic.release(lock)
+    assert not os.path.exists(lock)
+    saved = subprocess.run([sys.executable, "-c", job], capture_output=True, text=True, env=env, timeout=120).stdout
+    assert saved.strip() == str(tmp_path / "ckpt") and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_lock_file_removed_between_open_and_flock_is_not_trusted(tmp_path, monkeypatch):
+    lock = str(tmp_path / ".ckpt.lock")
+    real_open, opened = os.open, []
+
+    def open_then_removed(path, flags, *mode):
+        fd = real_open(path, flags, *mode)
+        opened.append(os.fstat(fd).st_ino)
+        if len(opened) == 1:
+            os.unlink(path)  # the previous holder releasing: its file goes before our flock
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_removed)
+    atomic.acquire(lock, keep=False)
+    monkeypatch.undo()
+    fd = atomic._HELD[os.path.realpath(lock)][0]
+    assert len(opened) == 2 and os.fstat(fd).st_ino == os.stat(lock).st_ino == opened[1]
+    atomic.release(lock)
+    assert not os.path.exists(lock)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_checkpoint_directories_and_files_honour_the_umask(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        save_checkpoint(model(1), tmp_path / "new" / "plain")  # its parent created too
+        save_checkpoint(model(1), tmp_path / "new" / "plain")  # the second save: into the first one's spare
+        save_checkpoint(model(2), tmp_path / "hf", format="hf")
+        save_checkpoint(model(3), tmp_path / "root", step=1, async_save=True).wait()
+    finally:
+        os.umask(previous)
+    modes = {str(p.relative_to(tmp_path)): stat.S_IMODE(p.stat().st_mode) for p in tmp_path.rglob("*")}
+    assert {m for p, m in modes.items() if (tmp_path / p).is_dir()} == {0o777 & ~umask}, modes
+    assert {m for p, m in modes.items() if (tmp_path / p).is_file()} == {0o666 & ~umask}, modes
+    assert {"new", "new/plain", "new/plain/__0_0.distcp", "hf", "hf/model-00001-of-00001.safetensors", "root", "root/latest", "root/step-1",
+            "root/step-1/.metadata"} <= set(modes)
+
+
+def test_where_a_directory_cannot_be_flocked_a_training_root_is_locked_by_a_file_for_the_save(tmp_path, monkeypatch):
+    import fcntl
+
+    real_flock, taken = fcntl.flock, []
+
+    def no_directories(fd, operation):  # NFS: flock is a POSIX lock, which a directory (read-only) cannot take
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        if operation & fcntl.LOCK_EX:
+            taken.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", no_directories)
+    save_checkpoint(model(1), tmp_path, step=1)
+    save_checkpoint(model(2), tmp_path, step=2, async_save=True).wait()
+    monkeypatch.undo()
+    assert taken == [str(tmp_path / ".lock")] * 2 and os.path.realpath(tmp_path) not in atomic._HELD
+    assert sorted(p.name for p in tmp_path.iterdir() if ".spare-" not in p.name) == ["latest", "step-1", "step-2"] and loads(tmp_path, 2)

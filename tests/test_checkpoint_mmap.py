@@ -2,7 +2,8 @@
 dim-0 shard in the checkpoint's dtype becomes a view of safetensors' private
 mapping of the file (not a fresh allocation), with the file's values; a
 dim-1 shard, a dtype conversion and an already materialized tensor are copied;
-writes never reach the file; saving over the source directory keeps the values.
+writes never reach the file; saving over the source directory keeps the values;
+a mapped shard stages for an asynchronous save.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from safetensors.torch import load_file  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
 from tpplan import hf_models, load_checkpoint, load_plan, save_checkpoint  # noqa: E402
+from tpplan.checkpoint import asyncsave  # noqa: E402
 from tpplan.checkpoint.mapped import backing_file  # noqa: E402
+from tpplan.checkpoint.save import state_to_save  # noqa: E402
 from tpplan.checkpoint.simulate import _fake_rank  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
@@ -133,3 +136,25 @@ def test_saving_over_the_files_a_model_views_keeps_its_values(saved, tmp_path):
     load_checkpoint(last, tmp_path)
     for name, p in last.named_parameters():
         assert torch.equal(p, saved["llama"][1][name]), name
+
+
+def test_rank_1s_mapped_dim0_shards_stage_for_an_asynchronous_save(saved, monkeypatch):
+    """Rank 1's rows start inside the tensor's bytes in the file; its DTensor must not
+    carry that offset (torch's deepcopy, in DCP's staging, fails on a wrapper with one)."""
+    directory, tensors = saved["llama"]
+    monkeypatch.setitem(asyncsave._STAGED, "layout", None)  # this test's staging buffers go with it
+    monkeypatch.setitem(asyncsave._STAGED, "buffers", None)
+    with _fake_rank(1, 2):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        model = meta()
+        load_plan(PLAN).apply(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+        load_checkpoint(model, directory)
+        state = state_to_save(model)
+        q = state["model.layers.0.self_attn.q_proj.weight"]
+        assert q.placements == (Shard(0),) and backing_file(q) == str(directory / "model.safetensors")
+        staged = asyncsave.stage(state)
+        assert sorted(staged) == sorted(state) and all(backing_file(t) is None for t in staged.values())
+        for name, t in state.items():
+            assert torch.equal(local(staged[name]), local(t)), name
+        assert torch.equal(local(staged["model.layers.0.self_attn.q_proj.weight"]), tensors["model.layers.0.self_attn.q_proj.weight"][32:])

@@ -4,7 +4,7 @@ directory beside the target, fsync, the rename into place, the lock, leftovers.
     parent/.NAME.staging-XXXX   what a save writes (loads never look at it)
     parent/.NAME.old-XXXX       the previous copy during a swap without an exchange
     parent/.NAME.spare-XXXX     the previous copy after the swap: the next save's staging
-    parent/.NAME.lock           a plain save's lock (a training root: ROOT/.lock)
+    parent/.NAME.lock           a plain save's lock, removed when the save ends (a training root: ROOT itself)
 
 `publish` swaps the staging directory and the target in one `renameat2
 (RENAME_EXCHANGE)` (Linux): at every instant `path` is either the old complete
@@ -35,7 +35,6 @@ import re
 import secrets
 import shutil
 import socket
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,7 +45,7 @@ _DCP_FILES = re.compile(r"__\d+_\d+\.distcp|\.metadata(\.tmp)?|\.tpplan-checkpoi
 _INVALID_FIRST = (".metadata", ".tpplan-checkpoint.json")  # a reused spare stops looking like a checkpoint
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
-_HELD: dict[str, tuple[int, bool]] = {}  # realpath of a lock file -> (its open descriptor, kept for life)
+_HELD: dict[str, tuple[int, bool, str | None]] = {}  # realpath of a lock -> (its open descriptor, kept for life, the lock file to remove)
 
 
 class SaveRefused(Exception):
@@ -67,54 +66,122 @@ def check_target(target: str) -> None:
         raise SaveRefused(f"cannot create {str(parent)!r}: {exc.strerror or exc}") from None
 
 
-def acquire(lock_file: str, *, keep: bool) -> None:
-    """Take the exclusive lock `lock_file` (flock: released by the kernel when the
-    process dies, so a killed job never leaves a stale lock). `keep`: held until
-    the process exits (a training root: no other job may save there meanwhile)."""
-    import fcntl
-
-    key = os.path.realpath(lock_file)
+def acquire(lock: str, *, keep: bool) -> None:
+    """Take the exclusive lock `lock` (flock: released by the kernel when the process
+    dies, so a killed job never leaves a stale lock): a directory that exists is
+    locked itself (a training root: no file), any other path is a lock file created
+    for the save and removed by `release`. `keep`: held until the process exits (a
+    training root: no other job may save there meanwhile). Where the file system
+    cannot flock a directory (NFS emulates flock with POSIX locks, which need a file
+    open for writing), the directory is locked by `DIR/.lock` for the save alone."""
+    key = os.path.realpath(lock)
     if key in _HELD:
         return
-    try:
-        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise SaveRefused(f"cannot create the lock file {lock_file!r}: {exc.strerror or exc}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise SaveRefused(
-            f"another job is saving to {str(Path(lock_file).parent)!r} ({holder} holds {lock_file!r}): "
-            "give each job its own checkpoint directory"
-        ) from None
+    if os.path.isdir(lock):
+        fd = _take(lock, directory=True)
+        if fd is not None:
+            _HELD[key] = (fd, keep, None)
+            return
+        lock, keep = os.path.join(lock, ".lock"), False
+    fd = _take(lock, directory=False)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-    _HELD[key] = (fd, keep)
+    _HELD[key] = (fd, keep, lock)
 
 
-def release(lock_file: str) -> None:
-    """Give back a lock taken with keep=False (a kept lock stays until exit)."""
+def _take(lock: str, *, directory: bool) -> int | None:
+    """The descriptor of `lock` (a directory, or a lock file it creates) flocked
+    exclusively; SaveRefused when another process holds it; None when a directory
+    cannot be flocked on its file system."""
     import fcntl
 
-    key = os.path.realpath(lock_file)
-    fd, keep = _HELD.get(key, (None, True))
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_DIRECTORY) if directory else os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        except OSError as exc:
+            what = "lock the directory" if directory else "create the lock file"
+            raise SaveRefused(f"cannot {what} {lock!r}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd, directory)
+            os.close(fd)
+            where = lock if directory else str(Path(lock).parent)
+            raise SaveRefused(f"another job is saving to {where!r} ({holder} holds {lock!r}): give each job its own checkpoint directory") from None
+        except OSError:
+            os.close(fd)
+            if directory:
+                return None
+            raise
+        if directory or _same_file(fd, lock):
+            return fd
+        os.close(fd)  # its holder removed the file between our open and flock: lock the path's file now
+
+
+def release(lock: str) -> None:
+    """Give back a lock taken with keep=False (a kept lock stays until exit); a lock
+    file is removed while it is still held, so no other job locks the removed file."""
+    import fcntl
+
+    key = os.path.realpath(lock)
+    fd, keep, lock_file = _HELD.get(key, (None, True, None))
     if fd is not None and not keep:
         del _HELD[key]
+        if lock_file is not None:
+            try:
+                os.unlink(lock_file)
+            except FileNotFoundError:
+                pass
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
+def _same_file(fd: int, path: str) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def _holder(fd: int, directory: bool) -> str:
+    """Who holds the flock on `fd`: what a lock file says ("pid N on HOST"), else the
+    pid /proc/locks gives on this host, else "another process"."""
+    if not directory:
+        text = os.pread(fd, 200, 0).decode(errors="replace").strip()
+        if text:
+            return text
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return "another process"
+    for line in lines:  # "1: FLOCK  ADVISORY  WRITE 4242 00:2e:1234 0 EOF" (a waiter's line has "->" after "1:")
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == inode:
+            return f"pid {fields[4]} on {socket.gethostname()}"
+    return "another process"
+
+
 def new_staging(target: str, spare: Path | None = None) -> str:
     """The staging directory beside `target` (same file system: the rename is atomic):
-    `spare` renamed and emptied of its `.metadata` and manifest, else a fresh one."""
+    `spare` renamed and emptied of its `.metadata` and manifest, else a fresh one,
+    created as `mkdir` would (0777 less the umask: the checkpoint directory it becomes
+    is as readable as the user's other directories, not mkdtemp's 0700)."""
     p = Path(target)
     try:
-        if spare is None:
-            return tempfile.mkdtemp(prefix=f".{p.name}{STAGING}", dir=p.parent)
         while True:
             staging = p.parent / f".{p.name}{STAGING}{secrets.token_hex(4)}"
+            if spare is None:
+                try:
+                    os.mkdir(staging)
+                except FileExistsError:
+                    continue
+                return str(staging)
             if not os.path.lexists(staging):
                 break
         os.rename(spare, staging)

@@ -46,9 +46,11 @@ class Save:
     recycled: bool = False  # rank 0: the staging directory is a spare, overwritten
 
     @property
-    def _lock_file(self) -> str:
+    def _lock(self) -> str:
+        """A training root is its own lock (kept for the job's life: no file); a plain
+        target's is `.NAME.lock` beside it, for the save's duration."""
         if self.step is not None:
-            return os.path.join(self.root, steps.LOCK)
+            return self.root
         p = Path(self.target)
         return str(p.parent / f".{p.name}.lock")
 
@@ -60,7 +62,7 @@ class Save:
                 if self.step is not None and os.path.exists(self.root) and not os.path.isdir(self.root):
                     raise atomic.SaveRefused(f"{self.root!r} is a file, not a checkpoint directory: remove it or save elsewhere")
                 atomic.check_target(self.target)
-                atomic.acquire(self._lock_file, keep=self.step is not None)  # a training root stays this job's
+                atomic.acquire(self._lock, keep=self.step is not None)  # a training root stays this job's
                 spare = steps.clean_root(self.root) if self.step is not None else atomic.clean(self.target)
                 if self.format != "dcp" and spare is not None:  # the safetensors writer makes subdirectories: a fresh one
                     shutil.rmtree(spare, ignore_errors=True)
@@ -68,10 +70,10 @@ class Save:
                 self.recycled = spare is not None
                 verdict = ("ok", atomic.new_staging(self.target, spare))
             except atomic.SaveRefused as exc:
-                atomic.release(self._lock_file)
+                atomic.release(self._lock)
                 verdict = ("error", str(exc))
             except OSError as exc:
-                atomic.release(self._lock_file)
+                atomic.release(self._lock)
                 verdict = ("error", f"preparing to save to {self.target!r} failed: {exc.strerror or exc}")
         kind, value = self._hear(verdict)
         if kind == "error":
@@ -117,14 +119,14 @@ class Save:
         except OSError as exc:
             raise fail("TP608", f"{self.target!r} is saved, but recording it in {self.root!r} failed: {exc.strerror or exc}", self.target) from None
         finally:
-            atomic.release(self._lock_file)
+            atomic.release(self._lock)
 
     def abandon(self) -> None:
         """Rank 0: a failed save's staging directory goes (the target was never touched)."""
         if self.rank == 0:
             if self.staging:
                 shutil.rmtree(self.staging, ignore_errors=True)
-            atomic.release(self._lock_file)
+            atomic.release(self._lock)
 
     def failed(self, exc: BaseException) -> CheckpointError:
         """The TP608 of a write that failed (OS error, DCP's report of every rank's failure)."""

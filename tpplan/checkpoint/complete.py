@@ -77,6 +77,16 @@ def manifest_problem(directory: str | Path) -> str | None:
     return None
 
 
+def shard_files(metadata) -> dict[str, int]:
+    """{file name: the bytes it must hold at least} of the shard files a DCP `.metadata` names."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            needed[path] = max(needed.get(path, 0), info.offset + info.length)
+    return needed
+
+
 def verify(directory: str, metadata, where: str) -> None:
     """TP609 unless the DCP checkpoint in `directory` is complete (see the module doc)."""
     d = Path(directory)
@@ -88,13 +98,8 @@ def verify(directory: str, metadata, where: str) -> None:
         saved = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
         if manifest.get("save_id") and saved and manifest["save_id"] != saved:
             raise fail(INCOMPLETE, f"incomplete checkpoint {d}: its .metadata is of another save than its files (mixed saves)", where)
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        path = getattr(info, "relative_path", None)
-        if path is not None:
-            needed[path] = max(needed.get(path, 0), info.offset + info.length)
     missing, short = [], []
-    for name, end in sorted(needed.items()):
+    for name, end in sorted(shard_files(metadata).items()):
         try:
             size = (d / name).stat().st_size
         except FileNotFoundError:

@@ -68,7 +68,7 @@ CODE_DOCS = {
     "TP608": ("save-failed", """
         Writing the checkpoint failed: the path is a file, a directory cannot be
         created or written, the disk is full, or another job is saving to the
-        same directory (its lock file is held). The message names the path.
+        same directory (it holds the directory's lock). The message names the path.
         Saves are staged beside the target and renamed into place only when
         every rank has finished, so the previous checkpoint there is left as it was.
     """),

@@ -73,14 +73,24 @@ def whole_target(planner, request, dtype: "torch.dtype") -> "torch.Tensor | None
 
 
 def adopt(local: "torch.Tensor", view: "torch.Tensor") -> bool:
-    """Make `local` a view of `view`'s storage (the file mapping); False, leaving
-    `local` alone, when `view` does not fit exactly."""
+    """Make `local` a view of the file mapping `view` is in; False, leaving `local`
+    alone, when `view` does not fit exactly.
+
+    `local` keeps what `whole_target` asked of it: a storage of exactly its bytes,
+    from offset 0. Its new storage is the slice of the mapping's that holds `view`'s
+    bytes (`UntypedStorage[a:b]` shares the memory and keeps the mapping alive), not
+    the whole mapping at an offset: a DTensor carries its local tensor's storage
+    offset, and torch's `Tensor.__deepcopy__` (DCP's async staging,
+    `_create_cpu_state_dict`) takes a wrapper with a non-zero offset for one with a
+    storage and fails ("invalid python storage")."""
     import torch
 
     if view.shape != local.shape or view.dtype != local.dtype or not view.is_contiguous() or view.device != local.device:
         return False
+    start = view.storage_offset() * view.element_size()
+    own = view.untyped_storage()[start:start + view.numel() * view.element_size()]
     with torch.no_grad():
-        local.set_(view.untyped_storage(), view.storage_offset(), local.size(), local.stride())
+        local.set_(own, 0, local.size(), local.stride())
     return True
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .complete import manifest_problem, read_manifest, unfinished, verify
+from .complete import manifest_problem, read_manifest, shard_files, unfinished, verify
 from .errors import fail, some
 from .steps import is_root, latest
 from .training import RESERVED
@@ -28,7 +28,8 @@ DCP_METADATA = ".metadata"
 @dataclass
 class Source:
     """A checkpoint: `format` "hf" (safetensors) or "dcp"; `directory` is what the
-    reader reads; `files` the data files; `where` the file problems point at."""
+    reader reads; `files` the data files (a DCP checkpoint's: the shard files its
+    `.metadata` names, known after `read_metadata`); `where` the file problems point at."""
 
     path: str
     format: str
@@ -208,7 +209,7 @@ def locate(path: str | os.PathLike) -> Source:
 def _dcp(directory: Path, text: str) -> Source:
     manifest = read_manifest(directory)
     step = manifest.get("step") if manifest else None
-    return Source(text, "dcp", str(directory), [str(directory / DCP_METADATA)], str(directory / DCP_METADATA), step=step)
+    return Source(text, "dcp", str(directory), [], str(directory / DCP_METADATA), step=step)
 
 
 def _hf_index(directory: Path, index: Path, text: str) -> Source:
@@ -250,6 +251,7 @@ def read_metadata(source: Source):
         raise _corrupt(source, exc) from None
     if source.format == "dcp":
         verify(source.directory, metadata, source.where)  # TP609: missing or short shards, mixed saves
+        source.files = [os.path.join(source.directory, name) for name in sorted(shard_files(metadata))]
     source.keys = set(metadata.state_dict_metadata)
     source.tensors = {
         k: v for k, v in metadata.state_dict_metadata.items()

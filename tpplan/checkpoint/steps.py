@@ -3,18 +3,19 @@
     ROOT/step-10/         a complete checkpoint (DCP: model, optimizer, extra)
     ROOT/step-20/
     ROOT/latest           "step-20": written last, after step-20 is in place
-    ROOT/.lock            held by the job saving here
     ROOT/.step-30.staging-XXXX   a save in progress, or killed (loads ignore it)
     ROOT/.step-10.spare-XXXX     the step retention dropped: the next save's staging
 
-`latest` is replaced atomically (tmp, fsync, rename) only after its step's
-directory was renamed into place, so it always names a complete checkpoint
-(Megatron's `latest_checkpointed_iteration.txt`); without one (a root whose
-first save was killed after its rename) the newest step directory whose
-manifest checks out is the latest. The K newest steps up to the latest are
-kept (torchtitan's `keep_latest_k`); older ones are renamed aside, then removed,
-all but one: the spare the next save overwrites (`atomic.py`), so a root holds
-K + 1 copies between saves, as many as during one.
+The job saving here holds an exclusive lock (flock) on ROOT itself from its first
+save until it exits, so no lock file is left behind. `latest` is replaced
+atomically (tmp, fsync, rename) only after its step's directory was renamed into
+place, so it always names a complete checkpoint (Megatron's
+`latest_checkpointed_iteration.txt`); without one (a root whose first save was
+killed after its rename) the newest step directory whose manifest checks out is
+the latest. The K newest steps up to the latest are kept (torchtitan's
+`keep_latest_k`); older ones are renamed aside, then removed, all but one: the
+spare the next save overwrites (`atomic.py`), so a root holds K + 1 copies
+between saves, as many as during one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from .complete import MANIFEST, STEP_DIR, manifest_problem
 from .errors import fail
 
 MARKER = "latest"
-LOCK = ".lock"
 _DROP = ".drop-"
 
 
