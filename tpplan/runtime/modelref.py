@@ -102,8 +102,11 @@ def _definition(fn: Callable[..., Any], ref: str) -> tuple[str, int]:
 def build_model(
     ref: str, device: "torch.device | str", factory: Callable[[], Any] | None = None, *, real_buffers: bool = False
 ) -> "nn.Module":
-    """Call the `MOD:FN` factory under `torch.device(device)` (so parameters are born
-    there; "meta" costs no memory) and check that it returns an `nn.Module`.
+    """The model `ref` names, as the CLI's `--model` takes it (`MOD:FN`, or `hf:SPEC`,
+    see `load_callable`): the factory called under `torch.device(device)` (so
+    parameters are born there; "meta" costs no memory), checked to be an `nn.Module`.
+    A reference that names nothing is a `ModelRefError` (a ValueError); a factory
+    that fails or returns something else a `PlanError` (TP500, where it raised).
     `real_buffers` (for a model a checkpoint fills): on "meta", only the parameters
     are; buffers are computed on the CPU as the constructor writes them, since no
     checkpoint holds a non-persistent one."""
