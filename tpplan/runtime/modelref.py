@@ -10,7 +10,6 @@ located at the line of the user's code that raised, exit 1).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import os
@@ -19,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..core.imports import import_module
 from ..core.problems import PlanError, error, first_line
 
 if TYPE_CHECKING:
@@ -44,12 +44,12 @@ def load_callable(ref: str, option: str = "--model") -> Callable[..., Any]:
     if not sep or not module_name or not attr:
         raise ModelRefError(f"{option} {ref!r} must be MODULE:FUNCTION, e.g. tpplan.models.llama:tiny")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name)
     except ModuleNotFoundError as exc:
         # Only the module we were asked for (or a parent package) counts as "not found";
         # a missing import *inside* that module is its own error, shown with its location.
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ModelRefError(f"{option} {ref!r}: no module named {exc.name!r} (is it installed, or on PYTHONPATH?)") from None
+            raise ModelRefError(f"{option} {ref!r}: no module named {exc.name!r} (not in the current directory: is it installed, or on PYTHONPATH?)") from None
         raise ModelRefError(f"{option} {ref!r}: importing {module_name!r} failed: {_raised_at(exc)}") from None
     except Exception as exc:  # user code runs at import: any error is reported with where it happened
         raise ModelRefError(f"{option} {ref!r}: importing {module_name!r} failed: {_raised_at(exc)}") from None
