@@ -1,6 +1,10 @@
 """A short trainer to copy: torchrun, a tpplan plan on the tp dim, FSDP2 on the
 dp dim, AdamW, and torch's loss_parallel() when the plan asks for it.
 
+Any causal LM `tpplan apply` takes: `--model MOD:FN` (a function returning the
+model) or `--model hf:SPEC` (a transformers config: a directory, a config.json
+or a model type), whose output is the logits or has `.logits`.
+
     # 4 ranks: a (dp 2, tp 2) mesh; each dp rank trains on its half of the batch
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 20
 
@@ -11,13 +15,17 @@ dp dim, AdamW, and torch's loss_parallel() when the plan asks for it.
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 10 --save ckpt
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 20 --resume ckpt
 
+    # a transformers model with its plan
+    torchrun --nproc-per-node 2 examples/train.py --model tpplan.hf_models:qwen3 --plan plans/hf/qwen3_tp.yaml --tp 2
+
     # survive a killed rank: torchrun restarts the ranks, which resume from ckpt's latest step
     torchrun --nproc-per-node 4 --max-restarts 3 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 \
         --steps 20 --save ckpt --save-every 5
 
-Every rank builds the model from the same seed, `load_plan(...).apply` shards
-it over the tp dim, `fully_shard` (per block, then the root) shards it again
-over dp. The data is a fixed random token stream: step N's global batch is the
+Every rank builds the model from the same seed (`tpplan.build_model`, as the
+CLI's --model), `load_plan(...).apply` shards it over the tp dim, `fully_shard`
+(per block, then the root) shards it again over dp. The data is a fixed random
+token stream of the model's vocabulary: step N's global batch is the
 same on every run, and dp rank r trains on rows r::dp of it, so the mean loss
 over dp ranks equals the one-device loss of the whole batch.
 
@@ -35,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import os
 
 import torch
@@ -50,10 +57,28 @@ import tpplan
 
 
 def build(ref: str, device: torch.device) -> torch.nn.Module:
-    module, _, fn = ref.partition(":")
+    """The model `ref` names (MOD:FN or hf:SPEC), on `device`."""
     torch.manual_seed(0)  # the same weights on every rank, and in the one-device run
-    with torch.device(device):
-        return getattr(importlib.import_module(module), fn)()
+    try:
+        return tpplan.build_model(ref, device)
+    except (ValueError, tpplan.PlanError) as exc:  # no such model, or its factory failed: the message says where
+        raise SystemExit(str(exc)) from None
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The token vocabulary: the model's config (transformers, or any `config.vocab_size`), else its first Embedding."""
+    config = getattr(model, "config", None)
+    if isinstance(getattr(config, "vocab_size", None), int):
+        return config.vocab_size
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    if embedding is None:
+        raise SystemExit(f"--model: {type(model).__name__} has no config.vocab_size and no nn.Embedding: not a token model")
+    return embedding.num_embeddings
+
+
+def blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The repeated blocks FSDP2 shards one by one: the model's longest ModuleList (`layers`)."""
+    return max((m for m in model.modules() if isinstance(m, torch.nn.ModuleList)), key=len, default=torch.nn.ModuleList())
 
 
 class Batches:
@@ -77,7 +102,7 @@ def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int, device: torc
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", plan.mesh_axis))
     plan.apply(model, mesh)
     if mesh["dp"].size() > 1:
-        for block in model.layers:
+        for block in blocks(model):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return mesh
@@ -123,7 +148,7 @@ def resume_from(args) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", required=True)
-    parser.add_argument("--model", default="tpplan.models.llama:tiny", help="MOD:FN returning the model")
+    parser.add_argument("--model", default="tpplan.models.llama:tiny", help="MOD:FN returning the model, or hf:SPEC (as tpplan apply)")
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="global batch (split over dp ranks)")
@@ -140,7 +165,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
     plan = tpplan.load_plan(args.plan)
     model = build(args.model, device)
-    vocab = model.tok_embeddings.num_embeddings
+    vocab = vocab_size(model)
     dp, dp_rank, use_loss_parallel = 1, 0, False
     if distributed:
         if device.type == "cuda":
@@ -160,7 +185,8 @@ def main() -> None:
     for step in range(done + 1, args.steps + 1):
         tokens, targets = (t[dp_rank::dp].to(device) for t in next(data))
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-            logits = model(tokens)
+            output = model(tokens)
+            logits = getattr(output, "logits", output)  # transformers' output, or the logits themselves
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
             loss.backward()  # inside loss_parallel() too
         optimizer.step()

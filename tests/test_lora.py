@@ -5,6 +5,7 @@ the base layer is sharded by the rule, the adapters' placements are derived."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -82,18 +83,42 @@ def test_the_models_plan_lints_clean_on_the_lora_model():
     assert [str(p) for p in check_model(plan, model, [2, 4]) if p.severity == "error"] == []
 
 
-def test_a_peft_model_names_the_full_prefix_in_did_you_mean():
-    from peft import LoraConfig, get_peft_model
+def peft_model():
+    from peft import get_peft_model
 
     with torch.device("meta"):
-        model = get_peft_model(hf_models.llama(), LoraConfig(r=4, target_modules=hf_models.LORA_TARGETS))
+        return get_peft_model(hf_models.llama(), hf_models._lora_config())
+
+
+def test_the_models_plan_applies_to_the_peft_model_under_base_model_model():
+    # people hold peft's PeftModel: the plan written for the model applies to it as it
+    # is, to the same modules as on the model inside (whose paths the prefix lengthens)
+    model = peft_model()
+    plan = load_plan(PLANS / "llama_tp.yaml")
+    inner = plan.match(model.base_model.model)
+    assert list(plan.match(model)) == [f"base_model.model.{fqn}" for fqn in inner] and len(inner) == 20
+    with simulated_world(2):
+        plan.apply(model, tp_mesh(2))
+    q = model.base_model.model.model.layers[1].self_attn.q_proj
+    assert placement(q.base_layer.weight) == Shard(0) and placement(q.lora_B["default"].weight) == Shard(0)
+    assert placement(q.lora_A["default"].weight) == Replicate()
+    assert placement(model.base_model.model.lm_head.weight) == Shard(0)
+
+
+def test_a_plan_written_with_the_prefix_still_applies_at_the_root():
+    plan = load_plan(PLANS / "llama_tp.yaml")
+    prefixed = load_plan(text="version: 1\nrules:\n  base_model.model.model.layers.*.mlp.down_proj: rowwise\n")
+    assert list(prefixed.match(peft_model())) == ["base_model.model.model.layers.0.mlp.down_proj", "base_model.model.model.layers.1.mlp.down_proj"]
+    assert plan.module_tree(peft_model())[1] == "base_model.model" and prefixed.module_tree(peft_model())[1] == ""
+
+
+def test_a_rule_matching_nothing_in_the_peft_model_is_explained_below_the_prefix():
     with pytest.raises(PlanError) as info:
-        load_plan(PLANS / "llama_tp.yaml").match(model)
-    first = info.value.problems[0]
-    assert first.code == "TP200"
-    assert first.message.endswith("did you mean 'base_model.model.model.embed_tokens'?")
-    # the model inside the wrapper takes the plan as it is
-    assert len(load_plan(PLANS / "llama_tp.yaml").match(model.base_model.model)) > 0
+        load_plan(text="version: 1\nrules:\n  model.layerz.*.mlp: no_parallel\n").match(peft_model())
+    [problem] = info.value.problems
+    assert problem.code == "TP200" and (problem.line, problem.column) == (3, 3)
+    assert problem.message == ("rule 'model.layerz.*.mlp' matches no module of the model at 'base_model.model': no child of modules matching 'model' matches "
+                               "'layerz' (children: embed_tokens, layers, norm, rotary_emb); did you mean 'model.layers.*.mlp'?")
 
 
 def dry_run(model: str, plan: str, tp: int, *more: str):
@@ -118,3 +143,23 @@ def test_lora_models_match_one_device_over_3_training_steps(model, plan, tp):
     result = dry_run(model, plan, tp, "--steps", "3")
     assert result.exit_code == 0, result.output
     assert "check against a single device: passed" in result.output
+
+
+PEFT_NOTE = "the model is peft's PeftModel: the plan's rules apply to the model it wraps, at 'base_model.model'"
+
+
+def test_the_peft_model_at_tp_2_matches_one_device_with_one_note():
+    result = dry_run("llama_peft", "llama_tp.yaml", 2, "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["check"]["passed"] is True
+    assert report["notes"].count(PEFT_NOTE) == 1
+    assert report["modules"]["base_model.model.lm_head"] == "colwise" and len(report["modules"]) == 20
+
+
+@pytest.mark.slow
+def test_the_peft_model_at_tp_4_matches_one_device_over_3_training_steps_with_one_note():
+    result = dry_run("llama_peft", "llama_tp.yaml", 4, "--steps", "3")
+    assert result.exit_code == 0, result.output
+    assert "check against a single device: passed" in result.output
+    assert result.output.count("note: " + PEFT_NOTE) == 1

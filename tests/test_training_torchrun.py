@@ -1,7 +1,8 @@
 """Training on real gloo ranks: `apply --steps N --check` (AdamW steps, losses and
 final parameters against one device) on a (dp 2, tp 2) mesh, with TP alone and
 with FSDP2 x TP x sequence parallelism x loss_parallel, and examples/train.py
-(saved and resumed) against its own one-device run. Slow (torchrun launches)."""
+(saved and resumed; on a transformers model) against its own one-device run.
+Slow (torchrun launches)."""
 
 from __future__ import annotations
 
@@ -55,4 +56,24 @@ def test_the_example_trainer_on_four_ranks_resumes_on_the_one_device_loss_curve(
     assert single.returncode == 0, single.stderr[-3000:]
     got, want = _losses(first.stdout) + _losses(resumed.stdout), _losses(single.stdout)
     assert len(got) == len(want) == 4
+    assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)
+
+
+def test_the_example_trainer_trains_a_transformers_model_with_loss_parallel_on_its_one_device_curve(tmp_path, monkeypatch, capsys):
+    # transformers' Llama (output .logits, layers under model.layers, vocabulary in its
+    # config) at TP 2 with the shipped plan's head keeping the logits vocabulary-sharded
+    # for loss_parallel: each step's loss is the one-device run's (that run in this process).
+    plan = tmp_path / "llama_loss_parallel.yaml"
+    plan.write_text(f"version: 1\nextends: {ROOT / 'plans/hf/llama_tp.yaml'}\nloss_parallel: true\n"
+                    "rules:\n  lm_head: {style: colwise, use_local_output: false}\n")
+    args = ["--model", "tpplan.hf_models:llama", "--plan", str(plan), "--steps", "3", "--lr", "0.01"]
+    sharded = torchrun(2, "examples/train.py", *args, "--tp", "2", timeout=300)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    import train
+
+    train.main()
+    got, want = _losses(sharded.stdout), _losses(capsys.readouterr().out)
+    assert len(got) == len(want) == 3 and want[-1] < want[0]
     assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)

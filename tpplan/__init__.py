@@ -17,6 +17,7 @@ _EXPORTS = {
     "save_checkpoint": "checkpoint.save",
     "meta_parameters": "checkpoint.meta",
     "infer_plan": "init",
+    "build_model": "runtime.modelref",
     "CheckpointError": "checkpoint.errors",
     "AsyncSave": "checkpoint.asyncsave",
     "param_groups": "runtime.training",

@@ -155,15 +155,20 @@ def llama_kv2(attn_implementation: str = "sdpa"):
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _lora(model):
+def _lora_config():
     """peft LoRA adapters (r 4) on every projection, only they train; lora_B random
-    (peft's default zeros would make the adapters' forward a no-op to compare). The
-    module paths stay the model's (inject_adapter_in_model, not get_peft_model's
-    base_model.model. prefix), so the model's plan applies as it is."""
-    from peft import LoraConfig, inject_adapter_in_model
+    (peft's default zeros would make the adapters' forward a no-op to compare)."""
+    from peft import LoraConfig
 
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False)
-    return inject_adapter_in_model(config, model)
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, init_lora_weights=False)
+
+
+def _lora(model):
+    """The adapters of `_lora_config` in place: the module paths stay the model's
+    (inject_adapter_in_model, not get_peft_model's base_model.model. prefix)."""
+    from peft import inject_adapter_in_model
+
+    return inject_adapter_in_model(_lora_config(), model)
 
 
 def llama_lora(attn_implementation: str = "sdpa"):
@@ -174,6 +179,14 @@ def llama_lora(attn_implementation: str = "sdpa"):
 def qwen3_lora(attn_implementation: str = "sdpa"):
     """`qwen3` with LoRA adapters (needs peft)."""
     return _lora(qwen3(attn_implementation))
+
+
+def llama_peft(attn_implementation: str = "sdpa"):
+    """`llama_lora` as people hold it: peft's PeftModel (get_peft_model), the model
+    under base_model.model, where the model's plan applies as it is."""
+    from peft import get_peft_model
+
+    return get_peft_model(llama(attn_implementation), _lora_config())
 
 
 def llama_kv2_lora(attn_implementation: str = "sdpa"):

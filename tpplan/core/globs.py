@@ -176,11 +176,19 @@ class ModuleTree:
                     child = node.children[part] = _Node(f"{node.fqn}.{part}" if node.fqn else part)
                 node = child
 
-    def match(self, glob: Glob) -> list[str]:
-        """Concrete module paths the glob matches, in module order."""
+    def match(self, glob: Glob, under: str = "") -> list[str]:
+        """Concrete module paths the glob matches, in module order; with `under`, the glob
+        is relative to that module (the paths returned are still whole)."""
         found: dict[str, None] = {}
-        self._walk(self.root, glob.segments, found, set())
+        self._walk(self.node(under), glob.segments, found, set())
         return sorted((f for f in found if f in self.order), key=self.order.__getitem__)
+
+    def node(self, fqn: str) -> _Node:
+        """The node of a module path that is in the tree."""
+        node = self.root
+        for part in fqn.split(".") if fqn else ():
+            node = node.children[part]
+        return node
 
     def _walk(self, node: _Node, segments: tuple[Segment, ...], found: dict, seen: set) -> None:
         key = (node.fqn, len(segments))
@@ -204,16 +212,17 @@ class ModuleTree:
                 if head.regex.fullmatch(name):
                     self._walk(child, rest, found, seen)
 
-    def explain_no_match(self, glob: Glob) -> str:
-        """Why a glob matches nothing: the first segment that fails, and the closest names there."""
+    def explain_no_match(self, glob: Glob, under: str = "") -> str:
+        """Why a glob matches nothing (relative to `under`, as `match`): the first segment
+        that fails, and the closest names there."""
         from difflib import get_close_matches  # error path only: keep start-up lean
 
-        wrapper = self._wrapper_of(glob)
+        wrapper = None if under else self._wrapper_of(glob)
         if wrapper is not None:
             prefix, found = wrapper
             return (f"the model is wrapped (peft's get_peft_model and the like): under '{prefix}' it matches {found}; "
                     f"did you mean '{prefix}.{glob.pattern}'?")
-        nodes = [self.root]
+        nodes = [self.node(under)]
         for i, segment in enumerate(glob.segments):
             if segment.is_any_depth:
                 return self._closest_below(nodes, glob.segments[i + 1 :])
@@ -221,7 +230,7 @@ class ModuleTree:
             if not next_nodes:
                 prefix = ".".join(s.text for s in glob.segments[:i])
                 names = sorted({name for n in nodes for name in n.children})
-                where = f"modules matching '{prefix}'" if prefix else "the root module"
+                where = f"modules matching '{prefix}'" if prefix else f"'{under}'" if under else "the root module"
                 if not names:
                     return f"{where} {'have' if prefix else 'has'} no submodules"
                 close = get_close_matches(segment.text, names, n=3, cutoff=0.5)

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from .yamlsource import SourceMap
 
 
+# Where peft's PeftModel holds the model it wraps (PeftModel.base_model is a
+# LoraModel, whose `model` it is).
+PEFT_PREFIX = "base_model.model"
+
+
 @dataclass(frozen=True)
 class Rule:
     pattern: str
@@ -82,16 +87,14 @@ class Plan:
         """What `match` resolves, without raising: {module path: the first rule that
         matches it}, in module order, and the problems (TP200, TP201), sorted. The
         model checks run on the claimed modules even when there are problems."""
-        names = model_or_names
-        if hasattr(model_or_names, "named_modules"):
-            names = (name for name, _ in model_or_names.named_modules())
-        tree = ModuleTree(names)
+        tree, under = self.module_tree(model_or_names)
         claimed: dict[str, Rule] = {}
         problems: list[Problem] = []
         for rule in self.rules:
-            matched = tree.match(rule.glob)
+            matched = tree.match(rule.glob, under)
             if not matched:
-                problems.append(rule.problem("TP200", f"rule '{rule.pattern}' matches no module: {tree.explain_no_match(rule.glob)}"))
+                at = f" of the model at '{under}'" if under else ""
+                problems.append(rule.problem("TP200", f"rule '{rule.pattern}' matches no module{at}: {tree.explain_no_match(rule.glob, under)}"))
                 continue
             conflicts: dict[str, list[str]] = {}
             for fqn in matched:
@@ -109,6 +112,21 @@ class Plan:
                     f"both match {shown}: a module takes one style, narrow one of the globs",
                 ))
         return dict(sorted(claimed.items(), key=lambda item: tree.order[item[0]])), sort_problems(problems)
+
+    def module_tree(self, model_or_names: "nn.Module | Iterable[str]") -> tuple[ModuleTree, str]:
+        """The model's module paths as a tree, and the module the rules' paths start
+        from: "" (the model itself), or `PEFT_PREFIX` for peft's PeftModel (its one
+        child `base_model`, the wrapped model at `base_model.model`) when no rule
+        starts with `base_model`: a plan written for the model inside applies to the
+        PeftModel as it is (claimed paths are the PeftModel's, prefix included)."""
+        names = model_or_names
+        if hasattr(model_or_names, "named_modules"):
+            names = (name for name, _ in model_or_names.named_modules())
+        tree = ModuleTree(names)
+        top = tree.root.children
+        peft = set(top) == {"base_model"} and "model" in top["base_model"].children
+        written_for_it = any(rule.glob.segments[:1] and rule.glob.segments[0].text == "base_model" for rule in self.rules)
+        return tree, PEFT_PREFIX if peft and not written_for_it else ""
 
     def resolve(self, model: "nn.Module") -> dict[str, "ParallelStyle"]:
         """{concrete module path: a fresh ParallelStyle}, in module order."""

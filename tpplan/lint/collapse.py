@@ -96,11 +96,10 @@ def collapsed_copy(ctx: "LintContext") -> "nn.Module":
 
 def plan_for(ctx: "LintContext", model: "nn.Module"):
     """The plan without the rules that match nothing in the collapsed `model`."""
-    from ..core.globs import ModuleTree
     from ..core.plan import Plan
 
-    tree = ModuleTree(name for name, _ in model.named_modules())
-    rules = [rule for rule in ctx.plan.rules if tree.match(rule.glob)]
+    tree, under = ctx.plan.module_tree(model)
+    rules = [rule for rule in ctx.plan.rules if tree.match(rule.glob, under)]
     if len(rules) == len(ctx.plan.rules):
         return ctx.plan
     return Plan(ctx.plan.spec, rules, ctx.plan.file)

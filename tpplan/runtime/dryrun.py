@@ -219,7 +219,7 @@ def _fill(report: ApplyReport, plan: Plan, model, mesh, event, source, allow_mis
     entry from it. The failure locator of its run."""
     tp = report.tp
     sharded = shard_with_progress(plan, model, mesh, event)
-    report.modules, report.rule_of, report.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+    sharded.fill(report)
     report.params = param_layouts(model, tp)
     if source is not None:  # the checkpoint's metadata against the sharded model
         from ..checkpoint.run import inspect_into

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from .report import ApplyReport
+
 def raised_by_tpplan(exc: BaseException) -> bool:
     """Whether `exc` is a tpplan bug: not one of the typed errors tpplan raises on
     purpose about the user's plan or model (`ModelError`: a `StyleInputError` from a
@@ -46,9 +48,19 @@ def raised_by_tpplan(exc: BaseException) -> bool:
 
 @dataclass(frozen=True)
 class Sharded:
-    """Which rule gave each module its style: {fqn: rule}, and its report fields."""
+    """Which rule gave each module its style: {fqn: rule}, and its report fields;
+    `under` the module the rules' paths start from (`Plan.module_tree`)."""
 
     rules: dict[str, Rule]
+    under: str = ""
+
+    def fill(self, report: "ApplyReport") -> None:
+        """The report's modules, rules and where they are; once, a note when the rules
+        applied under peft's wrapper."""
+        report.modules, report.rule_of, report.rule_where = self.modules, self.rule_of, self.rule_where
+        note = f"the model is peft's PeftModel: the plan's rules apply to the model it wraps, at '{self.under}'"
+        if self.under and note not in report.notes:  # the dry run may shard twice (fake tensors, then values)
+            report.notes.append(note)
 
     @property
     def modules(self) -> dict[str, str]:
@@ -65,7 +77,8 @@ class Sharded:
 
 def shard_with_progress(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", event: Callable[[str], None]) -> Sharded:
     """`apply_plan` with a progress event per module."""
-    return Sharded(apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}")))
+    rules = apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
+    return Sharded(rules, plan.module_tree(model)[1])
 
 
 def unpromised_tp_note(plan: Plan, tp: int) -> list[str]:

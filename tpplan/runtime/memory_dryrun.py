@@ -51,7 +51,7 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
 
         def shard(model, mesh):
             sharded = shard_with_progress(plan, model, mesh, event)
-            scratch.modules, scratch.rule_of, scratch.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+            sharded.fill(scratch)
             scratch.params = param_layouts(model, tp)
             located["locator"] = FailureLocator(plan, model, sharded.rules, tp)
 

@@ -10,7 +10,6 @@ located at the line of the user's code that raised, exit 1).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import os
@@ -19,6 +18,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..core.imports import import_module
 from ..core.problems import PlanError, error, first_line
 
 if TYPE_CHECKING:
@@ -44,12 +44,12 @@ def load_callable(ref: str, option: str = "--model") -> Callable[..., Any]:
     if not sep or not module_name or not attr:
         raise ModelRefError(f"{option} {ref!r} must be MODULE:FUNCTION, e.g. tpplan.models.llama:tiny")
     try:
-        module = importlib.import_module(module_name)
+        module = import_module(module_name)
     except ModuleNotFoundError as exc:
         # Only the module we were asked for (or a parent package) counts as "not found";
         # a missing import *inside* that module is its own error, shown with its location.
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise ModelRefError(f"{option} {ref!r}: no module named {exc.name!r} (is it installed, or on PYTHONPATH?)") from None
+            raise ModelRefError(f"{option} {ref!r}: no module named {exc.name!r} (not in the current directory: is it installed, or on PYTHONPATH?)") from None
         raise ModelRefError(f"{option} {ref!r}: importing {module_name!r} failed: {_raised_at(exc)}") from None
     except Exception as exc:  # user code runs at import: any error is reported with where it happened
         raise ModelRefError(f"{option} {ref!r}: importing {module_name!r} failed: {_raised_at(exc)}") from None
@@ -102,8 +102,11 @@ def _definition(fn: Callable[..., Any], ref: str) -> tuple[str, int]:
 def build_model(
     ref: str, device: "torch.device | str", factory: Callable[[], Any] | None = None, *, real_buffers: bool = False
 ) -> "nn.Module":
-    """Call the `MOD:FN` factory under `torch.device(device)` (so parameters are born
-    there; "meta" costs no memory) and check that it returns an `nn.Module`.
+    """The model `ref` names, as the CLI's `--model` takes it (`MOD:FN`, or `hf:SPEC`,
+    see `load_callable`): the factory called under `torch.device(device)` (so
+    parameters are born there; "meta" costs no memory), checked to be an `nn.Module`.
+    A reference that names nothing is a `ModelRefError` (a ValueError); a factory
+    that fails or returns something else a `PlanError` (TP500, where it raised).
     `real_buffers` (for a model a checkpoint fills): on "meta", only the parameters
     are; buffers are computed on the CPU as the constructor writes them, since no
     checkpoint holds a non-persistent one."""

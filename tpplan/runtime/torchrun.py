@@ -119,7 +119,7 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     report.notes += unpromised_tp_note(loaded.plan, ran.tp)
     report.notes += ran.notes
     if ran.sharded is not None:
-        report.modules, report.rule_of, report.rule_where = ran.sharded.modules, ran.sharded.rule_of, ran.sharded.rule_where
+        ran.sharded.fill(report)
     report.params, report.comms, report.step_time_s = ran.params, ran.comms, ran.step_time_s
     report.check, report.steps = ran.check, ran.steps
     report.checkpoint, report.saved = ran.checkpoint, ran.saved

@@ -5,7 +5,6 @@ resolution of the torch names in the style table (core/style_table.py)."""
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 from torch import nn
@@ -20,6 +19,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from ..core.imports import import_module
 from ..core.problems import StyleInputError
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
 def resolve(name: str):
     """The object a "module:attribute" name of the style table names."""
     module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return getattr(import_module(module), attr)
 
 
 def module_kind(module: nn.Module) -> str | None:
