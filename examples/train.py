@@ -174,7 +174,9 @@ def main() -> None:
         mesh = parallelize(model, plan, args.tp, device)
         dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
         use_loss_parallel = plan.loss_parallel  # the head keeps the logits sharded on the vocabulary
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    # a group for the DTensors and one for what the plan leaves whole: AdamW's default foreach
+    # step on a GPU refuses one call mixing them
+    optimizer = torch.optim.AdamW(tpplan.param_groups(model), lr=args.lr)
     data = Batches(vocab, args.batch, args.seq)
     source = resume_from(args)
     done = resume(model, optimizer, data, source) if source else 0
