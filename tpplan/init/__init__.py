@@ -47,6 +47,7 @@ class Inferred:
             "plan": self.text,
             "degrees": {str(d): r.to_json() for d, r in self.proven.results.items()},
             "compare": {name: {str(d): r.to_json() for d, r in figures.items()} for name, figures in self.compare.items()},
+            "warnings": list(self.proven.warnings),
             "dropped": [{"rule": d.rule, "why": d.why} for d in self.proven.dropped],
             "unplanned": [{"module": u.fqn, "why": u.why} for u in self.unplanned],
             "checked": self.checked,
@@ -82,7 +83,7 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     from ..runtime.ladder import values_allowed
     from ..runtime.modelref import build_model
     from .dataflow import analyze
-    from .compare import figures
+    from .compare import TRANSFORMERS, figures, plan_file
     from .infer import propose
     from .prove import Target, plan_text, prove
 
@@ -116,7 +117,7 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     if shipped is not None and not shard_more:
         from .within import costlier, sharded_modules, within
 
-        figured["transformers"] = theirs = figures(target, shipped, proven.degrees, event)
+        figured[TRANSFORMERS] = theirs = figures(target, shipped, proven.degrees, event, file=plan_file(TRANSFORMERS))
         why = costlier(proven.results, theirs)
         if why is not None:  # keep to the shipped plan's trade: what it leaves whole stays whole
             event(f"keeping to transformers' plan: {why}")
@@ -130,9 +131,9 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     inferred = Inferred(text, proven, unplanned, checked)
     compare = dict(compare or {})
     if auto_compare and shipped is not None:
-        compare["transformers"] = shipped
+        compare[TRANSFORMERS] = shipped
     for label, compared in compare.items():
-        inferred.compare[label] = figured.get(label) or figures(target, compared, proven.degrees, event)
+        inferred.compare[label] = figured.get(label) or figures(target, compared, proven.degrees, event, file=plan_file(label))
     return inferred
 
 

@@ -70,10 +70,10 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
         degree, problem = failure
         proven.notes.append(f"the fixed plan still fails at TP {degree}: {problem.code}: {problem.message}")
     if compare:
-        from .compare import figures
+        from .compare import figures, plan_file
 
         for label, plan_text in compare.items():
-            inferred.compare[label] = figures(target, plan_text, degrees, lambda text: None)
+            inferred.compare[label] = figures(target, plan_text, degrees, lambda text: None, file=plan_file(label))
     return inferred
 
 
