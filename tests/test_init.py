@@ -172,6 +172,14 @@ def test_a_degree_that_shards_almost_nothing_is_warned_and_a_failing_compared_pl
     assert "fake_tensor" not in captured.out + captured.err and "Traceback" not in captured.out + captured.err + result.output
 
 
+def test_from_a_plan_without_degrees_checks_it_at_the_degrees_init_would_pick(tmp_path):
+    hand = tmp_path / "hand.yaml"
+    hand.write_text("version: 1\nrules: {}\n")
+    result = run("init", "--model", "sink_attention:build", "--from", str(hand), "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(result.stdout)["degrees"]) == ["2", "4"]  # those that divide its 4 heads, not 8
+
+
 def test_tp_takes_whole_numbers():
     result = run("init", "--model", "tpplan.models.mlp:tiny", "--tp", "two")
     assert result.exit_code == 2

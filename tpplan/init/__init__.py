@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..core.plan import Plan
-    from .infer import Unplanned
+    from .infer import Proposal, Unplanned
     from .prove import Proven
 
 
@@ -76,15 +76,10 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     be traced)."""
     from torch import nn
 
-    from ..core.problems import PlanError, error
     from ..core.schema_file import schema_comment
-    from ..lint.context import LintContext
-    from ..core.loader import load_plan
     from ..runtime.ladder import values_allowed
     from ..runtime.modelref import build_model
-    from .dataflow import analyze
     from .compare import TRANSFORMERS, figures, plan_file
-    from .infer import propose
     from .prove import Target, plan_text, prove
 
     event = on_event or (lambda text: None)
@@ -98,12 +93,8 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
         ref = ref or getattr(model, "__qualname__", "model")
         event("building the model on the meta device")
         meta = build_model(ref, "meta", factory)
-    ctx = LintContext(load_plan(text="version: 1\nrules: {}\n", file="<init>"), meta, [2], inputs=inputs)
     event("tracing the forward")
-    if ctx.trace is None:
-        raise PlanError([error("TP329", f"cannot infer a plan: the forward of {type(meta).__name__} cannot be traced ({ctx.trace_error})", ref)])
-    flow = analyze(ctx.trace, ctx.modules)
-    proposal = propose(meta, flow, sp=sp, ep=ep, loss_parallel=loss_parallel, stream_modules=flow.stream)
+    proposal = proposal_for(meta, ref, inputs, sp=sp, ep=ep, loss_parallel=loss_parallel)
     shipped = _shipped_plan(meta)
     checked = values_allowed(meta) and not (isinstance(model, nn.Module) and _on_meta(model))
     target = Target(meta, ref, factory, inputs, check=checked)
@@ -135,6 +126,23 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     for label, compared in compare.items():
         inferred.compare[label] = figured.get(label) or figures(target, compared, proven.degrees, event, file=plan_file(label))
     return inferred
+
+
+def proposal_for(meta: "nn.Module", ref: str, inputs: str | None, *, sp: bool = False, ep: bool = False,
+                 loss_parallel: bool = False) -> "Proposal":
+    """The groups of rules the traced data flow of `meta` proposes (infer.propose). Raises
+    PlanError TP329 when its forward cannot be traced."""
+    from ..core.loader import load_plan
+    from ..core.problems import PlanError, error
+    from ..lint.context import LintContext
+    from .dataflow import analyze
+    from .infer import propose
+
+    ctx = LintContext(load_plan(text="version: 1\nrules: {}\n", file="<init>"), meta, [2], inputs=inputs)
+    if ctx.trace is None:
+        raise PlanError([error("TP329", f"cannot infer a plan: the forward of {type(meta).__name__} cannot be traced ({ctx.trace_error})", ref)])
+    flow = analyze(ctx.trace, ctx.modules)
+    return propose(meta, flow, sp=sp, ep=ep, loss_parallel=loss_parallel, stream_modules=flow.stream)
 
 
 def _shipped_plan(meta: "nn.Module") -> str | None:
