@@ -57,8 +57,8 @@ class Inferred:
 def infer_plan(model: "nn.Module | Callable[[], nn.Module]", tp: Sequence[int] | None = None, sp: bool = False, *,
                ep: bool = False, loss_parallel: bool = False, inputs: str | None = None, shard_more: bool = False) -> "Plan":
     """A proven plan for `model` (a module, or a factory that builds one: a factory lets
-    the check rebuild it; a module is copied). `tp`: the degrees (default: every degree
-    in 2..8 the model's dims allow). A model with its own plan (transformers' tp_plan): where
+    the check rebuild it; a module is copied). `tp`: the degrees (default: those in 2..8
+    that divide the sizes of all the model can shard, infer.default_degrees). A model with its own plan (transformers' tp_plan): where
     sharding more than it would cost backward collectives, what it leaves whole stays whole
     unless `shard_more` (within.py). Its YAML, as `tpplan init` writes it, is `plan.text`."""
     return run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs, shard_more=shard_more).plan
