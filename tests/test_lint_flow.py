@@ -232,16 +232,21 @@ def test_a_cat_that_breaks_the_shard_is_still_flagged(how, code, message):
     assert not [p for p in problems if p.code == "TP328"]
 
 
-@pytest.mark.slow  # ~20 s: a full-size Llama on the meta device
-def test_the_shipped_hf_llama_plan_validates_strict_on_transformers_llama():
-    """transformers' Llama caches keys and values by `torch.cat` onto an empty 1-D tensor: the
-    flow follows the shards through it, so `validate --strict` passes (it warned TP328)."""
+def test_the_shipped_hf_llama_plan_validates_strict_on_a_gqa_llama_with_its_cache(tmp_path):
+    """transformers' Llama (2 KV heads of 4, the cache on, as a config.json has it) caches keys
+    and values by `torch.cat` onto an empty 1-D tensor: the flow follows the shards through
+    it, so `validate --strict` passes (it warned TP328 at 'cat', exit 1)."""
+    import json
     from pathlib import Path
 
     from typer.testing import CliRunner
 
     from tpplan.cli.app import app
 
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}))
     plan = Path(__file__).resolve().parent.parent / "plans" / "hf" / "llama_tp.yaml"
-    result = CliRunner().invoke(app, ["validate", "--strict", str(plan), "--model", "hf:llama"])
+    result = CliRunner().invoke(app, ["validate", "--strict", str(plan), "--model", f"hf:{tmp_path}", "--tp", "2"])
     assert result.exit_code == 0 and "TP328" not in result.output, result.output
