@@ -138,6 +138,49 @@ def test_from_applies_the_fixes_the_lint_is_sure_of(tmp_path):
     check_written(out, model, 2)
 
 
+def test_a_residual_mlp_stack_gets_column_row_pairs_not_an_output_head(tmp_path):
+    """The last out_proj's output is the model's output summed into the residual stream (the
+    model's input): a pair's row half, not a head. Without --tp, the degrees that divide the
+    128 hidden features; at each, the bytes per rank of the shipped 2-rule plan."""
+    shipped = str(ROOT / "plans" / "mlp_tp.yaml")
+    report, plan = init_json(tmp_path, "tpplan.models.mlp:tiny", "--compare", shipped)
+    assert rules_of(report["plan"]) == {"blocks.*.in_proj": "colwise", "blocks.*.out_proj": "rowwise"}
+    assert list(report["degrees"]) == ["2", "4", "8"] and report["warnings"] == []
+    for degree, share in (("2", 0.50), ("4", 0.25)):
+        ours, theirs = report["degrees"][degree], report["compare"][shipped][degree]
+        assert ours["rank_bytes"] == theirs["rank_bytes"] and ours["comms"] == theirs["comms"]
+        assert round(ours["rank_bytes"] / ours["total_bytes"], 2) == share
+
+
+def test_a_degree_that_shards_almost_nothing_is_warned_and_a_failing_compared_plan_is_one_short_row(tmp_path, capfd):
+    """--tp 3 on 128 hidden features: the plan is written (exit 0) with a warning naming the
+    share, the sizes 3 does not divide and the degrees that divide them. The shipped plan,
+    compared at TP 3, fails its dry run: one row saying what and where (its own file and
+    line), and none of torch's log of the failing fake kernel."""
+    shipped = str(ROOT / "plans" / "mlp_tp.yaml")
+    warned = ("TP 3 shards 0% of the parameters, where TP 2, 4, 8 shard 98%: 3 does not divide the sizes of "
+              "blocks.*: in_proj -> out_proj (128)")
+    report, _ = init_json(tmp_path, "tpplan.models.mlp:tiny", "--tp", "3")
+    assert report["warnings"] == [warned] and list(report["degrees"]) == ["3"]
+    capfd.readouterr()
+    result = run("init", "--model", "tpplan.models.mlp:tiny", "--tp", "3", "--compare", shipped, "-o", str(tmp_path / "p.yaml"))
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert f"warning: {warned}" in lines
+    assert (f"  {shipped} per-rank params 22.09 KiB of 65.25 KiB (0.34); dry run FAILED: TP502 at {shipped}:15 "
+            "(rule 'blocks.*.out_proj'): the forward of 'blocks.0.out_proj' (Linear, input (2, 8, 43)) fails at TP 3") in lines
+    captured = capfd.readouterr()
+    assert "fake_tensor" not in captured.out + captured.err and "Traceback" not in captured.out + captured.err + result.output
+
+
+def test_from_a_plan_without_degrees_checks_it_at_the_degrees_init_would_pick(tmp_path):
+    hand = tmp_path / "hand.yaml"
+    hand.write_text("version: 1\nrules: {}\n")
+    result = run("init", "--model", "sink_attention:build", "--from", str(hand), "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(result.stdout)["degrees"]) == ["2", "4"]  # those that divide its 4 heads, not 8
+
+
 def test_tp_takes_whole_numbers():
     result = run("init", "--model", "tpplan.models.mlp:tiny", "--tp", "two")
     assert result.exit_code == 2

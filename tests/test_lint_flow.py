@@ -175,3 +175,78 @@ rules:
             load_plan(text=text).apply(model, tp_mesh(2))
             backward.append(count_collectives(model, default_inputs(model))["backward"]["all_reduce"])
     assert backward[0] - backward[1] == 4
+
+
+class _Cats(nn.Module):
+    """A colwise pair (ask, key -> tell) whose column outputs meet a `cat`: `how` says which."""
+
+    def __init__(self, how: str, dim: int = 16):
+        super().__init__()
+        self.how = how
+        self.ask, self.key = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.tell = nn.Linear(2 * dim if how in ("packed", "beside_whole") else dim, dim)
+
+    def forward(self, x):
+        a, k = self.ask(x), self.key(x)
+        if self.how == "cache":  # transformers' DynamicCache: its first update cats onto `torch.tensor([])`
+            k = torch.cat([torch.empty(0, dtype=k.dtype, device=k.device), k], dim=-2)
+            return self.tell(a * k)
+        if self.how == "split_back":  # cat along the sharded dim, then cut back into the same pieces
+            a, k = torch.cat([a, k], dim=-1).split([a.shape[-1], k.shape[-1]], dim=-1)
+            return self.tell(a * k)
+        if self.how == "packed":  # [a_r | k_r] on each rank is no contiguous shard of the cat
+            return self.tell(torch.cat([a, k], dim=-1))
+        return self.tell(torch.cat([a, x], dim=-1))  # beside_whole: a rank's shard beside the whole input
+
+
+_CAT_PLAN = """
+version: 1
+rules:
+  "{ask,key}": colwise
+  tell: rowwise
+"""
+
+
+@pytest.mark.parametrize("how", ["cache", "split_back"])
+def test_cat_of_shards_is_followed_not_stopped(how):
+    """A cat that keeps each rank's shard (a 1-D empty tensor torch.cat skips; the sharded
+    dim's pieces cut back as they were put together) is followed to the rowwise half: no
+    TP328 (the flow stopped) and nothing else."""
+    with torch.device("meta"):
+        model = _Cats(how)
+    assert [str(p) for p in lint(_CAT_PLAN, model)] == []
+
+
+@pytest.mark.parametrize("how, code, message", [
+    ("packed", "TP326", "'tell'"),
+    ("beside_whole", "TP321", "'cat'"),
+])
+def test_a_cat_that_breaks_the_shard_is_still_flagged(how, code, message):
+    """A cat along the sharded dim handed to a rowwise half as if contiguous, or a shard
+    beside the whole tensor it is a shard of: errors, located at the colwise rule (line 3)."""
+    with torch.device("meta"):
+        model = _Cats(how)
+    problems = lint(_CAT_PLAN, model)
+    problem = only(problems, code)
+    assert (problem.line, problem.severity) == (3, "error") and message in problem.message, str(problem)
+    assert not [p for p in problems if p.code == "TP328"]
+
+
+def test_the_shipped_hf_llama_plan_validates_strict_on_a_gqa_llama_with_its_cache(tmp_path):
+    """transformers' Llama (2 KV heads of 4, the cache on, as a config.json has it) caches keys
+    and values by `torch.cat` onto an empty 1-D tensor: the flow follows the shards through
+    it, so `validate --strict` passes (it warned TP328 at 'cat', exit 1)."""
+    import json
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 128}))
+    plan = Path(__file__).resolve().parent.parent / "plans" / "hf" / "llama_tp.yaml"
+    result = CliRunner().invoke(app, ["validate", "--strict", str(plan), "--model", f"hf:{tmp_path}", "--tp", "2"])
+    assert result.exit_code == 0 and "TP328" not in result.output, result.output

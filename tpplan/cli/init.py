@@ -21,8 +21,9 @@ def init(
     ],
     tp: Annotated[
         Optional[list[str]],
-        typer.Option(metavar="N", help="Degrees to prove the plan at (repeat, or 2,4,8); default: every degree in "
-                     "2..8 the model's dims allow.", show_default=False),
+        typer.Option(metavar="N", help="Degrees to prove the plan at (repeat, or 2,4,8); default: the degrees in "
+                     "2..8 that divide the sizes of all the model can shard (features, heads, KV heads, vocabulary, "
+                     "experts). A degree given that shards under half of that is warned of.", show_default=False),
     ] = None,
     sp: Annotated[bool, typer.Option("--sp", help="Sequence parallelism: norms on the residual stream sharded on the sequence.")] = False,
     ep: Annotated[bool, typer.Option("--ep", help="Experts whole per rank (expert_parallel) instead of each sharded (expert_tp).")] = False,
@@ -49,7 +50,7 @@ def init(
         Optional[Path],
         typer.Option("--output", "-o", metavar="PLAN", help="Write the plan here instead of standard output.", show_default=False),
     ] = None,
-    format: Annotated[Format, typer.Option(help="Output format of the report: text, or json (one object: plan, degrees, compare, dropped).")] = Format.text,
+    format: Annotated[Format, typer.Option(help="Output format of the report: text, or json (one object: plan, degrees, compare, warnings, dropped).")] = Format.text,
 ) -> None:
     """Infer a tensor-parallel plan from the model's traced data flow, prove it, write it.
 
@@ -60,7 +61,8 @@ def init(
     dropped and the plan says why. A model with its own plan (transformers' tp_plan): where
     sharding more would run more backward collectives than it, what it leaves whole stays
     whole (a trade its authors chose) unless --shard-more. Exit 0 when a plan is written
-    (an empty plan is one), 1 when the model cannot be built or traced.
+    (an empty plan is one, and so is one at a --tp degree warned of for sharding little),
+    1 when the model cannot be built or traced.
     """
     from ..core.problems import PlanError
     from ..runtime.modelref import load_callable

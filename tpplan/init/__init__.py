@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..core.plan import Plan
-    from .infer import Unplanned
+    from .infer import Proposal, Unplanned
     from .prove import Proven
 
 
@@ -47,6 +47,7 @@ class Inferred:
             "plan": self.text,
             "degrees": {str(d): r.to_json() for d, r in self.proven.results.items()},
             "compare": {name: {str(d): r.to_json() for d, r in figures.items()} for name, figures in self.compare.items()},
+            "warnings": list(self.proven.warnings),
             "dropped": [{"rule": d.rule, "why": d.why} for d in self.proven.dropped],
             "unplanned": [{"module": u.fqn, "why": u.why} for u in self.unplanned],
             "checked": self.checked,
@@ -56,8 +57,8 @@ class Inferred:
 def infer_plan(model: "nn.Module | Callable[[], nn.Module]", tp: Sequence[int] | None = None, sp: bool = False, *,
                ep: bool = False, loss_parallel: bool = False, inputs: str | None = None, shard_more: bool = False) -> "Plan":
     """A proven plan for `model` (a module, or a factory that builds one: a factory lets
-    the check rebuild it; a module is copied). `tp`: the degrees (default: every degree
-    in 2..8 the model's dims allow). A model with its own plan (transformers' tp_plan): where
+    the check rebuild it; a module is copied). `tp`: the degrees (default: those in 2..8
+    that divide the sizes of all the model can shard, infer.default_degrees). A model with its own plan (transformers' tp_plan): where
     sharding more than it would cost backward collectives, what it leaves whole stays whole
     unless `shard_more` (within.py). Its YAML, as `tpplan init` writes it, is `plan.text`."""
     return run_init(model, tp=tp, sp=sp, ep=ep, loss_parallel=loss_parallel, inputs=inputs, shard_more=shard_more).plan
@@ -75,15 +76,10 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     be traced)."""
     from torch import nn
 
-    from ..core.problems import PlanError, error
     from ..core.schema_file import schema_comment
-    from ..lint.context import LintContext
-    from ..core.loader import load_plan
     from ..runtime.ladder import values_allowed
     from ..runtime.modelref import build_model
-    from .dataflow import analyze
-    from .compare import figures
-    from .infer import propose
+    from .compare import TRANSFORMERS, figures, plan_file
     from .prove import Target, plan_text, prove
 
     event = on_event or (lambda text: None)
@@ -97,12 +93,8 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
         ref = ref or getattr(model, "__qualname__", "model")
         event("building the model on the meta device")
         meta = build_model(ref, "meta", factory)
-    ctx = LintContext(load_plan(text="version: 1\nrules: {}\n", file="<init>"), meta, [2], inputs=inputs)
     event("tracing the forward")
-    if ctx.trace is None:
-        raise PlanError([error("TP329", f"cannot infer a plan: the forward of {type(meta).__name__} cannot be traced ({ctx.trace_error})", ref)])
-    flow = analyze(ctx.trace, ctx.modules)
-    proposal = propose(meta, flow, sp=sp, ep=ep, loss_parallel=loss_parallel, stream_modules=flow.stream)
+    proposal = proposal_for(meta, ref, inputs, sp=sp, ep=ep, loss_parallel=loss_parallel)
     shipped = _shipped_plan(meta)
     checked = values_allowed(meta) and not (isinstance(model, nn.Module) and _on_meta(model))
     target = Target(meta, ref, factory, inputs, check=checked)
@@ -116,7 +108,7 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     if shipped is not None and not shard_more:
         from .within import costlier, sharded_modules, within
 
-        figured["transformers"] = theirs = figures(target, shipped, proven.degrees, event)
+        figured[TRANSFORMERS] = theirs = figures(target, shipped, proven.degrees, event, file=plan_file(TRANSFORMERS))
         why = costlier(proven.results, theirs)
         if why is not None:  # keep to the shipped plan's trade: what it leaves whole stays whole
             event(f"keeping to transformers' plan: {why}")
@@ -130,10 +122,27 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     inferred = Inferred(text, proven, unplanned, checked)
     compare = dict(compare or {})
     if auto_compare and shipped is not None:
-        compare["transformers"] = shipped
+        compare[TRANSFORMERS] = shipped
     for label, compared in compare.items():
-        inferred.compare[label] = figured.get(label) or figures(target, compared, proven.degrees, event)
+        inferred.compare[label] = figured.get(label) or figures(target, compared, proven.degrees, event, file=plan_file(label))
     return inferred
+
+
+def proposal_for(meta: "nn.Module", ref: str, inputs: str | None, *, sp: bool = False, ep: bool = False,
+                 loss_parallel: bool = False) -> "Proposal":
+    """The groups of rules the traced data flow of `meta` proposes (infer.propose). Raises
+    PlanError TP329 when its forward cannot be traced."""
+    from ..core.loader import load_plan
+    from ..core.problems import PlanError, error
+    from ..lint.context import LintContext
+    from .dataflow import analyze
+    from .infer import propose
+
+    ctx = LintContext(load_plan(text="version: 1\nrules: {}\n", file="<init>"), meta, [2], inputs=inputs)
+    if ctx.trace is None:
+        raise PlanError([error("TP329", f"cannot infer a plan: the forward of {type(meta).__name__} cannot be traced ({ctx.trace_error})", ref)])
+    flow = analyze(ctx.trace, ctx.modules)
+    return propose(meta, flow, sp=sp, ep=ep, loss_parallel=loss_parallel, stream_modules=flow.stream)
 
 
 def _shipped_plan(meta: "nn.Module") -> str | None:

@@ -50,6 +50,13 @@ class Projection:
     inputs: set = field(default_factory=set)  # node ids of its activation inputs
     calls: int = 0
 
+    @property
+    def head(self) -> bool:
+        """The model's output head: its output is the model's output itself, reaching no other
+        projection and not added into the residual stream (an MLP stack's last out_proj, whose
+        output is summed into the stream that is the model's output, is the row half of a pair)."""
+        return self.to_output and not self.consumers and not self.to_stream
+
 
 @dataclass
 class Dataflow:
@@ -134,10 +141,15 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
             embeddings[owner] = embeddings.get(owner, False) or reads_input
             if reads_input:
                 outputs_of[owner].append(event.outputs[0])
-    # The stream starts where the model's input enters it: the token embedding, or a stem
-    # Linear that reads the input (a ViT's patch projection).
-    stems = [f for f, p in projections.items() if p.inputs & model_inputs]
+    # The stream starts where the model's input enters it: the token embedding's output; a
+    # stem Linear's output where the stem is all that reads the input (a ViT's patch
+    # projection); the input itself where it also flows on beside the Linears that read it,
+    # into an op that keeps its shape (an MLP stack's residual add: `x + out_proj(...)`).
+    flowing = {n for n in model_inputs if any(id(op) not in linear_of and any(
+        trace.shapes[o] == trace.shapes[n] for o in op.outputs) for op in consumers.get(n, ()))}
+    stems = [f for f, p in projections.items() if p.inputs & (model_inputs - flowing)]
     starts = [n for fqn in [*(f for f, reads in embeddings.items() if reads), *stems] for n in outputs_of[fqn]]
+    starts += sorted(flowing)
     stream = _stream_nodes(starts, consumers, linear_of, trace)
     for fqn, proj in projections.items():
         _follow(proj, outputs_of[fqn], consumers, linear_of, output_nodes, trace, bases, stream)

@@ -37,7 +37,13 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
     plan = load_plan(path)  # a PlanError (exit 1) for a plan that does not load
     data = yaml.safe_load(text)
     model = build_model(ref, "meta", factory)
-    degrees = sorted(set(tp)) if tp else list(plan.mesh_sizes or (2, 4, 8))
+    if tp or plan.mesh_sizes:
+        degrees = sorted(set(tp)) if tp else list(plan.mesh_sizes)
+    else:  # the degrees init would pick for the model (infer.default_degrees)
+        from . import proposal_for
+        from .infer import default_degrees
+
+        degrees = default_degrees(proposal_for(model, ref, inputs).groups)
     rules: dict[str, Any] = dict(data.get("rules") or {})
     tree = ModuleTree([n for n, _ in model.named_modules()])
     applied = []
@@ -70,10 +76,10 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
         degree, problem = failure
         proven.notes.append(f"the fixed plan still fails at TP {degree}: {problem.code}: {problem.message}")
     if compare:
-        from .compare import figures
+        from .compare import figures, plan_file
 
         for label, plan_text in compare.items():
-            inferred.compare[label] = figures(target, plan_text, degrees, lambda text: None)
+            inferred.compare[label] = figures(target, plan_text, degrees, lambda text: None, file=plan_file(label))
     return inferred
 
 

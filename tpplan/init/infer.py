@@ -9,8 +9,9 @@ From the data flow (dataflow.py) and the parameters' shapes:
   joins the pair with `sum_output_grad` (gradsum.py); a pair that fails its proof
   is tried once more gathered (`Group.gather`);
 - embedding: the Embedding that reads the model's input, vocabulary-parallel;
-- head: a Linear whose output is the model's output (the logits), colwise and
-  gathered (or kept sharded for `loss_parallel`);
+- head: a Linear whose output is the model's output (the logits) itself, not summed
+  into the residual stream (`Projection.head`), colwise and gathered (or kept sharded
+  for `loss_parallel`);
 - experts: a module holding two or more 3-D parameters with one leading (expert)
   dim, `expert_tp`, or `expert_parallel` with `ep`;
 - norms (with `sp`): the modules with parameters that take the residual stream
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 CANDIDATE_DEGREES = tuple(range(2, 9))
+# A degree that shards less than this share of what the default degrees shard is warned of.
+WEAK_SHARE = 0.5
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Group:
     params: int = 0  # parameters the group shards (the bulk decides the degrees)
     gathered: bool = False  # a pair whose activations are gathered (its sharded-activation form failed)
     by_rows: tuple | None = None  # a head's (columns, inputs, rule, note): split on its inputs where a degree splits its columns unevenly
+    columns: int = 0  # a head's columns: a degree that divides neither them nor (by_rows) its inputs splits it unevenly
 
     def gather(self) -> "Group | None":
         """The pair with its column half's output gathered and its row half taking the whole
@@ -67,6 +71,17 @@ class Group:
                 rules[fqn] = with_options(value, options)
             # sum_output_grad and gathers of a shared input: the whole activations need neither
         return Group(self.kind, rules, f"{self.note}; gathered between them", self.divides, self.kv_heads, self.params, True)
+
+    def evenly(self, degree: int) -> bool:
+        """Whether `degree` splits the group into equal shares (a head's columns may split
+        unevenly where its rule gathers them: allowed, but not a degree to pick by default)."""
+        if not self.allows(degree):
+            return False
+        return not self.columns or self.columns % degree == 0 or (self.by_rows is not None and self.by_rows[1] % degree == 0)
+
+    def sizes(self) -> list[int]:
+        """The sizes a degree must divide to shard the group: its features, heads and KV heads, rows."""
+        return sorted(set(self.divides) | {kv for kv, _ in self.kv_heads.values()})
 
     def allows(self, degree: int) -> bool:
         if any(size % degree for size in self.divides):
@@ -96,6 +111,42 @@ class Group:
         return any(columns % d for d in degrees) and not any(inputs % d for d in degrees)
 
 
+def sharded_params(groups: list[Group], degree: int, *, evenly: bool = False) -> int:
+    """The parameters the groups that `degree` divides hold (`evenly`: into equal shares)."""
+    return sum(g.params for g in groups if (g.evenly(degree) if evenly else g.allows(degree)))
+
+
+def default_degrees(groups: list[Group]) -> list[int]:
+    """The degrees init proves at when none is given: those in 2..8 that shard the most
+    parameters evenly, i.e. that divide every size of all a degree can shard (pairs'
+    features, heads and KV heads, the embedding's and head's vocabulary, experts); [2]
+    when nothing can be sharded."""
+    shared = {d: sharded_params(groups, d, evenly=True) for d in CANDIDATE_DEGREES}
+    best = max(shared.values())
+    return [d for d, n in shared.items() if n == best] if best else [CANDIDATE_DEGREES[0]]
+
+
+def weak_degree(groups: list[Group], degree: int, total: int) -> str | None:
+    """Why `degree` (asked for) is a poor one, when it shards less than WEAK_SHARE of what
+    the default degrees shard: the share it shards, the sizes it does not divide, the degrees
+    that would shard more; None when it is not."""
+    from ..core.globs import generalize
+
+    defaults = default_degrees(groups)
+    best, here = sharded_params(groups, defaults[0], evenly=True), sharded_params(groups, degree)
+    if not best or here >= WEAK_SHARE * best:
+        return None
+    def named(group: Group) -> str:  # blocks.*: in_proj -> out_proj
+        parent = generalize(next(iter(group.rules))).rpartition(".")[0]
+        what = group.note.split(":")[0]
+        return f"{parent}: {what}" if parent else what
+
+    missed = dict.fromkeys(f"{named(g)} ({', '.join(map(str, g.sizes()))})" for g in groups if not g.allows(degree))
+    share = lambda n: f"{100 * n / total:.0f}%" if total else "0%"  # noqa: E731
+    return (f"TP {degree} shards {share(here)} of the parameters, where TP {', '.join(map(str, defaults))} shard "
+            f"{share(best)}: {degree} does not divide the sizes of {'; '.join(missed)}")
+
+
 @dataclass(frozen=True)
 class Unplanned:
     fqn: str
@@ -115,11 +166,11 @@ def propose(model: "nn.Module", flow: Dataflow, *, sp: bool = False, ep: bool = 
 
     modules = dict(model.named_modules())
     projs = flow.projections
-    # One consumer, which is not the head (the last layer's row half reaches only the head).
+    # One consumer, which is not the head (BERT's transform.dense reaches only the decoder).
     # Not one whose output is added into the residual stream: the last layer's row half reaches
-    # only the head's first Linear (BERT's transform.dense), through the residual add and a norm.
+    # only the head (or the head's first Linear), through the residual add and a norm.
     producers = {f for f, p in projs.items() if len(p.consumers) == 1 and not p.to_output and not p.to_stream
-                 and not projs[next(iter(p.consumers))].to_output}
+                 and not projs[next(iter(p.consumers))].head}
     producers -= {f for f in producers if next(iter(projs[f].consumers)) in producers}  # a chain: only its last link pairs
     by_consumer: dict[str, list[str]] = {}
     for f in sorted(producers, key=list(modules).index):
@@ -214,7 +265,7 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         groups[fqn] = Group("embedding", {fqn: value}, f"{_leaf(fqn)}: vocabulary-parallel, {emb.num_embeddings} rows",
                             [emb.num_embeddings], params=emb.weight.numel())
     for fqn, proj in flow.projections.items():
-        if fqn in claimed or proj.consumers or not proj.to_output:
+        if fqn in claimed or not proj.head:
             continue
         value = {"style": "colwise"}
         if sp:
@@ -231,7 +282,8 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
                        f"{_leaf(fqn)}: the output head, split on its {head.in_features} inputs (a degree does not divide its "
                        f"{head.out_features} columns), its partial logits all-reduced")
         groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
-                            [head.out_features] if loss_parallel else [], params=head.weight.numel(), by_rows=by_rows)
+                            [head.out_features] if loss_parallel else [], params=head.weight.numel(), by_rows=by_rows,
+                            columns=head.out_features)
     # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
     home = {fqn: fqn for fqn in groups}  # module -> the key of the group its rule is in
     for tie in shared_parameters(modules[""]):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.loader import load_plan
 from ..core.problems import PlanError, Problem
-from .infer import CANDIDATE_DEGREES, Group, Proposal
+from .infer import Group, Proposal, default_degrees, weak_degree
 from .render import generalized, render
 
 if TYPE_CHECKING:
@@ -56,6 +56,7 @@ class Proven:
     dropped: list = field(default_factory=list)
     results: dict = field(default_factory=dict)  # degree -> Degree
     notes: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # a degree asked for that shards little (infer.weak_degree)
 
 
 @dataclass
@@ -70,19 +71,21 @@ class Target:
     check: bool = True  # with real values (off above the values limit: shapes and collectives only)
 
 
-def choose_degrees(groups: list[Group], given: Sequence[int] | None, dropped: list[Dropped]) -> tuple[list[Group], list[int]]:
-    """The degrees to prove at and the groups that fit them. Given degrees are kept and
-    a group that does not divide one is dropped; otherwise the bulk (pairs, experts, by
-    parameters) picks the degrees in 2..8 that all of it divides, and the other groups
-    must fit those."""
+def choose_degrees(groups: list[Group], given: Sequence[int] | None, dropped: list[Dropped], total: int = 0,
+                   warnings: list | None = None) -> tuple[list[Group], list[int]]:
+    """The degrees to prove at and the groups that fit them. Given degrees are kept, a
+    group that does not divide one is dropped, and a degree that shards much less than
+    the default ones is warned of (`warnings`; `total`: the model's parameters);
+    otherwise the default degrees (infer.default_degrees: those that divide the sizes of
+    all a degree can shard)."""
     if given:
         degrees = sorted(set(given))
+        for degree in degrees:
+            why = weak_degree(groups, degree, total)
+            if why is not None and warnings is not None:
+                warnings.append(why)
     else:
-        degrees = list(CANDIDATE_DEGREES)
-        for group in sorted((g for g in groups if g.kind in ("pair", "experts")), key=lambda g: -g.params):
-            fits = [d for d in degrees if group.allows(d)]
-            if fits:
-                degrees = fits
+        degrees = default_degrees(groups)
     kept = []
     for group in groups:
         bad = [d for d in degrees if not group.allows(d)]
@@ -94,8 +97,7 @@ def choose_degrees(groups: list[Group], given: Sequence[int] | None, dropped: li
 
 
 def _sizes(group: Group) -> str:
-    sizes = sorted(set(group.divides) | {kv for kv, _ in group.kv_heads.values()})
-    return "its sizes " + ", ".join(map(str, sizes))
+    return "its sizes " + ", ".join(map(str, group.sizes()))
 
 
 def _shape(group: Group) -> tuple:
@@ -115,7 +117,9 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
     """The proven plan and its YAML text."""
     event = on_event or (lambda text: None)
     dropped: list[Dropped] = []
-    groups, degrees = choose_degrees(proposal.groups, given, dropped)
+    warnings: list[str] = []
+    total = sum(p.numel() for p in target.model.parameters())
+    groups, degrees = choose_degrees(proposal.groups, given, dropped, total, warnings)
     for _ in range(_MAX_ROUNDS + len(groups)):
         rules, edits, text, plan = _lint_fixed(target, groups, degrees, proposal, name, description, header, event)
         results: dict = {}
@@ -140,7 +144,7 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
                     continue
                 groups.remove(alike)
                 dropped.append(Dropped(_first_key(alike), why, tuple(alike.rules)))
-    return Proven(groups, degrees, rules, edits, dropped, results), text
+    return Proven(groups, degrees, rules, edits, dropped, results, warnings=warnings), text
 
 
 def _all_rules(groups: list[Group], degrees: list[int]) -> dict[str, tuple[Any, str]]:

@@ -342,19 +342,28 @@ class OpSemantics:
                 if all(v.kind == "R" and self.broadcasts(shapes[i], len(out_shapes[0]), dim) for i, v in enumerate(values) if i >= 3):
                     return [Lay("S", False, dim, src)] * len(out_shapes)
             return None
-        if name in CATS and all(len(s) == len(shapes[0]) for s in shapes):
-            ndim = len(shapes[0])
+        if name in CATS:
+            # torch.cat skips a 1-D empty tensor (transformers' DynamicCache starts from `torch.tensor([])`)
+            pieces = [i for i, s in enumerate(shapes) if name == "stack" or tuple(s) != (0,)]
+            if not pieces or not all(len(shapes[i]) == len(shapes[pieces[0]]) for i in pieces):
+                return None
+            ndim = len(shapes[pieces[0]])
             along = _arg(op, 1, "dim", 0)
             dims = {v.dim for _, v in shards}
             if len(dims) != 1 or not isinstance(along, int):
                 return None
             dim = dims.pop()
             along = along % (ndim + 1 if name == "stack" else ndim)
+            full = [i for i in pieces if values[i].kind == "R"]
+            full = [i for i in full if (name != "stack" and along == dim) or shapes[i][dim] != 1]
+            if full:
+                # a whole tensor beside a shard of it: the local result is neither the whole cat nor a shard of it
+                return self.leak(shards[0][1], "op", op, op.inputs[shards[0][0]], (op.inputs[full[0]], dim))
             if name != "stack" and along == dim:
-                return None
-            for i, v in enumerate(values):
-                if v.kind == "R" and shapes[i][dim] != 1:
-                    return self.leak(shards[0][1], "op", op, op.inputs[shards[0][0]], (op.inputs[i], dim))
+                if any(values[i].kind != "S" or values[i].blocks is not None for i in pieces):
+                    return None
+                # each rank's shard of every piece, one after the other: a packed shard whose blocks are the pieces
+                return [Lay("S", False, dim, src, tuple(shapes[i][dim] for i in pieces))]
             return [Lay("S", False, dim + (1 if name == "stack" and along <= dim else 0), src)]
         if name in ELEMENTWISE:
             return self.elementwise(op, values, shapes, out_shapes)

@@ -20,10 +20,12 @@ def _comms(comms: dict) -> str:
 
 def _line(label: str, figures) -> str:
     share = figures.rank_bytes / figures.total_bytes if figures.total_bytes else 1.0
+    head = f"  {label:<13} per-rank params {human_bytes(figures.rank_bytes)} of {human_bytes(figures.total_bytes)} ({share:.2f}); "
     check = figures.check
+    if check is not None and "summary" in check:  # a compared plan's dry run failed: no collectives to show
+        return head + f"dry run FAILED: {check['summary']}"
     verdict = ("" if check is None else " check passed" if check.get("passed") else f" check FAILED ({check.get('error', 'values differ')})")
-    return (f"  {label:<13} per-rank params {human_bytes(figures.rank_bytes)} of {human_bytes(figures.total_bytes)} "
-            f"({share:.2f}); {_comms(figures.comms)};{verdict}")
+    return head + f"{_comms(figures.comms)};{verdict}"
 
 
 def render_report(inferred: "Inferred") -> str:
@@ -36,6 +38,7 @@ def render_report(inferred: "Inferred") -> str:
         for name, figures in inferred.compare.items():
             if degree in figures:
                 lines.append(_line(name, figures[degree]))
+    lines += [f"warning: {why}" for why in proven.warnings]
     if not inferred.checked:
         lines.append("not checked with values (a model above the values limit, or on the meta device): shapes and collectives only")
     for rule, why in dict.fromkeys((d.rule, " ".join(d.why.split())[:300]) for d in proven.dropped):
