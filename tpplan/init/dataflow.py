@@ -210,20 +210,49 @@ def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_no
         elif kind == "linear":
             proj.consumers.add(what)
         elif proj.heads is None and what.name in _RESHAPES and node in first:
-            proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in what.outputs])
+            proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in what.outputs],
+                                     lambda: _cut_size(what.outputs[0], consumers, linear_of, trace))
 
 
-def _head_split(shape: tuple, outs: list) -> tuple | None:
+def _head_split(shape: tuple, outs: list, cut=lambda: None) -> tuple | None:
     """(heads, head_dim) when a view cuts the last dim of `shape` into two, or into three
-    (a fused projection: blocks, heads, head_dim)."""
+    (a fused projection: its blocks and heads in either order, then head_dim). Of three,
+    the blocks are the size the ops after the view cut apart (`cut()`): bloom's
+    `(heads, 3, head_dim)` indexed `[..., 0, :]`, a ViT's `(3, heads, head_dim)` unbound;
+    blocks first when nothing says (or both sizes are equal)."""
     if len(outs) != 1 or not shape:
         return None
     out, lead = outs[0], len(shape) - 1
     if tuple(out[:lead]) != tuple(shape[:-1]):
         return None
     tail = tuple(out[lead:])
-    if len(tail) in (2, 3) and _product(tail) == shape[-1] and all(d > 1 for d in tail[-2:]):
-        return tail[-2:]
+    if len(tail) not in (2, 3) or _product(tail) != shape[-1]:
+        return None
+    if len(tail) == 3 and tail[0] != tail[1] and cut() == tail[1]:
+        tail = (tail[0], tail[2])  # (heads, blocks, head_dim)
+    return tail[-2:] if all(d > 1 for d in tail[-2:]) else None
+
+
+def _cut_size(node: int, readers, linear_of, trace, depth: int = 4) -> int | None:
+    """The size of the one dim that the first op cutting `node` apart removes (indexing,
+    select, unbind; or chunks it into size 1), following views and permutes up to `depth` ops."""
+    from collections import Counter
+
+    frontier = [node]
+    for _ in range(depth):
+        following = []
+        for n in frontier:
+            for op in readers.get(n, ()):
+                if id(op) in linear_of:
+                    continue
+                for out in op.outputs:
+                    removed = Counter(trace.shapes[n]) - Counter(trace.shapes[out])
+                    added = Counter(trace.shapes[out]) - Counter(trace.shapes[n])
+                    if sum(removed.values()) == 1 and set(added) <= {1}:
+                        return next(iter(removed))
+                    if _product(trace.shapes[out]) == _product(trace.shapes[n]):
+                        following.append(out)  # the same values rearranged: a view or a permute
+        frontier = following
     return None
 
 
