@@ -216,7 +216,7 @@ class ExpertParallelSpec(_ExpertOptions):
         torch_class="tpplan.sharding.expert_parallel:AllReduceExpertParallel", experts="whole", **_EXPERT_SEMANTICS
     )
 
-    def torch_class(self) -> str:
+    def torch_class(self, kind: str | None = None) -> str:
         # one class per dispatch (tpplan/sharding/expert_parallel.py)
         if self.dispatch == "all_to_all":
             return "tpplan.sharding.expert_parallel:AllToAllExpertParallel"

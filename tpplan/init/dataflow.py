@@ -40,7 +40,7 @@ _MAX_CONSUMERS = 2
 
 @dataclass
 class Projection:
-    """One Linear module over all its calls in the traced forward."""
+    """One Linear (or Conv1D) module over all its calls in the traced forward."""
 
     fqn: str
     consumers: set = field(default_factory=set)  # Linears its output reaches first (capped at _MAX_CONSUMERS + 1)
@@ -92,6 +92,36 @@ class Dataflow:
         return None
 
 
+def is_projection(module: "nn.Module") -> bool:
+    """A module init pairs: an nn.Linear, or transformers' Conv1D (a Linear stored [in, out])."""
+    from torch import nn
+
+    from ..sharding.conv1d import is_conv1d
+
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def features(module: "nn.Module") -> tuple[int, int]:
+    """(inputs, outputs) of a projection: the dims of its weight that rowwise and colwise shard."""
+    from ..core.style_table import ColwiseSpec, RowwiseSpec
+    from ..sharding.styles import module_kind
+
+    kind, shape = module_kind(module), module.weight.shape
+    return shape[RowwiseSpec.semantics.placement(kind, "weight").dim], shape[ColwiseSpec.semantics.placement(kind, "weight").dim]
+
+
+def _activation(op: Op, module: "nn.Module") -> int | None:
+    """The activation a projection's op takes: F.linear's input, or Conv1D's
+    `addmm(bias, x.view(-1, in), weight)` middle argument; None for any other op."""
+    from torch import nn
+
+    if op.name == "linear" and isinstance(module, nn.Linear) and op.inputs and op.outputs:
+        return op.inputs[0]
+    if op.name == "addmm" and len(op.inputs) == 3 and op.outputs and is_projection(module):
+        return op.inputs[1]
+    return None
+
+
 def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
     from torch import nn
 
@@ -114,6 +144,8 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
             stack.pop()
             if event.fqn == "" and not stack:
                 output_nodes.update(event.flat)
+            if event.fqn in projections and not isinstance(modules.get(event.fqn), nn.Linear) and event.outputs[0] is not None:
+                outputs_of[event.fqn].append(event.outputs[0])  # a Conv1D's output: its addmm's, viewed back to (..., out)
             continue
         for node in event.inputs:
             consumers[node].append(event)
@@ -123,14 +155,19 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
                     bases.setdefault(out, event.inputs[0])
         owner = stack[-1] if stack else ""
         module = modules.get(owner)
-        if event.name == "linear" and isinstance(module, nn.Linear) and event.inputs and event.outputs:
+        activation = _activation(event, module) if module is not None else None
+        if activation is not None:
             proj = projections.setdefault(owner, Projection(owner))
             proj.calls += 1
-            proj.inputs.add(event.inputs[0])
-            linear_of[id(event)] = (owner, event.inputs[0])
-            outputs_of[owner].append(event.outputs[0])
+            proj.inputs.add(activation)
+            linear_of[id(event)] = (owner, activation)
+            if isinstance(module, nn.Linear):
+                outputs_of[owner].append(event.outputs[0])
         elif event.name == "embedding" and isinstance(module, nn.Embedding) and event.inputs:
-            reads_input = event.inputs[0] in model_inputs
+            indices = event.inputs[0]
+            while indices not in model_inputs and indices in bases:  # GPT-2's input_ids.view(-1, seq)
+                indices = bases[indices]
+            reads_input = indices in model_inputs
             embeddings[owner] = embeddings.get(owner, False) or reads_input
             if reads_input:
                 outputs_of[owner].append(event.outputs[0])
