@@ -105,15 +105,16 @@ class ModuleKind:
 
     torch_class: str  # "module:Class", or "module:function" (module -> bool); resolved by sharding/styles.py
     weight_dims: tuple[str, ...]
+    label: str  # the class, as messages name it
 
 
 # Matched in this order (isinstance: subclasses count).
 MODULE_KINDS: dict[str, ModuleKind] = {
     # an nn.Linear, or a peft LoRA-wrapped one (its base layer sharded, its adapters derived: sharding/lora.py)
-    "Linear": ModuleKind("tpplan.sharding.lora:is_linear", ("out_features", "in_features")),
-    "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim")),
+    "Linear": ModuleKind("tpplan.sharding.lora:is_linear", ("out_features", "in_features"), "nn.Linear"),
+    "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim"), "nn.Embedding"),
     # transformers' Conv1D (GPT-2, openai-gpt): a Linear whose weight is stored [in, out]
-    "Conv1D": ModuleKind("tpplan.sharding.conv1d:is_conv1d", ("nx", "nf")),
+    "Conv1D": ModuleKind("tpplan.sharding.conv1d:is_conv1d", ("nx", "nf"), "transformers' Conv1D"),
 }
 
 
