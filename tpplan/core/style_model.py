@@ -41,7 +41,7 @@ The fields of `StyleSemantics`:
   a style that is no expert style (TP305 checks the module and the degree).
 - `kind_classes`: module kind -> the ParallelStyle class that shards that kind,
   where `torch_class` (torch's) shards only the others (colwise and rowwise on
-  transformers' Conv1D: sharding/conv1d.py).
+  transformers' Conv1D and stacked expert Linears: sharding/kinds.py).
 - `opaque`: the lint knows nothing of what the style does (a class the plan
   names without `like:`, external_styles.py): it follows no layout through
   the module and judges none of its inputs or outputs.
@@ -106,6 +106,8 @@ class ModuleKind:
     torch_class: str  # "module:Class", or "module:function" (module -> bool); resolved by sharding/styles.py
     weight_dims: tuple[str, ...]
     label: str  # the class, as messages name it
+    # the styles that shard it hand on its positional inputs after the first untouched (stacked Linears' expert_size)
+    more_inputs: bool = False
 
 
 # Matched in this order (isinstance: subclasses count).
@@ -114,7 +116,10 @@ MODULE_KINDS: dict[str, ModuleKind] = {
     "Linear": ModuleKind("tpplan.sharding.lora:is_linear", ("out_features", "in_features"), "nn.Linear"),
     "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim"), "nn.Embedding"),
     # transformers' Conv1D (GPT-2, openai-gpt): a Linear whose weight is stored [in, out]
-    "Conv1D": ModuleKind("tpplan.sharding.conv1d:is_conv1d", ("nx", "nf"), "transformers' Conv1D"),
+    "Conv1D": ModuleKind("tpplan.sharding.kinds:is_conv1d", ("nx", "nf"), "transformers' Conv1D"),
+    # one Linear per expert in one weight [E, out, in] (JetMoE's JetMoeParallelExperts), called (inputs, expert_size)
+    "StackedLinears": ModuleKind("tpplan.sharding.kinds:is_stacked_linears", ("num_experts", "output_size", "input_size"),
+                                 "stacked expert Linears", more_inputs=True),
 }
 
 

@@ -58,7 +58,7 @@ from .expert_styles import ExpertParallelSpec, ExpertTPSpec, LocalParamsSpec, Su
 
 class ColwiseSpec(_LinearOptions):
     """Shard a Linear's weight by output features (an Embedding's by embedding dim; a
-    transformers Conv1D's, stored [in, out], on its dim 1)."""
+    transformers Conv1D's, stored [in, out], and stacked expert Linears' [E, out, in] on their dim 1)."""
 
     style: Literal["colwise"]
     heads: Union[Annotated[int, Field(ge=1)], Literal["auto"], None] = Field(
@@ -81,8 +81,9 @@ class ColwiseSpec(_LinearOptions):
             "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
             "Embedding": {"weight": _SHARD1, "*": _SHARD1},
             "Conv1D": {"weight": _SHARD1, "bias": _SHARD0, "*": _SHARD1},  # weight [in, out]
+            "StackedLinears": {"weight": _SHARD1, "*": _SHARD1},  # weight [E, out, in]
         },
-        kind_classes={"Conv1D": "tpplan.sharding.conv1d:Conv1DColwiseParallel"},
+        kind_classes={kind: "tpplan.sharding.kinds:KindColwiseParallel" for kind in ("Conv1D", "StackedLinears")},
         runs_module=True,
         inputs="first",
         outputs="first",
@@ -138,7 +139,7 @@ class ColwiseSpec(_LinearOptions):
 
 class RowwiseSpec(_LinearOptions):
     """Shard a Linear's weight by input features (an Embedding's by vocabulary; a
-    transformers Conv1D's, stored [in, out], on its dim 0)."""
+    transformers Conv1D's, stored [in, out], on its dim 0; stacked expert Linears' [E, out, in] on dim 2)."""
 
     style: Literal["rowwise"]
     semantics = StyleSemantics(
@@ -147,8 +148,9 @@ class RowwiseSpec(_LinearOptions):
             "Linear": {"weight": _SHARD1, "bias": _REPLICATE, "*": _SHARD1},
             "Embedding": {"weight": _SHARD0, "*": _SHARD0},
             "Conv1D": {"weight": _SHARD0, "bias": _REPLICATE, "*": _SHARD0},  # weight [in, out]
+            "StackedLinears": {"weight": PlacementSpec("shard", 2), "*": PlacementSpec("shard", 2)},  # weight [E, out, in]
         },
-        kind_classes={"Conv1D": "tpplan.sharding.conv1d:Conv1DRowwiseParallel"},
+        kind_classes={kind: "tpplan.sharding.kinds:KindRowwiseParallel" for kind in ("Conv1D", "StackedLinears")},
         runs_module=True,
         inputs="first",
         outputs="first",

@@ -93,12 +93,14 @@ class Dataflow:
 
 
 def is_projection(module: "nn.Module") -> bool:
-    """A module init pairs: an nn.Linear, or transformers' Conv1D (a Linear stored [in, out])."""
+    """A module init pairs: an nn.Linear, or a kind colwise and rowwise shard that computes
+    as one (transformers' Conv1D, stored [in, out]; stacked expert Linears [E, out, in])."""
     from torch import nn
 
-    from ..sharding.conv1d import is_conv1d
+    from ..core.style_table import ColwiseSpec
+    from ..sharding.styles import module_kind
 
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    return isinstance(module, nn.Linear) or module_kind(module) in ColwiseSpec.semantics.kind_classes
 
 
 def features(module: "nn.Module") -> tuple[int, int]:
@@ -111,11 +113,10 @@ def features(module: "nn.Module") -> tuple[int, int]:
 
 
 def _activation(op: Op, module: "nn.Module") -> int | None:
-    """The activation a projection's op takes: F.linear's input, or Conv1D's
-    `addmm(bias, x.view(-1, in), weight)` middle argument; None for any other op."""
-    from torch import nn
-
-    if op.name == "linear" and isinstance(module, nn.Linear) and op.inputs and op.outputs:
+    """The activation a projection's op takes: F.linear's input (an nn.Linear's, or one
+    expert's rows in stacked expert Linears), or Conv1D's `addmm(bias, x.view(-1, in),
+    weight)` middle argument; None for any other op."""
+    if op.name == "linear" and op.inputs and op.outputs and is_projection(module):
         return op.inputs[0]
     if op.name == "addmm" and len(op.inputs) == 3 and op.outputs and is_projection(module):
         return op.inputs[1]
