@@ -213,8 +213,14 @@ def test_init_reproduces_or_beats_the_shipped_plans_collectives(tmp_path, model,
     # whole heads per rank, activations whole between the pair
     ("bloom", {"transformer.h.*.self_attention.query_key_value": {"style": "colwise", "output_layouts": "replicate"}}),
     ("persimmon", {"model.layers.*.self_attn.query_key_value": {"style": "colwise", "output_layouts": "replicate"}}),
+    # JetMoE's stacked expert Linears [E, out, in], in its MoE and its mixture of attention (with kv_proj); the MoE's
+    # gate/up chunk and the attention's global hidden size need whole activations between the halves
+    ("jetmoe", {"model.layers.*.mlp.input_linear": {"style": "colwise", "output_layouts": "replicate"},
+                "model.layers.*.mlp.output_linear": {"style": "rowwise", "input_layouts": "replicate"},
+                "model.layers.*.self_attention.experts.input_linear": {"style": "colwise", "output_layouts": "replicate"},
+                "model.layers.*.self_attention.kv_proj": {"style": "colwise", "output_layouts": "replicate"}}),
 ])
-def test_conv1d_and_heads_first_fused_families_hold_under_a_third_per_rank_at_tp_4(family, pairs):
+def test_conv1d_stacked_and_heads_first_fused_families_hold_under_a_third_per_rank_at_tp_4(family, pairs):
     from tpplan.hf.tiny import build
     from tpplan.init import run_init
 

@@ -40,7 +40,7 @@ _MAX_CONSUMERS = 2
 
 @dataclass
 class Projection:
-    """One Linear (or Conv1D) module over all its calls in the traced forward."""
+    """One projection module (an nn.Linear, a Conv1D, stacked expert Linears) over all its calls in the traced forward."""
 
     fqn: str
     consumers: set = field(default_factory=set)  # Linears its output reaches first (capped at _MAX_CONSUMERS + 1)
@@ -146,7 +146,7 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
             if event.fqn == "" and not stack:
                 output_nodes.update(event.flat)
             if event.fqn in projections and not isinstance(modules.get(event.fqn), nn.Linear) and event.outputs[0] is not None:
-                outputs_of[event.fqn].append(event.outputs[0])  # a Conv1D's output: its addmm's, viewed back to (..., out)
+                outputs_of[event.fqn].append(event.outputs[0])  # a Conv1D's (its addmm's, viewed) or stacked Linears' (cat)
             continue
         for node in event.inputs:
             consumers[node].append(event)

@@ -1,6 +1,8 @@
-"""colwise and rowwise on transformers' Conv1D (GPT-2's Linear, weight stored [in, out]):
-the style table's placements are what the compiled styles do, a column -> row pair of
-Conv1Ds computes what one device does, and init pairs them."""
+"""colwise and rowwise on the module kinds torch's styles do not shard: transformers'
+Conv1D (GPT-2's Linear, weight stored [in, out]) and stacked expert Linears (JetMoE's,
+weight [E, out, in]). The style table's placements are what the compiled styles do, a
+column -> row pair of Conv1Ds computes what one device does, and init pairs them
+(JetMoE's pairs: tests/test_init.py, slow)."""
 
 from __future__ import annotations
 
@@ -20,23 +22,37 @@ MODEL = "conv1d_model:build"
 PAIR = "version: 1\nrules:\n  blocks.*.c_fc: colwise\n  blocks.*.c_proj: rowwise\n"
 
 
-@pytest.mark.parametrize("style, weight, bias", [
-    ("colwise", PlacementSpec("shard", 1), PlacementSpec("shard", 0)),
-    ("rowwise", PlacementSpec("shard", 0), PlacementSpec("replicate")),
-])
-def test_the_tables_conv1d_placements_are_what_the_compiled_style_does(style, weight, bias):
+def _conv1d():
     from transformers.pytorch_utils import Conv1D
 
+    return Conv1D(8, 4)  # nf 8 outputs, nx 4 inputs: weight [4, 8]
+
+
+def _stacked():
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeParallelExperts
+
+    return JetMoeParallelExperts(4, 6, 8)  # 4 experts, 6 inputs, 8 outputs: weight [4, 8, 6]
+
+
+@pytest.mark.parametrize("style, make, kind, expected", [
+    ("colwise", _conv1d, "Conv1D", {"weight": PlacementSpec("shard", 1), "bias": PlacementSpec("shard", 0)}),
+    ("rowwise", _conv1d, "Conv1D", {"weight": PlacementSpec("shard", 0), "bias": PlacementSpec("replicate")}),
+    ("colwise", _stacked, "StackedLinears", {"weight": PlacementSpec("shard", 1)}),
+    ("rowwise", _stacked, "StackedLinears", {"weight": PlacementSpec("shard", 2)}),
+])
+def test_the_tables_placements_of_each_kind_are_what_the_compiled_style_does(style, make, kind, expected):
     from tpplan.core.schema import rule_spec
     from tpplan.runtime.simulate import simulated_world, tp_mesh
     from tpplan.sharding.compile import compile_for
+    from tpplan.sharding.styles import module_kind
 
-    spec, module = rule_spec(style), Conv1D(8, 4)  # nf 8 outputs, nx 4 inputs: weight [4, 8]
-    assert (spec.semantics.placement("Conv1D", "weight"), spec.semantics.placement("Conv1D", "bias")) == (weight, bias)
+    spec, module = rule_spec(style), make()
+    assert module_kind(module) == kind
+    assert {name: spec.semantics.placement(kind, name) for name in expected} == expected
     with simulated_world(2):
         compile_for(spec, module)._apply(module, tp_mesh(2, "tp"))
     assert {name: p.placements for name, p in module.named_parameters()} == {
-        "weight": (weight.to_torch(),), "bias": (bias.to_torch(),)}
+        name: (placement.to_torch(),) for name, placement in expected.items()}
 
 
 def test_a_conv1d_column_row_pair_computes_what_one_device_does(tmp_path):
