@@ -1,5 +1,5 @@
 """A small language model built of transformers' `Conv1D` (GPT-2's Linear, weight stored
-`[in, out]`): token embedding, blocks of LayerNorm + Conv1D c_fc -> GELU -> Conv1D c_proj
+`[in, out]`): token embedding (of the input viewed, as GPT-2's), blocks of LayerNorm + Conv1D c_fc -> GELU -> Conv1D c_proj
 with a residual add, and a Linear head; for colwise/rowwise on Conv1D and init's pairs."""
 
 import torch
@@ -27,7 +27,7 @@ class Conv1DModel(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, tokens):
-        x = self.embed(tokens)
+        x = self.embed(tokens.view(-1, tokens.shape[-1]))  # as GPT-2 views its input_ids
         for block in self.blocks:
             x = block(x)
         return self.head(x)

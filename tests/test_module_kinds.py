@@ -73,7 +73,7 @@ def test_a_conv1d_column_row_pair_computes_what_one_device_does(tmp_path):
     assert report["comms"]["backward"] == {"all_reduce": 2}  # c_fc's replicated input's gradient
 
 
-def test_init_pairs_conv1d_projections():
+def test_init_pairs_conv1d_projections_and_finds_the_embedding_of_the_viewed_input():
     from conv1d_model import build
 
     from tpplan import infer_plan
@@ -84,3 +84,4 @@ def test_init_pairs_conv1d_projections():
     rules = yaml.safe_load(plan.text)["rules"]
     assert rules["blocks.*.c_fc"] == "colwise" and rules["blocks.*.c_proj"] == "rowwise"
     assert "# c_fc -> c_proj: 64 features, column then row parallel" in plan.text
+    assert rules["embed"] == {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"}
