@@ -44,8 +44,9 @@ RULE = LintRule(
     """,
     why="""
         torch's ColwiseParallel and RowwiseParallel know how to split only
-        Linears and Embeddings (tpplan's add the other two): on anything else `parallelize_module` raises NotImplementedError,
-        after the model is built and the job has started. A glob one level too
+        Linears and Embeddings (tpplan's add the other two): on anything else
+        `parallelize_module` raises NotImplementedError, after the model is
+        built and the job has started. A glob one level too
         short (`layers.*.attention` instead of `layers.*.attention.wq`) is the
         usual cause.
     """,
