@@ -96,6 +96,18 @@ def test_fused_projections_are_sharded_packed_never_plain_colwise():
     assert plan.mesh_sizes == [2]
 
 
+def test_a_fused_projection_viewed_heads_first_splits_by_its_heads_not_its_blocks():
+    from tpplan.init.dataflow import _head_split
+
+    # bloom's and persimmon's query_key_value: (..., heads 8, 3, head_dim 8), then indexed [..., 0, :] (cutting the 3)
+    assert _head_split((2, 5, 192), [(2, 5, 8, 3, 8)], lambda: 3) == (8, 8)
+    # a ViT's (..., 3, heads 8, head_dim 8), unbound on the 3: blocks first, as when nothing cuts it
+    assert _head_split((2, 5, 192), [(2, 5, 3, 8, 8)], lambda: 3) == (8, 8)
+    assert _head_split((2, 5, 192), [(2, 5, 3, 8, 8)], lambda: None) == (8, 8)
+    assert _head_split((2, 5, 96), [(2, 5, 4, 3, 8)], lambda: 3) == (4, 8)
+    assert _head_split((2, 5, 96), [(2, 5, 3, 4, 8)], lambda: 3) == (4, 8)
+
+
 def test_a_model_with_nothing_to_shard_gets_an_empty_plan_with_the_reasons(tmp_path):
     out = tmp_path / "plan.yaml"
     result = run("init", "--model", "tpplan.models.zoo:convnet", "--inputs", "tpplan.models.zoo:convnet_inputs",
@@ -233,6 +245,37 @@ def test_init_reproduces_or_beats_the_shipped_plans_collectives(tmp_path, model,
             assert backward_collectives(ours["comms"]) <= backward_collectives(theirs["comms"])
             assert sum(ours["comms"]["forward"].values()) <= sum(theirs["comms"]["forward"].values())
             assert ours["rank_bytes"] <= theirs["rank_bytes"]
+
+
+@pytest.mark.slow  # 15-40 s a family on the shared machine: init's proof at TP 2 and 4 with --check
+@pytest.mark.parametrize("family, pairs", [
+    # transformers' Conv1D (weight [in, out]); c_attn's global split_size (.split(embed_dim)) needs whole activations
+    ("gpt2", {"transformer.h.*.attn.c_attn": {"style": "colwise", "output_layouts": "replicate"},
+              "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}),
+    ("openai-gpt", {"transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"}),
+    # query_key_value viewed (heads, 3, head_dim) with the global head count and, in bloom, an alibi [batch * heads]:
+    # whole heads per rank, activations whole between the pair
+    ("bloom", {"transformer.h.*.self_attention.query_key_value": {"style": "colwise", "output_layouts": "replicate"}}),
+    ("persimmon", {"model.layers.*.self_attn.query_key_value": {"style": "colwise", "output_layouts": "replicate"}}),
+    # JetMoE's stacked expert Linears [E, out, in], in its MoE and its mixture of attention (with kv_proj); the MoE's
+    # gate/up chunk and the attention's global hidden size need whole activations between the halves
+    ("jetmoe", {"model.layers.*.mlp.input_linear": {"style": "colwise", "output_layouts": "replicate"},
+                "model.layers.*.mlp.output_linear": {"style": "rowwise", "input_layouts": "replicate"},
+                "model.layers.*.self_attention.experts.input_linear": {"style": "colwise", "output_layouts": "replicate"},
+                "model.layers.*.self_attention.kv_proj": {"style": "colwise", "output_layouts": "replicate"}}),
+])
+def test_conv1d_stacked_and_heads_first_fused_families_hold_under_a_third_per_rank_at_tp_4(family, pairs):
+    from tpplan.hf.tiny import build
+    from tpplan.init import run_init
+
+    inferred = run_init(lambda: build(family), ref=f"tpplan.hf.tiny:{family.replace('-', '_')}", tp=[2, 4])
+    rules = rules_of(inferred.text)
+    for key, value in pairs.items():
+        assert rules[key] == value, inferred.text
+    results = inferred.proven.results
+    assert inferred.proven.dropped == []
+    assert all(results[d].check["passed"] for d in (2, 4))
+    assert results[4].rank_bytes / results[4].total_bytes < 0.3
 
 
 @pytest.mark.slow

@@ -136,8 +136,9 @@ def test_colwise_on_a_module_that_is_no_linear_is_an_error_at_its_rule():
     """, LLAMA, select=["TP300"])
     problem = only(problems, "TP300")
     assert (problem.severity, problem.line, problem.column) == ("error", 4, 3)
-    assert "colwise shards only nn.Linear and nn.Embedding, but 'layers.0.attention' is an Attention" in problem.message
-    assert "put colwise on its Linear/Embedding submodules (wq, wk, wv, wo)" in problem.message
+    assert ("colwise shards only nn.Linear, nn.Embedding, transformers' Conv1D and stacked expert Linears, "
+            "but 'layers.0.attention' is an Attention") in problem.message
+    assert "put colwise on the submodules it shards (wq, wk, wv, wo)" in problem.message
     assert problem.message.endswith("(and 1 more like it)")
 
 

@@ -222,7 +222,7 @@ class ExpertParallelSpec(_ExpertOptions):
         for name in ("input_layouts", "output_layouts")
     )
 
-    def torch_class(self) -> str:
+    def torch_class(self, kind: str | None = None) -> str:
         # one class per dispatch (tpplan/sharding/expert_parallel.py)
         if self.dispatch == "all_to_all":
             return "tpplan.sharding.expert_parallel:AllToAllExpertParallel"

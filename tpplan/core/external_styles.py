@@ -64,7 +64,7 @@ class _External:
 
     style: str
 
-    def torch_class(self) -> str:
+    def torch_class(self, kind: str | None = None) -> str:
         return self.style
 
     def torch_options(self) -> dict[str, Any]:

@@ -39,6 +39,9 @@ The fields of `StyleSemantics`:
 - `experts`: how the style splits a fused 3-D experts module: "whole" experts
   per rank (the expert dim), or "each" expert on its intermediate dim; None for
   a style that is no expert style (TP305 checks the module and the degree).
+- `kind_classes`: module kind -> the ParallelStyle class that shards that kind,
+  where `torch_class` (torch's) shards only the others (colwise and rowwise on
+  transformers' Conv1D and stacked expert Linears: sharding/kinds.py).
 - `opaque`: the lint knows nothing of what the style does (a class the plan
   names without `like:`, external_styles.py): it follows no layout through
   the module and judges none of its inputs or outputs.
@@ -105,13 +108,21 @@ class ModuleKind:
 
     torch_class: str  # "module:Class", or "module:function" (module -> bool); resolved by sharding/styles.py
     weight_dims: tuple[str, ...]
+    label: str  # the class, as messages name it
+    # the styles that shard it hand on its positional inputs after the first untouched (stacked Linears' expert_size)
+    more_inputs: bool = False
 
 
 # Matched in this order (isinstance: subclasses count).
 MODULE_KINDS: dict[str, ModuleKind] = {
     # an nn.Linear, or a peft LoRA-wrapped one (its base layer sharded, its adapters derived: sharding/lora.py)
-    "Linear": ModuleKind("tpplan.sharding.lora:is_linear", ("out_features", "in_features")),
-    "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim")),
+    "Linear": ModuleKind("tpplan.sharding.lora:is_linear", ("out_features", "in_features"), "nn.Linear"),
+    "Embedding": ModuleKind("torch.nn:Embedding", ("num_embeddings", "embedding_dim"), "nn.Embedding"),
+    # transformers' Conv1D (GPT-2, openai-gpt): a Linear whose weight is stored [in, out]
+    "Conv1D": ModuleKind("tpplan.sharding.kinds:is_conv1d", ("nx", "nf"), "transformers' Conv1D"),
+    # one Linear per expert in one weight [E, out, in] (JetMoE's JetMoeParallelExperts), called (inputs, expert_size)
+    "StackedLinears": ModuleKind("tpplan.sharding.kinds:is_stacked_linears", ("num_experts", "output_size", "input_size"),
+                                 "stacked expert Linears", more_inputs=True),
 }
 
 
@@ -133,6 +144,8 @@ class StyleSemantics:
     experts: Literal["whole", "each"] | None = None
     opaque: bool = False
     sums_output_grad: bool = False  # backward all-reduces the gradient of the module's output
+    # module kind -> "module:Class" for that kind, where `torch_class` shards only the others
+    kind_classes: Mapping[str, str] = field(default_factory=dict)
 
     def placement(self, kind: str | None, param: str) -> PlacementSpec | None:
         """The placement parameter `param` of a `kind` module gets; None when the
@@ -209,9 +222,10 @@ class StyleSpec(_Strict):
         """The option that makes the style hand on local tensors rather than DTensors."""
         return "use_local_output"
 
-    def torch_class(self) -> str:
-        """The "module:Class" this rule compiles to: the table's, unless an option picks another."""
-        return self.semantics.torch_class
+    def torch_class(self, kind: str | None = None) -> str:
+        """The "module:Class" this rule compiles to for a module of `kind` (a key of
+        MODULE_KINDS): the table's, unless an option or the kind picks another."""
+        return self.semantics.kind_classes.get(kind, self.semantics.torch_class)
 
     def torch_options(self) -> dict[str, Any]:
         """The constructor's keyword arguments: every option (a spec may drop some)."""

@@ -60,7 +60,8 @@ from .expert_styles import ExpertParallelSpec, ExpertTPSpec, LocalParamsSpec, Su
 
 
 class ColwiseSpec(_LinearOptions):
-    """Shard a Linear's weight by output features (an Embedding's by embedding dim)."""
+    """Shard a Linear's weight by output features (an Embedding's by embedding dim; a
+    transformers Conv1D's, stored [in, out], and stacked expert Linears' [E, out, in] on their dim 1)."""
 
     style: Literal["colwise"]
     heads: Union[Annotated[int, Field(ge=1)], Literal["auto"], None] = Field(
@@ -82,7 +83,10 @@ class ColwiseSpec(_LinearOptions):
         params={
             "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
             "Embedding": {"weight": _SHARD1, "*": _SHARD1},
+            "Conv1D": {"weight": _SHARD1, "bias": _SHARD0, "*": _SHARD1},  # weight [in, out]
+            "StackedLinears": {"weight": _SHARD1, "*": _SHARD1},  # weight [E, out, in]
         },
+        kind_classes={kind: "tpplan.sharding.kinds:KindColwiseParallel" for kind in ("Conv1D", "StackedLinears")},
         runs_module=True,
         inputs="first",
         outputs="first",
@@ -105,11 +109,11 @@ class ColwiseSpec(_LinearOptions):
     def natural_output(self):
         return self.output_layouts or _LAST_DIM
 
-    def torch_class(self) -> str:
+    def torch_class(self, kind: str | None = None) -> str:
         if self.packed is not None:  # each rank its slice of every packed block (tpplan/sharding/packed.py)
             return "tpplan.sharding.packed:PackedColwiseParallel"
         # whole heads, replicated above their count (tpplan/sharding/kv_heads.py)
-        return "tpplan.sharding.kv_heads:HeadsColwiseParallel" if self.heads is not None else self.semantics.torch_class
+        return "tpplan.sharding.kv_heads:HeadsColwiseParallel" if self.heads is not None else super().torch_class(kind)
 
     def packed_blocks(self, size: int):
         if self.packed is None:
@@ -135,7 +139,8 @@ class ColwiseSpec(_LinearOptions):
 
 
 class RowwiseSpec(_LinearOptions):
-    """Shard a Linear's weight by input features (an Embedding's by vocabulary)."""
+    """Shard a Linear's weight by input features (an Embedding's by vocabulary; a
+    transformers Conv1D's, stored [in, out], on its dim 0; stacked expert Linears' [E, out, in] on dim 2)."""
 
     style: Literal["rowwise"]
     semantics = StyleSemantics(
@@ -143,7 +148,10 @@ class RowwiseSpec(_LinearOptions):
         params={
             "Linear": {"weight": _SHARD1, "bias": _REPLICATE, "*": _SHARD1},
             "Embedding": {"weight": _SHARD0, "*": _SHARD0},
+            "Conv1D": {"weight": _SHARD0, "bias": _REPLICATE, "*": _SHARD0},  # weight [in, out]
+            "StackedLinears": {"weight": PlacementSpec("shard", 2), "*": PlacementSpec("shard", 2)},  # weight [E, out, in]
         },
+        kind_classes={kind: "tpplan.sharding.kinds:KindRowwiseParallel" for kind in ("Conv1D", "StackedLinears")},
         runs_module=True,
         inputs="first",
         outputs="first",

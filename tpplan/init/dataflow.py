@@ -40,7 +40,7 @@ _MAX_CONSUMERS = 2
 
 @dataclass
 class Projection:
-    """One Linear module over all its calls in the traced forward."""
+    """One projection module (an nn.Linear, a Conv1D, stacked expert Linears) over all its calls in the traced forward."""
 
     fqn: str
     consumers: set = field(default_factory=set)  # Linears its output reaches first (capped at _MAX_CONSUMERS + 1)
@@ -99,6 +99,37 @@ class Dataflow:
         return None
 
 
+def is_projection(module: "nn.Module") -> bool:
+    """A module init pairs: an nn.Linear, or a kind colwise and rowwise shard that computes
+    as one (transformers' Conv1D, stored [in, out]; stacked expert Linears [E, out, in])."""
+    from torch import nn
+
+    from ..core.style_table import ColwiseSpec
+    from ..sharding.styles import module_kind
+
+    return isinstance(module, nn.Linear) or module_kind(module) in ColwiseSpec.semantics.kind_classes
+
+
+def features(module: "nn.Module") -> tuple[int, int]:
+    """(inputs, outputs) of a projection: the dims of its weight that rowwise and colwise shard."""
+    from ..core.style_table import ColwiseSpec, RowwiseSpec
+    from ..sharding.styles import module_kind
+
+    kind, shape = module_kind(module), module.weight.shape
+    return shape[RowwiseSpec.semantics.placement(kind, "weight").dim], shape[ColwiseSpec.semantics.placement(kind, "weight").dim]
+
+
+def _activation(op: Op, module: "nn.Module") -> int | None:
+    """The activation a projection's op takes: F.linear's input (an nn.Linear's, or one
+    expert's rows in stacked expert Linears), or Conv1D's `addmm(bias, x.view(-1, in),
+    weight)` middle argument; None for any other op."""
+    if op.name == "linear" and op.inputs and op.outputs and is_projection(module):
+        return op.inputs[0]
+    if op.name == "addmm" and len(op.inputs) == 3 and op.outputs and is_projection(module):
+        return op.inputs[1]
+    return None
+
+
 def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
     from torch import nn
 
@@ -121,6 +152,8 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
             stack.pop()
             if event.fqn == "" and not stack:
                 output_nodes.update(event.flat)
+            if event.fqn in projections and not isinstance(modules.get(event.fqn), nn.Linear) and event.outputs[0] is not None:
+                outputs_of[event.fqn].append(event.outputs[0])  # a Conv1D's (its addmm's, viewed) or stacked Linears' (cat)
             continue
         for node in event.inputs:
             consumers[node].append(event)
@@ -130,14 +163,19 @@ def analyze(trace: "Trace", modules: "dict[str, nn.Module]") -> Dataflow:
                     bases.setdefault(out, event.inputs[0])
         owner = stack[-1] if stack else ""
         module = modules.get(owner)
-        if event.name == "linear" and isinstance(module, nn.Linear) and event.inputs and event.outputs:
+        activation = _activation(event, module) if module is not None else None
+        if activation is not None:
             proj = projections.setdefault(owner, Projection(owner))
             proj.calls += 1
-            proj.inputs.add(event.inputs[0])
-            linear_of[id(event)] = (owner, event.inputs[0])
-            outputs_of[owner].append(event.outputs[0])
+            proj.inputs.add(activation)
+            linear_of[id(event)] = (owner, activation)
+            if isinstance(module, nn.Linear):
+                outputs_of[owner].append(event.outputs[0])
         elif event.name == "embedding" and isinstance(module, nn.Embedding) and event.inputs:
-            reads_input = event.inputs[0] in model_inputs
+            indices = event.inputs[0]
+            while indices not in model_inputs and indices in bases:  # GPT-2's input_ids.view(-1, seq)
+                indices = bases[indices]
+            reads_input = indices in model_inputs
             embeddings[owner] = embeddings.get(owner, False) or reads_input
             if reads_input:
                 outputs_of[owner].append(event.outputs[0])
@@ -222,20 +260,49 @@ def _follow(proj: Projection, starts: list[int], consumers, linear_of, output_no
         elif kind == "linear":
             proj.consumers.add(what)
         elif proj.heads is None and what.name in _RESHAPES and node in first:
-            proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in what.outputs])
+            proj.heads = _head_split(trace.shapes[node], [trace.shapes[o] for o in what.outputs],
+                                     lambda: _cut_size(what.outputs[0], consumers, linear_of, trace))
 
 
-def _head_split(shape: tuple, outs: list) -> tuple | None:
+def _head_split(shape: tuple, outs: list, cut=lambda: None) -> tuple | None:
     """(heads, head_dim) when a view cuts the last dim of `shape` into two, or into three
-    (a fused projection: blocks, heads, head_dim)."""
+    (a fused projection: its blocks and heads in either order, then head_dim). Of three,
+    the blocks are the size the ops after the view cut apart (`cut()`): bloom's
+    `(heads, 3, head_dim)` indexed `[..., 0, :]`, a ViT's `(3, heads, head_dim)` unbound;
+    blocks first when nothing says (or both sizes are equal)."""
     if len(outs) != 1 or not shape:
         return None
     out, lead = outs[0], len(shape) - 1
     if tuple(out[:lead]) != tuple(shape[:-1]):
         return None
     tail = tuple(out[lead:])
-    if len(tail) in (2, 3) and _product(tail) == shape[-1] and all(d > 1 for d in tail[-2:]):
-        return tail[-2:]
+    if len(tail) not in (2, 3) or _product(tail) != shape[-1]:
+        return None
+    if len(tail) == 3 and tail[0] != tail[1] and cut() == tail[1]:
+        tail = (tail[0], tail[2])  # (heads, blocks, head_dim)
+    return tail[-2:] if all(d > 1 for d in tail[-2:]) else None
+
+
+def _cut_size(node: int, readers, linear_of, trace, depth: int = 4) -> int | None:
+    """The size of the one dim that the first op cutting `node` apart removes (indexing,
+    select, unbind; or chunks it into size 1), following views and permutes up to `depth` ops."""
+    from collections import Counter
+
+    frontier = [node]
+    for _ in range(depth):
+        following = []
+        for n in frontier:
+            for op in readers.get(n, ()):
+                if id(op) in linear_of:
+                    continue
+                for out in op.outputs:
+                    removed = Counter(trace.shapes[n]) - Counter(trace.shapes[out])
+                    added = Counter(trace.shapes[out]) - Counter(trace.shapes[n])
+                    if sum(removed.values()) == 1 and set(added) <= {1}:
+                        return next(iter(removed))
+                    if _product(trace.shapes[out]) == _product(trace.shapes[n]):
+                        following.append(out)  # the same values rearranged: a view or a permute
+        frontier = following
     return None
 
 

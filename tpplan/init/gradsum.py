@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .dataflow import Dataflow
+from .dataflow import Dataflow, features
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,7 +38,7 @@ def shared_tails(modules: "dict[str, nn.Module]", flow: Dataflow, consumer: str,
             continue
         if proj.to_output or not proj.consumers <= {consumer, *prods}:
             continue  # it feeds more than this pair: not only its heads
-        tail = _tail(flow, fqn, modules[fqn].out_features, consumer, set(prods))
+        tail = _tail(flow, fqn, features(modules[fqn])[1], consumer, set(prods))
         if tail is not None:
             out[fqn] = tail
     return out

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .dataflow import Dataflow
+from .dataflow import Dataflow, features, is_projection
 from .gradsum import shared_tails
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ def _leaf(fqn: str) -> str:
 def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool, claimed: set) -> Group:
     projs = flow.projections
     rules: dict[str, Any] = {}
-    divides = [modules[consumer].in_features]
+    divides = [features(modules[consumer])[0]]
     kv: dict[str, tuple] = {}
     heads = {f: projs[f].heads for f in prods if projs[f].heads}
     query = max((h for h, _ in heads.values()), default=None)
@@ -211,7 +211,7 @@ def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool, cl
         elif f in heads:
             divides.append(heads[f][0])
         else:
-            divides.append(modules[f].out_features)
+            divides.append(features(modules[f])[1])
     rules[consumer] = {"style": "rowwise", "output_layouts": "shard(1)", "use_local_output": False} if sp else "rowwise"
     shown = ", ".join(_leaf(f) for f in prods)
     if heads:
@@ -221,11 +221,11 @@ def _pair(modules, flow: Dataflow, consumer: str, prods: list[str], sp: bool, cl
         if kv_counts:
             note += f", {'/'.join(map(str, kv_counts))} KV heads"
     else:
-        note = f"{shown} -> {_leaf(consumer)}: {modules[consumer].in_features} features, column then row parallel"
+        note = f"{shown} -> {_leaf(consumer)}: {features(modules[consumer])[0]} features, column then row parallel"
     params = sum(modules[f].weight.numel() for f in [*prods, consumer])
     # a whole projection (MLA's kv_a_proj_with_mqa) whose rotary tail meets the heads as it is
     for fqn, last in shared_tails(modules, flow, consumer, prods, claimed).items():
-        width = modules[fqn].out_features
+        width = features(modules[fqn])[1]
         rules[fqn] = {"style": "sum_output_grad"} if last == width else {"style": "sum_output_grad", "last": last}
         what = "output" if last == width else f"last {last} of {width} output features"
         note += f"; {_leaf(fqn)} whole, its {what} meeting the heads whole: that gradient summed"
@@ -272,18 +272,19 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
             value["input_layouts"] = "shard(1)"
         value.update({"use_local_output": False} if loss_parallel else {"output_layouts": "replicate"})
         head = modules[fqn]
+        inputs, columns = features(head)
         how = "sharded for loss_parallel" if loss_parallel else "gathered"
         # gathered, the columns may split unevenly (DTensor's uneven shards; the proof checks it); loss_parallel's may not.
         # Where a degree splits them unevenly and every degree divides the inputs, the inputs are split instead: as
         # few bytes per rank, evenly (a forward all-reduce of the logits for the all-gather of their columns)
         by_rows = None
         if not (sp or loss_parallel):
-            by_rows = (head.out_features, head.in_features, {"style": "rowwise", "input_layouts": "replicate"},
-                       f"{_leaf(fqn)}: the output head, split on its {head.in_features} inputs (a degree does not divide its "
-                       f"{head.out_features} columns), its partial logits all-reduced")
-        groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {head.out_features} columns {how}",
-                            [head.out_features] if loss_parallel else [], params=head.weight.numel(), by_rows=by_rows,
-                            columns=head.out_features)
+            by_rows = (columns, inputs, {"style": "rowwise", "input_layouts": "replicate"},
+                       f"{_leaf(fqn)}: the output head, split on its {inputs} inputs (a degree does not divide its "
+                       f"{columns} columns), its partial logits all-reduced")
+        groups[fqn] = Group("head", {fqn: value}, f"{_leaf(fqn)}: the output head, {columns} columns {how}",
+                            [columns] if loss_parallel else [], params=head.weight.numel(), by_rows=by_rows,
+                            columns=columns)
     # Tied weights are one parameter: laid out one way, so their rules stand or fall together.
     home = {fqn: fqn for fqn in groups}  # module -> the key of the group its rule is in
     for tie in shared_parameters(modules[""]):
@@ -299,7 +300,7 @@ def _embeddings_and_head(modules, flow: Dataflow, claimed: set, sp: bool, loss_p
         if first is None:
             continue
         loose = [(fqn, name) for fqn, name in tie if fqn not in home]
-        if all(fqn in modules and not isinstance(modules[fqn], (nn.Linear, nn.Embedding)) and fqn not in claimed
+        if all(fqn in modules and not isinstance(modules[fqn], nn.Embedding) and not is_projection(modules[fqn]) and fqn not in claimed
                for fqn, _ in loose):
             # a module that only holds the tensor (BERT's LMPredictionHead.bias, tied to its decoder's):
             # the same rows of it on each rank, as the vocabulary-parallel rule lays them out
@@ -318,7 +319,7 @@ def _experts(modules, claimed: set, ep: bool) -> list[Group]:
 
     out = []
     for fqn, module in modules.items():
-        if fqn in claimed or isinstance(module, (nn.Linear, nn.Embedding)):
+        if fqn in claimed or isinstance(module, nn.Embedding) or is_projection(module):
             continue
         cubes = [p for p in module._parameters.values() if p is not None and p.dim() == 3]
         experts = {p.shape[0] for p in cubes}
@@ -341,9 +342,9 @@ def _norms(modules, stream: set, claimed: set) -> list[Group]:
     rules = {}
     for fqn in sorted(stream, key=list(modules).index):
         module = modules[fqn]
-        if fqn in claimed or isinstance(module, (nn.Linear, nn.Embedding)) or not list(module.parameters()):
+        if fqn in claimed or isinstance(module, nn.Embedding) or is_projection(module) or not list(module.parameters()):
             continue
-        if any(isinstance(m, (nn.Linear, nn.Embedding)) for m in module.modules()):
+        if any(isinstance(m, nn.Embedding) or is_projection(m) for m in module.modules()):
             continue  # a container (a decoder layer): its projections are planned inside it
         rules[fqn] = "sequence_parallel"
     if not rules:
@@ -362,7 +363,7 @@ def _unplanned(modules, flow: Dataflow, claimed: set, groups: list) -> list[Unpl
         own = [p for p in module._parameters.values() if p is not None]
         if not own:
             continue
-        if isinstance(module, nn.Linear):
+        if is_projection(module):
             proj = flow.projections.get(fqn)
             if proj is None:
                 why = "did not run in the traced forward"

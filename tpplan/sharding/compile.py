@@ -11,7 +11,7 @@ from ..core.placements import PlacementSpec
 from ..core.quiet import loggers_quiet
 from ..core.style_model import StyleSpec
 from .lora import for_module
-from .styles import ParallelStyle, resolve
+from .styles import ParallelStyle, module_kind, resolve
 
 
 def _to_torch(value: Any) -> Any:
@@ -29,11 +29,12 @@ class StyleClassError(ValueError):
     ParallelStyle subclass, or its constructor refuses the rule's arguments."""
 
 
-def style_class(spec: StyleSpec) -> type:
-    """The ParallelStyle class a spec compiles to. For a class the plan names
-    (external_styles.py), importing it, checking what it is and that its
-    constructor takes the rule's keys; StyleClassError says what is wrong."""
-    name = spec.torch_class()
+def style_class(spec: StyleSpec, kind: str | None = None) -> type:
+    """The ParallelStyle class a spec compiles to (for a module of `kind`, a key of
+    MODULE_KINDS). For a class the plan names (external_styles.py), importing it,
+    checking what it is and that its constructor takes the rule's keys;
+    StyleClassError says what is wrong."""
+    name = spec.torch_class(kind)
     if not is_external(getattr(spec, "style", None)):
         return resolve(name)
     try:
@@ -85,10 +86,10 @@ def _refused_arguments(cls: type, options: dict) -> list[str]:
     return [key for key in options if key not in _arguments(cls)]
 
 
-def compile_style(spec: StyleSpec, src_data_rank: int | None = 0) -> ParallelStyle:
-    """A new style object for one module: styles hold per-module state, so never share one."""
+def compile_style(spec: StyleSpec, src_data_rank: int | None = 0, kind: str | None = None) -> ParallelStyle:
+    """A new style object for one module (of `kind`): styles hold per-module state, so never share one."""
     options = {name: _to_torch(value) for name, value in spec.torch_options().items()}
-    cls = style_class(spec)
+    cls = style_class(spec, kind)
     if is_external(getattr(spec, "style", None)):
         try:
             style = cls(**options)
@@ -103,4 +104,5 @@ def compile_style(spec: StyleSpec, src_data_rank: int | None = 0) -> ParallelSty
 def compile_for(spec: StyleSpec, module: Any, src_data_rank: int | None = 0) -> ParallelStyle:
     """The style object for `module`: `compile_style`'s, or for a peft LoRA-wrapped
     Linear the one that shards its base layer and derives its adapters (lora.py)."""
-    return for_module(compile_style(spec, src_data_rank), spec, module, lambda adapter: compile_style(adapter, src_data_rank))
+    style = compile_style(spec, src_data_rank, module_kind(module) if module is not None else None)
+    return for_module(style, spec, module, lambda adapter: compile_style(adapter, src_data_rank))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+from ...core.style_model import MODULE_KINDS
 from ..facts import module_kind
 from ..registry import Finding, LintRule
 from ..text import plural, rule_ref
@@ -74,7 +75,7 @@ def _observed(ctx):
                     f"with {passed} ({rule_ref(call.rule)}): torch raises 'module inputs and input_layouts "
                     f"should have same length!'; {fix}"
                 ))
-        elif inputs == "first" and call.positional > 1 and _applicable(ctx, call):
+        elif inputs == "first" and call.positional > 1 and _applicable(ctx, call) and not _hands_on_more(ctx, call):
             signature = forward_signature(module)
             shown = f" of {_signature_text(module, signature[0], signature[2])}" if signature else ""
             yield Finding(ctx.at(call.rule), (
@@ -102,6 +103,12 @@ def _applicable(ctx, call) -> bool:
     """A style on a module of a kind it does not shard is TP300's, whatever its inputs."""
     kinds = call.rule.spec.semantics.kinds
     return not kinds or module_kind(ctx.modules.get(call.fqn)) in kinds
+
+
+def _hands_on_more(ctx, call) -> bool:
+    """A kind whose styles hand on its other positional inputs (stacked Linears' expert_size)."""
+    kind = module_kind(ctx.modules.get(call.fqn))
+    return kind is not None and MODULE_KINDS[kind].more_inputs
 
 
 RULE = LintRule(
