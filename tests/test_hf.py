@@ -163,7 +163,7 @@ _EXPERT_TP_INSTEAD_OF_EP = (
 
 
 def test_experts_planned_only_for_expert_parallelism_get_expert_tp_and_a_pointer_to_ep():
-    # gpt-oss's experts are in base_model_ep_plan alone in every transformers 5.x (and every MoE family's from 5.25)
+    # gpt-oss's experts are in base_model_ep_plan alone (in transformers 5.20 to 5.25; every MoE family's from 5.25)
     imported = import_hf("gpt_oss")
     assert "  model.layers.*.mlp.experts: expert_tp\n" in imported.text
     assert imported.added == [("model.layers.*.mlp.experts", _EXPERT_TP_INSTEAD_OF_EP)]

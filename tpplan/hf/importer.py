@@ -267,7 +267,7 @@ def import_hf(
             f"transformers {transformers.__version__} defines no expert-parallel plan (base_model_ep_plan) "
             f"for {type(config).__name__}: import without --ep"
         )
-    if not hf_plan:
+    if not hf_plan and not experts_only_in_ep_plan(config, model_cls):  # an EP plan alone still plans its experts
         raise HfImportError(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
             f"(model type {outer.model_type!r}): nothing to import; write the plan by hand"
