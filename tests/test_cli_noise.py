@@ -164,6 +164,25 @@ class MadeInForward(nn.Module):  # a module made inside forward: freed before it
 
     def forward(self, x):
         return self.down(nn.GELU()(self.up(x)))
+
+
+class Func(nn.Module):  # a function as a module, as the kernels package makes one (use_kernel_forward_from_hub)
+    def forward(self, x, own=None):
+        return own(x) if own is not None else x * torch.sigmoid(x)
+
+
+SILU = Func()
+
+
+class KernelizedFunction(nn.Module):  # kernels' use_kernelized_func: its own copy of the function, not a child
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+        self.__dict__["_kernel_funcs"] = {"silu": Func()}
+
+    def forward(self, x):
+        return self.down(SILU(self.up(x), self._kernel_funcs["silu"]))  # the global one calls this module's copy
 '''
 ODD_PLAN = "version: 1\nrules:\n  up: colwise\n  down: rowwise\n"
 
@@ -188,3 +207,21 @@ def test_a_module_freed_before_its_backward_is_a_note_not_torchs_warning(odd):
     assert (result.exit_code, lines) == (0, [])
     assert ("note: the backward of 1 module(s) freed after their forward (made inside another's forward) is counted in "
             "the totals but not attributed to a module: torch's ModTracker skips them") in result.stdout
+
+
+def test_a_function_module_held_outside_the_children_reaches_no_module_tracker_warning(odd):
+    # transformers 5.25 with kernels >= 0.19.1: each attention holds its own copy of the global function module
+    # rotary_pos_emb (both of class Func) in `_kernel_funcs`; torch's ModTracker named both "Func", read the global
+    # one's call into the copy as a module entering itself, and warned "The module hierarchy tracking maybe be
+    # messed up. Please file a bug to PyTorch" once per layer of a memory plan
+    model = ("--model", "odd_models:KernelizedFunction")
+    result, lines = run_gathered("apply", "--plan", odd, *model, "--dry-run", "--tp", "2", "--memory-limit", "1GiB")
+    assert (result.exit_code, lines) == (0, [])
+
+
+@pytest.mark.slow
+def test_a_memory_plan_of_a_transformers_model_reaches_no_module_tracker_warning():
+    pytest.importorskip("transformers")
+    qwen3 = ("--plan", str(ROOT / "plans" / "hf" / "qwen3_tp.yaml"), "--model", "tpplan.hf_models:qwen3")
+    result, lines = run_gathered("apply", *qwen3, "--dry-run", "--tp", "2", "--memory-limit", "1GiB")
+    assert (result.exit_code, lines) == (0, [])

@@ -318,7 +318,7 @@ def test_partial_gradients_of_apertus_xielu_are_found_and_fixed_by_import_minima
 # -- import-hf ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
 def test_moe_families_import_with_every_expert_parameter_sharded(family):
     from tpplan.hf.importer import import_hf
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
@@ -156,6 +156,25 @@ def test_imported_transformers_plan_matches_single_device(config_dirs, family, m
     assert result.comms == counts
 
 
+_EXPERT_TP_INSTEAD_OF_EP = (
+    f"expert_tp (every expert sharded on its intermediate dim): transformers {transformers.__version__} "
+    "plans these experts only in base_model_ep_plan (whole experts per rank), which --ep imports"
+)
+
+
+def test_experts_planned_only_for_expert_parallelism_get_expert_tp_and_a_pointer_to_ep():
+    # gpt-oss's experts are in base_model_ep_plan alone (in transformers 5.20 to 5.25; every MoE family's from 5.25)
+    imported = import_hf("gpt_oss")
+    assert "  model.layers.*.mlp.experts: expert_tp\n" in imported.text
+    assert imported.added == [("model.layers.*.mlp.experts", _EXPERT_TP_INSTEAD_OF_EP)]
+    assert f"#   model.layers.*.mlp.experts: {_EXPERT_TP_INSTEAD_OF_EP}\n" in imported.text
+    assert imported.skipped == []
+    # --ep: transformers' expert-parallel plan, nothing added
+    ep = import_hf("gpt_oss", ep=True)
+    assert "  model.layers.*.mlp.experts: {style: expert_parallel, dispatch: all_reduce}\n" in ep.text
+    assert [why for _, why in ep.added if "--ep" in why] == []
+
+
 def test_import_maps_fused_experts_and_reports_rules_matching_nothing(config_dirs):
     imported = import_hf(config_dirs["qwen2_moe"])
     # The experts' module and parameter entries become one expert_tp rule (issue 10);
@@ -166,10 +185,14 @@ def test_import_maps_fused_experts_and_reports_rules_matching_nothing(config_dir
         ("model.layers.*.mlp.down_proj", "rowwise"),
     ]
     assert "  model.layers.*.mlp.experts: expert_tp\n" in imported.text
-    assert [why for key, why in imported.added if key == "model.layers.*.mlp.experts"] == [
-        "lays out gate_up_proj (packed_colwise) as packed_shard of its gate/up dim (expert_tp's default)",
-        "lays out down_proj (rowwise) as shard of its input dim (expert_tp's default)",
-    ]
+    whys = [why for key, why in imported.added if key == "model.layers.*.mlp.experts"]
+    if "moe_tp_experts" in transformers.Qwen2MoeConfig.base_model_tp_plan.values():  # transformers <= 5.24: experts in its TP plan
+        assert whys == [
+            "lays out gate_up_proj (packed_colwise) as packed_shard of its gate/up dim (expert_tp's default)",
+            "lays out down_proj (rowwise) as shard of its input dim (expert_tp's default)",
+        ]
+    else:  # 5.25 moved them to base_model_ep_plan: the same rule, and where transformers' plan for them is
+        assert whys == [_EXPERT_TP_INSTEAD_OF_EP]
     reasons = {s.key: s.reason for s in imported.skipped}
     assert "matches no module" in reasons["model.layers.*.mlp.gate_proj"]
     # Every skipped entry is named in the YAML too.
@@ -288,7 +311,12 @@ def test_import_hf_command_lists_what_it_leaves_out_and_rejects_unknown_types():
     moe = CliRunner().invoke(app, ["import-hf", "qwen2_moe"])
     assert moe.exit_code == 0
     assert "left out: model.layers.*.mlp.gate_proj: colwise -- matches no module" in moe.output
-    assert "added: model.layers.*.mlp.experts: lays out gate_up_proj (packed_colwise)" in moe.output
+    assert "added: model.layers.*.mlp.experts: " in moe.output
+    # experts transformers plans for expert parallelism only (gpt-oss's, every MoE family's since 5.25): expert_tp, --ep named
+    oss = CliRunner().invoke(app, ["import-hf", "gpt_oss"])
+    assert oss.exit_code == 0
+    assert f"added: model.layers.*.mlp.experts: {_EXPERT_TP_INSTEAD_OF_EP}\n" in oss.output
+    assert "matches no module" not in oss.output
     unknown = CliRunner().invoke(app, ["import-hf", "no_such_model_type"])
     assert unknown.exit_code == 2
     assert "neither a config path nor a transformers model type" in unknown.output

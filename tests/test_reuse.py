@@ -150,6 +150,31 @@ def test_the_block_index_attribute_does_not_make_blocks_differ_but_other_attribu
                                      "'blocks.2' in the attribute width of '<block>'): all 6 simulated")
 
 
+class _Func(nn.Module):  # a function as a module, as the kernels package makes one
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+def test_each_blocks_own_copy_of_a_function_module_does_not_make_blocks_differ_but_another_module_does():
+    # the kernels package's use_kernelized_func (transformers 5.25): every attention holds its own copy of
+    # the global function module in `_kernel_funcs`; compared by identity, every block differed from the last
+    plan = load_plan(str(PLANS / "mlp_tp.yaml"))
+    model = mlp.MLP(n_blocks=6)
+    for block in model.blocks:
+        block.__dict__["_kernel_funcs"] = {"silu": _Func()}
+    found = find_run(model, plan)
+    assert (found.start, found.stop) == (0, 6)
+    model.blocks[4]._kernel_funcs["silu"] = nn.SiLU()  # another module: another computation
+    assert find_run(model, plan) == ("no 6 consecutive blocks of 'blocks' are identical ('blocks.4' differs from "
+                                     "'blocks.3' in the attribute _kernel_funcs of '<block>'): all 6 simulated")
+
+
+def test_a_transformers_models_layers_are_reused():
+    pytest.importorskip("transformers")
+    found = find_run(hf_llama6(), load_plan(str(PLANS / "hf" / "llama_tp.yaml")))
+    assert (found.container, found.start, found.stop) == ("model.layers", 0, 6)
+
+
 def test_blocks_sharing_a_module_are_not_reused():
     plan = load_plan(str(PLANS / "mlp_tp.yaml"))
     model = mlp.MLP(n_blocks=6)

@@ -42,7 +42,9 @@ def import_hf(
         typer.Option(
             "--ep",
             help="Import transformers' expert-parallel plan (base_model_ep_plan: whole experts per rank) "
-            "over its TP plan for the rest of the model.",
+            "over its TP plan for the rest of the model. Without it, experts that transformers plans for "
+            "expert parallelism only (every MoE family's from transformers 5.25) get expert_tp: each expert "
+            "sharded on its intermediate dim.",
         ),
     ] = False,
 ) -> None:

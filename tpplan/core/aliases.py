@@ -31,6 +31,9 @@ TRANSFORMERS_EQUIVALENTS: dict[str, Any] = {
     # Vocab-parallel: torch's rowwise on an Embedding shards the vocabulary.
     "embedding_rowwise": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "replicate"},
     "embedding_colwise": {"style": "colwise", "output_layouts": "replicate"},
+    # Whole heads per rank, replicated when the degree exceeds their count (transformers 5.25's GQA k/v_proj;
+    # at a degree that is no multiple of them transformers replicates groups of heads, which the lint reports: TP311).
+    "unit_colwise": {"style": "colwise", "heads": "auto"},
     # Sum the ranks' partial outputs forward, identity backward.
     "all_reduce": {"style": "prepare_module_output", "output_layouts": "partial", "desired_output_layouts": "replicate"},
     # a module on head-sharded activations: replicated parameters, their gradients summed
@@ -65,6 +68,8 @@ TRANSFORMERS_WITHOUT_EQUIVALENT = {
     "local_packed_rowwise": _LOCAL,
     "replicated_with_grad_allreduce_local": _LOCAL,
     "gather": "it gathers a local output outside DTensor (the closest is a colwise rule with output_layouts: replicate)",
+    "unit_rowwise": "it shards an output projection by whole query heads, replicated above their count, which "
+    "no torch style expresses (rowwise is the same when the degree divides the query heads)",
     "grouped_gemm": "it shards one expert parameter by expert index: write expert_parallel on the experts module",
     "isolated": _EP,
 }

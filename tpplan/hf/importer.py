@@ -76,6 +76,8 @@ UNSOUND_STYLES: dict[str, str] = {
     "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output (sum_output_grad), "
     "whose width this config does not give (no qk_rope_head_dim)",
     "local_params": _LOCAL,
+    "unit_rowwise": "shards an output projection by whole query heads on a (heads, replicas) mesh, replicating "
+    "them above their count; rowwise does the same only at a degree that divides the query heads",
     "grouped_gemm": "shards an expert parameter by expert index; tpplan does that with expert_parallel on the "
     "experts module (ep_dispatch_experts), not on a parameter alone",
     # Names of transformers 4.x, kept so that older plans are reported by name.
@@ -160,28 +162,50 @@ def base_model_attr(model) -> str:
     return bases[0] if len(bases) == 1 else prefix
 
 
+def _prefixed(plan: Mapping[str, str] | None, prefix: str) -> dict[str, str]:
+    return {f"{prefix}.{key}" if prefix else key: style for key, style in (plan or {}).items()}
+
+
+def _class_prefix(model_cls, prefix: str | None) -> str:
+    return (getattr(model_cls, "base_model_prefix", "") or "") if prefix is None else prefix
+
+
+def _on_or_under(key: str, owners: list[str]) -> bool:
+    return any(key == owner or key.startswith(owner + ".") for owner in owners)
+
+
 def hf_tp_plan(config, model_cls, prefix: str | None = None) -> dict[str, str]:
     """transformers' TP plan for `model_cls` with keys relative to the model:
     the config's base-model plan under the base model's attribute (`model.`; `prefix`,
     else the class's base_model_prefix), then the class's own `_tp_plan` (`lm_head`)."""
-    prefix = (getattr(model_cls, "base_model_prefix", "") or "") if prefix is None else prefix
-    base = getattr(config, "base_model_tp_plan", None) or {}
-    plan = {f"{prefix}.{key}" if prefix else key: style for key, style in base.items()}
+    plan = _prefixed(getattr(config, "base_model_tp_plan", None), _class_prefix(model_cls, prefix))
     plan.update(getattr(model_cls, "_tp_plan", None) or {})
     return plan
+
+
+def ep_experts(config, model_cls, prefix: str | None = None) -> list[str]:
+    """The experts modules of transformers' expert-parallel plan (`base_model_ep_plan`), keys relative to the model."""
+    ep = _prefixed(getattr(config, "base_model_ep_plan", None), _class_prefix(model_cls, prefix))
+    return [key for key, style in ep.items() if style in EXPERT_MODULE_STYLES]
 
 
 def hf_ep_plan(config, model_cls, prefix: str | None = None) -> dict[str, str]:
     """transformers' expert-parallel plan (`base_model_ep_plan`) over its TP plan: the
     TP plan for the rest of the model, the EP entries for the experts."""
-    prefix = (getattr(model_cls, "base_model_prefix", "") or "") if prefix is None else prefix
-    ep = {f"{prefix}.{key}" if prefix else key: style for key, style in (getattr(config, "base_model_ep_plan", None) or {}).items()}
-    plan = hf_tp_plan(config, model_cls, prefix)
-    experts = [key for key, style in ep.items() if style in EXPERT_MODULE_STYLES]
+    ep = _prefixed(getattr(config, "base_model_ep_plan", None), _class_prefix(model_cls, prefix))
+    experts = ep_experts(config, model_cls, prefix)
     # The TP entries of modules that EP now owns (the experts and their parameters) give way.
-    plan = {key: style for key, style in plan.items() if not any(key == e or key.startswith(e + ".") for e in experts)}
+    plan = {key: style for key, style in hf_tp_plan(config, model_cls, prefix).items() if not _on_or_under(key, experts)}
     plan.update(ep)
     return plan
+
+
+def experts_only_in_ep_plan(config, model_cls, prefix: str | None = None) -> list[str]:
+    """The experts modules that transformers plans for expert parallelism only: no entry of its
+    TP plan is on them or under them. Since transformers 5.25 every MoE family's experts are there
+    (pure expert TP, `moe_tp_experts`, is deprecated in its TP plans); gpt-oss's always were."""
+    tp = hf_tp_plan(config, model_cls, prefix)
+    return [owner for owner in ep_experts(config, model_cls, prefix) if not any(_on_or_under(key, [owner]) for key in tp)]
 
 
 def _tp_sizes(config) -> list[int]:
@@ -243,12 +267,12 @@ def import_hf(
             f"transformers {transformers.__version__} defines no expert-parallel plan (base_model_ep_plan) "
             f"for {type(config).__name__}: import without --ep"
         )
-    if not hf_plan:
+    if not hf_plan and not experts_only_in_ep_plan(config, model_cls):  # an EP plan alone still plans its experts
         raise HfImportError(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
             f"(model type {outer.model_type!r}): nothing to import; write the plan by hand"
         )
-    model = None
+    model, prefix = None, None
     if check_model or minimal:
         try:
             model = _meta_model(config, model_cls)
@@ -263,10 +287,18 @@ def import_hf(
     rules: dict[str, Any] = {}
     skipped: list[Skipped] = []
     added: list[tuple[str, str]] = []
+    # Experts transformers plans for expert parallelism only get tensor parallelism here, as its
+    # moe_tp_experts gave them (expert_tp); --ep imports its expert-parallel plan instead.
+    ep_only = [] if ep else experts_only_in_ep_plan(config, model_cls, prefix)
+    own = getattr(model_cls, "_tp_plan", None) or {}  # after the base model's entries, as transformers lists them
+    hf_styles = {key: style for key, style in hf_plan.items() if key not in own}
+    hf_styles.update({**dict.fromkeys(ep_only, "ep_dispatch_experts"), **{key: hf_plan[key] for key in own if key in hf_plan}})
     expert_owners = {key for key, style in hf_plan.items() if style in EXPERT_MODULE_STYLES}
-    for key, hf_style in hf_plan.items():
+    for key, hf_style in hf_styles.items():
         owner = key.rpartition(".")[0]
-        if owner in expert_owners and hf_style in EXPERT_PARAM_STYLES:
+        if key in ep_only:
+            rules[key] = SOUND_STYLES["moe_tp_experts"]
+        elif owner in expert_owners and hf_style in EXPERT_PARAM_STYLES:
             added.append((owner, f"lays out {key.rpartition('.')[2]} ({hf_style}) as {EXPERT_PARAM_STYLES[hf_style]}"))
         elif hf_style in SOUND_STYLES:
             rules[key] = SOUND_STYLES[hf_style]
@@ -280,8 +312,9 @@ def import_hf(
             skipped.append(Skipped(key, hf_style, reason))
 
     if model is not None:
-        rules = _keep_module_rules(rules, hf_plan, model, skipped)
+        rules = _keep_module_rules(rules, hf_styles, model, skipped)
         rules = local_params_rules(rules, skipped, added, model)
+        added += [(key, _expert_tp_instead_of_ep()) for key in ep_only if key in rules]
         rules = _per_head_norms(rules, hf_plan, model, config, model_cls)
         for key, value in _tied_embedding_rules(rules, model).items():
             rules = {key: value, **rules}
@@ -297,6 +330,8 @@ def import_hf(
                 for key in summed
             ]
 
+    if model is None:
+        added += [(key, _expert_tp_instead_of_ep()) for key in ep_only]
     header = [
         schema_comment(output),
         f"# Imported by tpplan.hf.importer.import_hf from transformers {transformers.__version__}:",
@@ -318,6 +353,15 @@ def import_hf(
     )
     text = plan_yaml(plan_fields(name, description, _tp_sizes(config)), group_siblings(rules), header=header)
     return ImportedPlan(text, skipped, added)
+
+
+def _expert_tp_instead_of_ep() -> str:
+    import transformers
+
+    return (
+        f"expert_tp (every expert sharded on its intermediate dim): transformers {transformers.__version__} "
+        "plans these experts only in base_model_ep_plan (whole experts per rank), which --ep imports"
+    )
 
 
 def _per_head_norms(rules: dict[str, Any], hf_plan: Mapping[str, str], model, config, model_cls) -> dict[str, Any]:

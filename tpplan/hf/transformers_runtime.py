@@ -27,16 +27,27 @@ def apply_transformers_plan(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     )
 
     plan = hf_tp_plan(model.config, type(model), base_model_attr(model))
+    config = model.config.get_text_config()
     modules = dict(model.named_modules())
     for name, _ in list(model.named_parameters()):
         style = _get_parameter_plan(name, plan)
         if style is not None:
             owner, _, pname = name.rpartition(".")
-            ALL_PARALLEL_STYLES[style].shard_param(modules[owner], pname, mesh)
+            shard = ALL_PARALLEL_STYLES[style].shard_param
+            shard(modules[owner], pname, mesh, **_config_argument(shard, config))
     for name, module in modules.items():
         style = plan.get(replace_layer_number_by_wildcard(name)) if name else None
         if style is not None:
-            if style == "mla_kv_a_proj":  # as transformers' apply_tensor_parallelism: the style reads qk_rope_head_dim there
-                module.config = model.config.get_text_config()
-            ALL_PARALLEL_STYLES[style].install_forward(module, mesh)
+            install = ALL_PARALLEL_STYLES[style].install_forward
+            if style == "mla_kv_a_proj":  # transformers <= 5.24's apply_tensor_parallelism: the style reads qk_rope_head_dim there
+                module.config = config
+            install(module, mesh, **_config_argument(install, config))
     return model
+
+
+def _config_argument(method, config) -> dict:
+    """The text config as the `config` keyword of a style's method that takes it, as transformers
+    5.25's apply_tensor_parallelism passes it (mla_kv_a_proj reads qk_rope_head_dim there); none before."""
+    import inspect
+
+    return {"config": config} if "config" in inspect.signature(method).parameters else {}

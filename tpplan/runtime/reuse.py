@@ -212,17 +212,29 @@ def _signature(block: "nn.Module", fqn: str, claimed: dict, shared: set[int]) ->
 
 
 def _value(value: Any) -> Any:
-    """An attribute as compared between blocks: plain values by value, tensors by shape, others by identity."""
+    """An attribute as compared between blocks: plain values by value, containers by their items,
+    tensors by shape, modules by what they hold, others by identity.
+
+    A module in an attribute is compared by its class and its parameters' and buffers' shapes, as
+    its block's own submodules are, not by identity: each block holding its own copy of one
+    function module (the kernels package's `_kernel_funcs`, which transformers 5.25 uses) is no
+    difference, while a copy of another class or shape still is."""
     import enum
 
     import torch
+    from torch import nn
 
     if value is None or isinstance(value, (bool, int, str, float, complex, torch.dtype, torch.device, enum.Enum)):
         return value
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(_value(v) for v in value))
+    if isinstance(value, dict):
+        return (type(value), tuple((_value(k), _value(v)) for k, v in value.items()))
     if isinstance(value, torch.Tensor):
         return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, nn.Module):
+        tensors = (*value.named_parameters(), *value.named_buffers())
+        return ("module", type(value), tuple((name, _value(t)) for name, t in tensors))
     return ("object", id(value))
 
 
