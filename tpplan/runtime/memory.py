@@ -138,34 +138,12 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool, recorder=
     else:
         tracker = PeakSite()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []), *inputs)
+    from .held import held_modules
+
     root = type(model).__name__  # the tracker's name for the model; its children's are under it
     for path, held in held_modules(model):
         tracker._mod_tracker._known_modules[held] = f"{root}.{path}"
     return tracker
-
-
-def held_modules(model: "nn.Module") -> Iterator[tuple[str, "nn.Module"]]:
-    """(path, module) for each module that a module of `model` holds in an attribute, or in a
-    dict, list or tuple there, without it being a module of `model`: the `kernels` package's
-    per-instance function modules (`use_kernelized_func`: `self_attn._kernel_funcs
-    ["rotary_pos_emb"]`, which transformers uses from 5.25 when kernels >= 0.19.1 is installed).
-
-    Named for torch's ModTracker, which otherwise names a module outside the hierarchy by its
-    class: the global function module (class `Func`) forwards into the attention's own copy (also
-    `Func`), which reads as a module entering itself, and torch warns "The module hierarchy
-    tracking maybe be messed up" on every call, once per layer."""
-    from torch import nn
-
-    internals = set(vars(nn.Module()))
-    registered = {id(m) for _, m in model.named_modules(remove_duplicate=False)}
-    for fqn, module in model.named_modules():
-        for attribute, value in vars(module).items():
-            if attribute in internals:
-                continue
-            items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) else [(None, value)]
-            for key, item in items:
-                if isinstance(item, nn.Module) and id(item) not in registered:
-                    yield ".".join(str(part) for part in (fqn, attribute, key) if part not in ("", None)), item
 
 
 @contextlib.contextmanager
