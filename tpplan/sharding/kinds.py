@@ -68,6 +68,18 @@ def _partition(placements: dict, src_data_rank: int | None, name: str, module: n
         module.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
 
 
+def _distribute_kind(style, spec, kind: str, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """`style` (torch's colwise or rowwise) on a module of `kind`: its parameters placed as
+    `spec`'s table says for that kind, its input and output hooks torch's own."""
+    return distribute_module(
+        module,
+        device_mesh,
+        partial(_partition, _table_placements(spec, kind), style.src_data_rank),
+        partial(_prepare_first, partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts)),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
 class KindColwiseParallel(ColwiseParallel):
     """torch's ColwiseParallel, also on a Conv1D (weight `[in, out]` sharded on dim 1, bias
     on dim 0) and on stacked expert Linears (weight `[E, out, in]` on dim 1). Keyword
@@ -77,13 +89,7 @@ class KindColwiseParallel(ColwiseParallel):
         kind = module_kind(module)
         if kind not in ColwiseSpec.semantics.kind_classes:
             return super()._apply(module, device_mesh)
-        return distribute_module(
-            module,
-            device_mesh,
-            partial(_partition, _table_placements(ColwiseSpec, kind), self.src_data_rank),
-            partial(_prepare_first, partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_kind(self, ColwiseSpec, kind, module, device_mesh)
 
 
 class KindRowwiseParallel(RowwiseParallel):
@@ -96,10 +102,4 @@ class KindRowwiseParallel(RowwiseParallel):
         if kind not in RowwiseSpec.semantics.kind_classes:
             return super()._apply(module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)  # as torch's for a Linear: the input's features sharded
-        return distribute_module(
-            module,
-            device_mesh,
-            partial(_partition, _table_placements(RowwiseSpec, kind), self.src_data_rank),
-            partial(_prepare_first, partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts)),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_kind(self, RowwiseSpec, kind, module, device_mesh)
