@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from tpplan import hf_models, load_checkpoint, load_plan, save_checkpoint
 from tpplan.checkpoint.mapped import backing_file
+from worker_common import finish
 
 PLAN = Path(__file__).resolve().parent.parent / "plans/hf/llama_tp.yaml"
 
@@ -102,7 +103,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         locks = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.name.endswith(".lock") or p.name == ".lock")
         print(json.dumps({"cases": results, "locks": locks}), flush=True)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":
