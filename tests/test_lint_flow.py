@@ -194,6 +194,14 @@ class _Cats(nn.Module):
         if self.how == "split_back":  # cat along the sharded dim, then cut back into the same pieces
             a, k = torch.cat([a, k], dim=-1).split([a.shape[-1], k.shape[-1]], dim=-1)
             return self.tell(a * k)
+        if self.how.startswith("fresh"):  # DeepSeek-V3's expand_kv: a fresh tensor of the shard's heads, filled in place
+            heads = a.unflatten(-1, (-1, 4))
+            both = heads.new_empty(*heads.shape[:-1], 2 * heads.shape[-1])
+            both[..., : heads.shape[-1]].copy_(heads)
+            whole = x.unflatten(-1, (-1, 4))
+            # a replicated head expanded to the rank's heads fills its half; the whole tensor's heads do not fit
+            both[..., heads.shape[-1]:].copy_(whole[..., :1, :].expand(-1, -1, heads.shape[2], -1) if self.how == "fresh" else whole)
+            return self.tell((both[..., : heads.shape[-1]] * both[..., heads.shape[-1]:]).flatten(-2))
         if self.how == "packed":  # [a_r | k_r] on each rank is no contiguous shard of the cat
             return self.tell(torch.cat([a, k], dim=-1))
         return self.tell(torch.cat([a, x], dim=-1))  # beside_whole: a rank's shard beside the whole input
@@ -207,11 +215,12 @@ rules:
 """
 
 
-@pytest.mark.parametrize("how", ["cache", "split_back"])
+@pytest.mark.parametrize("how", ["cache", "split_back", "fresh"])
 def test_cat_of_shards_is_followed_not_stopped(how):
     """A cat that keeps each rank's shard (a 1-D empty tensor torch.cat skips; the sharded
-    dim's pieces cut back as they were put together) is followed to the rowwise half: no
-    TP328 (the flow stopped) and nothing else."""
+    dim's pieces cut back as they were put together; a fresh tensor of the rank's heads
+    filled from the shard and a replicated head expanded to them) is followed to the
+    rowwise half: no TP328 (the flow stopped) and nothing else."""
     with torch.device("meta"):
         model = _Cats(how)
     assert [str(p) for p in lint(_CAT_PLAN, model)] == []
@@ -220,6 +229,7 @@ def test_cat_of_shards_is_followed_not_stopped(how):
 @pytest.mark.parametrize("how, code, message", [
     ("packed", "TP326", "'tell'"),
     ("beside_whole", "TP321", "'cat'"),
+    ("fresh_beside_whole", "TP322", "'copy'"),
 ])
 def test_a_cat_that_breaks_the_shard_is_still_flagged(how, code, message):
     """A cat along the sharded dim handed to a rowwise half as if contiguous, or a shard

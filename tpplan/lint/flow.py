@@ -42,7 +42,7 @@ from .layouts import (
     placement_lay,
 )
 from .grad_sums import GradSums
-from .ops import ELEMENTWISE, SHAPE_ONLY_OTHERS, OpSemantics
+from .ops import ELEMENTWISE, EXPANDS, SHAPE_ONLY_OTHERS, OpSemantics
 from .trace import Call, Op, Return, Trace
 
 _REPLICATE = PlacementSpec("replicate")
@@ -62,12 +62,15 @@ class _Interpreter:
         self.frames: list[_Frame] = []
         self.skip = 0
         self.report = FlowReport()
-        self.ops = OpSemantics(self.shape, self.where)
+        self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()))
         self.sums = GradSums()
         self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
         self.report.grad_sums = self.sums.found
         self.report.shared_operands = self.sums.shared_operands
         # node -> (parameter node, where each of its dims went): views of a parameter
+        # a replicated tensor expanded from size 1 (`k_rot.expand(-1, heads, -1, -1)`): the same values along
+        # those dims, whatever their size on a rank, so it meets a shard there as a broadcast would
+        self.uniform: dict[int, frozenset] = {}
         self.derived: dict[int, tuple[int, tuple]] = {n: (n, tuple(range(len(self.shape(n))))) for n in trace.params}
         self.own_params()
 
@@ -278,6 +281,10 @@ class _Interpreter:
         values = [self.value(n) for n in op.inputs]
         self.layouts_of(op, values)
         self.derive(op, values)
+        if op.name in EXPANDS and len(op.outputs) == 1 and values[0].kind == "R":
+            shape, out = self.shape(op.inputs[0]), self.shape(op.outputs[0])
+            lead = len(out) - len(shape)
+            self.uniform[op.outputs[0]] = frozenset(d for d in range(len(out)) if out[d] != 1 and (d < lead or shape[d - lead] == 1))
         results = [self.value(n) for n in op.outputs]
         if not self.in_local_params():
             self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)

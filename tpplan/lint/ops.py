@@ -38,7 +38,8 @@ REDUCTIONS = frozenset({
     "sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod", "all", "any",
     "argmax", "argmin", "count_nonzero", "nansum", "nanmean", "var_mean", "std_mean",
 })
-SHAPE_ONLY_OTHERS = frozenset({"type_as", "to", "view_as", "reshape_as", "expand_as", "new_empty", "new_zeros", "new_ones", "new_full"})
+FRESH = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})  # x.new_zeros(...): x lends dtype and device
+SHAPE_ONLY_OTHERS = frozenset({"type_as", "to", "view_as", "reshape_as", "expand_as"}) | FRESH
 SPLITS = frozenset({"chunk", "split", "tensor_split", "unbind", "split_with_sizes"})
 CATS = frozenset({"cat", "concat", "concatenate", "stack"})
 
@@ -140,9 +141,10 @@ def _packable(value: Lay) -> bool:
 class OpSemantics:
     """Output layouts of ops on plain inputs, some of them sharded or partial."""
 
-    def __init__(self, shape: Callable[[int], tuple], where: Callable[[], str]):
+    def __init__(self, shape: Callable[[int], tuple], where: Callable[[], str], uniform: Callable[[int], frozenset] = lambda node: frozenset()):
         self.shape = shape  # node id -> full shape
         self.where = where  # () -> the module the op runs in
+        self.uniform = uniform  # node id -> the dims of a replicated tensor expanded from size 1 (a broadcast)
 
     def leak(self, value: Lay, where: str, op: Op, node: int, against: tuple | None = None) -> Leak:
         return Leak(value, where, self.where(), op.name, self.shape(node), against)
@@ -157,6 +159,13 @@ class OpSemantics:
             values, shapes = values[:1], shapes[:1]
             if values[0].kind == "R":
                 return [values[0]] * len(op.outputs)
+            if name in FRESH and values[0].kind == "S":
+                # A fresh tensor of one value (or none): shaped like the shard along its dim, it is
+                # that rank's piece (sizes read from the local shard); were its sizes the full
+                # ones instead, whatever meets the shard fails on shapes, loudly, in the dry run.
+                dim, out = values[0].dim, [self.shape(n) for n in op.outputs]
+                same = all(len(o) == len(shapes[0]) and o[dim] == shapes[0][dim] for o in out)
+                return [Lay("S", False, dim, values[0].src)] * len(out) if same else None
         first = values[0]
         out_shapes = [self.shape(n) for n in op.outputs]
         if not out_shapes:
@@ -309,7 +318,7 @@ class OpSemantics:
         for i, v in enumerate(values):
             if v.kind == "R":
                 j = dim - (len(out) - len(shapes[i]))
-                if 0 <= j < len(shapes[i]) and shapes[i][j] != 1:  # a full tensor meets the shard
+                if 0 <= j < len(shapes[i]) and shapes[i][j] != 1 and j not in self.uniform(op.inputs[i]):  # a full tensor meets the shard
                     return self.leak(values[shard_index], "op", op, op.inputs[shard_index], (op.inputs[i], j))
         if not all(s == out for s in out_shapes):
             return None
