@@ -56,6 +56,7 @@ class Row:
     theirs_backward: int | None = None
     theirs: str = ""  # "no TP plan" | "fails: ..." | ""
     dropped: list = field(default_factory=list)
+    lint: list = field(default_factory=list)  # the lint's warning codes on init's own plan (`validate --strict` fails on any)
     seconds: float = 0.0
 
     @property
@@ -114,6 +115,7 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
     results = inferred.proven.results
     row.passed = {d: bool(results.get(d) and results[d].check and results[d].check.get("passed")) for d in (2, 4)}
     row.dropped = [(d.rule, d.why) for d in inferred.proven.dropped]
+    row.lint = [p.code for p in inferred.proven.lint_warnings]
     if 4 in results:
         ours = results[4]
         row.rank_bytes, row.total_bytes, row.backward = ours.rank_bytes, ours.total_bytes, backward_collectives(ours.comms)
@@ -138,6 +140,8 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
                 gaps.append(f"more bytes per rank at TP 4 ({row.rank_bytes} > {row.theirs_bytes})")
             if row.backward > row.theirs_backward:
                 gaps.append(f"more backward collectives at TP 4 ({row.backward} > {row.theirs_backward})")
+    if row.lint:
+        gaps.append(f"lint warnings on init's own plan: {', '.join(sorted(set(row.lint)))}")
     if gaps:
         row.status, row.text = "gap", "; ".join(gaps)
     return row
@@ -194,7 +198,7 @@ if __name__ == "__main__":  # python tests/test_init_sweep.py [--shard-more] [--
     if args[:1] == ["--timeout"]:
         limit, args = int(args[1]), args[2:]
     signal.signal(signal.SIGALRM, _alarm)
-    print("| type | status | TP2 | TP4 | rank/total bytes TP4 | bwd ours/transformers | bytes ours/transformers | s | detail |")
+    print("| type | status | TP2 | TP4 | rank/total bytes TP4 | bwd ours/transformers | bytes ours/transformers | lint | s | detail |")
     for model_type in args or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         start = time.perf_counter()
         signal.alarm(limit)
@@ -215,4 +219,4 @@ if __name__ == "__main__":  # python tests/test_init_sweep.py [--shard-more] [--
         byt = f"{_cell(row.rank_bytes)}/{_cell(row.theirs_bytes)}"
         detail = row.text.splitlines()[0][:240] if row.text else (f"dropped: {[d[0] for d in row.dropped]}" if row.dropped else "")
         print(f"| {model_type} | {row.status} | {_cell(row.passed.get(2))} | {_cell(row.passed.get(4))} | {frac} | {bwd} | "
-              f"{byt} | {row.seconds:.1f} | {detail} |", flush=True)
+              f"{byt} | {' '.join(row.lint)} | {row.seconds:.1f} | {detail} |", flush=True)

@@ -50,7 +50,7 @@ def init(
         Optional[Path],
         typer.Option("--output", "-o", metavar="PLAN", help="Write the plan here instead of standard output.", show_default=False),
     ] = None,
-    format: Annotated[Format, typer.Option(help="Output format of the report: text, or json (one object: plan, degrees, compare, warnings, dropped).")] = Format.text,
+    format: Annotated[Format, typer.Option(help="Output format of the report: text, or json (one object: plan, degrees, compare, warnings, lint_warnings, dropped).")] = Format.text,
 ) -> None:
     """Infer a tensor-parallel plan from the model's traced data flow, prove it, write it.
 

@@ -48,6 +48,7 @@ class Inferred:
             "degrees": {str(d): r.to_json() for d, r in self.proven.results.items()},
             "compare": {name: {str(d): r.to_json() for d, r in figures.items()} for name, figures in self.compare.items()},
             "warnings": list(self.proven.warnings),
+            "lint_warnings": [p.to_dict() for p in self.proven.lint_warnings],
             "dropped": [{"rule": d.rule, "why": d.why} for d in self.proven.dropped],
             "unplanned": [{"module": u.fqn, "why": u.why} for u in self.unplanned],
             "checked": self.checked,

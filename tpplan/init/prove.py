@@ -57,6 +57,7 @@ class Proven:
     results: dict = field(default_factory=dict)  # degree -> Degree
     notes: list = field(default_factory=list)
     warnings: list = field(default_factory=list)  # a degree asked for that shards little (infer.weak_degree)
+    lint_warnings: list = field(default_factory=list)  # the lint's warnings on the written plan (Problem)
 
 
 @dataclass
@@ -123,7 +124,7 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
     for _ in range(_MAX_ROUNDS + len(groups)):
         rules, edits, text, plan = _lint_fixed(target, groups, degrees, proposal, name, description, header, event)
         results: dict = {}
-        blamed = _lint_blame(target, plan, groups, degrees, rules)
+        blamed, lint_warnings = _lint_blame(target, plan, groups, degrees, rules)
         if not blamed:
             results, failure = dry_runs(target, plan, degrees, event)
             if failure is None:
@@ -144,7 +145,7 @@ def prove(target: Target, proposal: Proposal, given: Sequence[int] | None, *, na
                     continue
                 groups.remove(alike)
                 dropped.append(Dropped(_first_key(alike), why, tuple(alike.rules)))
-    return Proven(groups, degrees, rules, edits, dropped, results, warnings=warnings), text
+    return Proven(groups, degrees, rules, edits, dropped, results, warnings=warnings, lint_warnings=lint_warnings), text
 
 
 def _all_rules(groups: list[Group], degrees: list[int]) -> dict[str, tuple[Any, str]]:
@@ -218,18 +219,21 @@ def _added_owner(fqns: set, groups: list[Group]) -> list[Group]:
     return out[:1]
 
 
-def _lint_blame(target, plan, groups, degrees, rules) -> list[tuple[Group, str]]:
+def _lint_blame(target, plan, groups, degrees, rules) -> tuple[list[tuple[Group, str]], list[Problem]]:
+    """The groups the lint's errors are located at, and the lint's warnings."""
     from ..lint import lint_model, ordered_rules
 
     codes = [rule.code for rule in ordered_rules() if rule.code != "TP330"]  # the dry run below is that check
-    problems = [p for p in lint_model(plan, target.model, degrees, select=codes, inputs=target.inputs) if p.severity == "error"]
+    found = lint_model(plan, target.model, degrees, select=codes, inputs=target.inputs)
+    problems = [p for p in found if p.severity == "error"]
+    warnings = [p for p in found if p.severity != "error"]
     blamed = []
     for problem in problems:
         for group in _owner_groups(plan, problem, groups, rules):
             blamed.append((group, f"{problem.code}: {problem.message}"))
     if problems and not blamed:
-        return _unlocated(groups, problems[0])
-    return blamed
+        return _unlocated(groups, problems[0]), warnings
+    return blamed, warnings
 
 
 def _unlocated(groups, problem) -> list[tuple[Group, str]]:

@@ -39,6 +39,8 @@ def render_report(inferred: "Inferred") -> str:
             if degree in figures:
                 lines.append(_line(name, figures[degree]))
     lines += [f"warning: {why}" for why in proven.warnings]
+    # what `validate --strict` would fail the written plan on: said here, not found later
+    lines += dict.fromkeys(f"lint warning {p.code}: {' '.join(p.message.split())[:300]}" for p in proven.lint_warnings)
     if not inferred.checked:
         lines.append("not checked with values (a model above the values limit, or on the meta device): shapes and collectives only")
     for rule, why in dict.fromkeys((d.rule, " ".join(d.why.split())[:300]) for d in proven.dropped):
