@@ -22,7 +22,7 @@ from tpplan import hf_models, load_checkpoint, load_plan, save_checkpoint  # noq
 from tpplan.checkpoint import asyncsave  # noqa: E402
 from tpplan.checkpoint.mapped import backing_file  # noqa: E402
 from tpplan.checkpoint.save import state_to_save  # noqa: E402
-from tpplan.checkpoint.simulate import _fake_rank  # noqa: E402
+from tpplan.runtime.simulate import simulated_world  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
@@ -57,7 +57,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def test_at_tp2_replicated_and_dim0_shards_view_the_file_and_dim1_shards_are_copied(saved):
     directory, tensors = saved["llama"]
     file = str(directory / "model.safetensors")
-    with _fake_rank(1, 2):
+    with simulated_world(2, rank=1):
         from torch.distributed.device_mesh import init_device_mesh
 
         model = meta()
@@ -144,7 +144,7 @@ def test_rank_1s_mapped_dim0_shards_stage_for_an_asynchronous_save(saved, monkey
     directory, tensors = saved["llama"]
     monkeypatch.setitem(asyncsave._STAGED, "layout", None)  # this test's staging buffers go with it
     monkeypatch.setitem(asyncsave._STAGED, "buffers", None)
-    with _fake_rank(1, 2):
+    with simulated_world(2, rank=1):
         from torch.distributed.device_mesh import init_device_mesh
 
         model = meta()

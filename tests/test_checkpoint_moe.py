@@ -88,7 +88,7 @@ def test_dry_run_read_bytes_give_each_rank_its_expert_share(saved, family, style
     """The bytes each rank reads: experts 1/TP, the rest per the plan, all ranks alike."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tpplan.checkpoint.simulate import _fake_rank
+    from tpplan.runtime.simulate import simulated_world
 
     source = locate(saved[family])
     read_metadata(source)
@@ -96,7 +96,7 @@ def test_dry_run_read_bytes_give_each_rank_its_expert_share(saved, family, style
     whole = ("down_proj_bias",) if style == "tp" else ()
     expert_bytes = sum(md.size.numel() * 4 for k, md in source.tensors.items() if ".experts." in k and not k.endswith(whole))
     whole_bytes = sum(md.size.numel() * 4 for k, md in source.tensors.items() if ".experts." in k and whole and k.endswith(whole))
-    with _fake_rank(0, 2):
+    with simulated_world(2):
         mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
         with torch.device("meta"):
             model = getattr(hf_models, family)()

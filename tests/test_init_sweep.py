@@ -56,7 +56,7 @@ class Row:
     theirs_backward: int | None = None
     theirs: str = ""  # "no TP plan" | "fails: ..." | ""
     dropped: list = field(default_factory=list)
-    lint: list = field(default_factory=list)  # the lint's warning codes on init's own plan (`validate --strict` fails on any)
+    lint: list = field(default_factory=list)  # the lint's warning codes on init's own plan
     seconds: float = 0.0
 
     @property
@@ -140,8 +140,8 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
                 gaps.append(f"more bytes per rank at TP 4 ({row.rank_bytes} > {row.theirs_bytes})")
             if row.backward > row.theirs_backward:
                 gaps.append(f"more backward collectives at TP 4 ({row.backward} > {row.theirs_backward})")
-    if row.lint:
-        gaps.append(f"lint warnings on init's own plan: {', '.join(sorted(set(row.lint)))}")
+    if "TP328" in row.lint:  # the flow stopped: part of init's own plan unchecked by the lint (coverage, TP360, is a judgement)
+        gaps.append(f"TP328 on init's own plan ({row.lint.count('TP328')})")
     if gaps:
         row.status, row.text = "gap", "; ".join(gaps)
     return row

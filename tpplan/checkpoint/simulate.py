@@ -22,35 +22,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..runtime.simulate import forget_sharding_cache, local_ranks, simulated_world
 from .load import LoadResult, load_checkpoint
 from .meta import meta_parameters
-
-
-@contextlib.contextmanager
-def _fake_rank(rank: int, world: int) -> Iterator[None]:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("a process group is already initialized; the simulation needs its own")
-    forget_sharding_cache()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        forget_sharding_cache()
-
-
-def forget_sharding_cache() -> None:
-    """DTensor caches sharding propagation by spec, and specs compare meshes by their
-    layout, not by this rank's coordinate: without a clear, rank 1 would get the
-    cached outputs of rank 0, on rank 0's mesh, and read rank 0's slices; and a run
-    under LocalTensorMode leaves per-rank sizes in it that a later fake-tensor run
-    of the same shapes cannot read."""
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()  # the Python caches and the C++ fast path's copy
 
 
 @dataclass
@@ -146,12 +120,11 @@ def simulated_load(
     """Build the model once (parameters on the meta device), apply `plan` at TP `tp` and load `path`
     rank by rank (see the module docstring); the body runs inside the simulated world
     (fake process group and LocalTensorMode)."""
-    from torch.distributed._local_tensor import LocalTensorMode
     from torch.distributed.device_mesh import init_device_mesh
 
     with meta_parameters():  # parameters on meta, buffers as the constructor computes them
         model = build()
-    with _fake_rank(0, tp), LocalTensorMode(tp):
+    with simulated_world(tp), local_ranks(tp):
         plan.apply(model, init_device_mesh("cpu", (tp,), mesh_dim_names=(getattr(plan, "mesh_axis", None) or "tp",)))
         results = load_ranks(model, path, tp, dtype=dtype, allow_missing=allow_missing)
         yield SimulatedLoad(model, results, tp)

@@ -94,46 +94,61 @@ def local_ranks(world_size: int) -> Iterator[None]:
     after a fake pass (rank 0), an uneven shard would get rank 0's local shape on every
     rank (`view` of 43 features where rank 2 holds 42), a failure torchrun never has."""
     from torch.distributed._local_tensor import LocalTensorMode
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    _clear_sharding_prop_cache()
+    forget_sharding_cache()
     try:
         with LocalTensorMode(world_size):
             yield
     finally:
-        _clear_sharding_prop_cache()
+        forget_sharding_cache()
+
+
+def forget_sharding_cache() -> None:
+    """Empty DTensor's sharding-propagation caches (the Python ones and the C++ fast
+    path's copy). They are keyed by spec, and specs compare meshes by their layout, not
+    by this rank's coordinate: a world simulated as rank 1 after one as rank 0 would get
+    rank 0's cached outputs, on rank 0's mesh."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 @contextlib.contextmanager
-def simulated_world(world_size: int) -> Iterator[None]:
-    """Run the body with a fake default process group of `world_size` ranks (as rank 0).
+def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Run the body with a fake default process group of `world_size` ranks, as `rank`:
+    the one fake world of tpplan (dry runs, the lint, init, checkpoint simulation).
 
-    Reentrant for the same size: inside an active simulated world of that size
-    it changes nothing. The group is destroyed on exit, so worlds of different
-    sizes can follow each other in one process. Inside, ops whose CPU form has
-    no DTensor rule but whose CUDA form has one get the CUDA rule
-    (`device_rules.cuda_rules`): the world simulates the cluster, not the CPU.
+    Reentrant for the same size and rank: inside an active simulated world of those
+    it changes nothing. The group is destroyed on exit, so worlds of different sizes
+    can follow each other in one process. Inside, ops whose CPU form has no DTensor
+    rule but whose CUDA form has one get the CUDA rule (`device_rules.cuda_rules`):
+    the world simulates the cluster, not the CPU. A rank other than 0 starts and ends
+    with DTensor's sharding caches emptied (`forget_sharding_cache`).
     """
-    if world_size < 1:
-        raise ValueError(f"world_size ({world_size}) must be at least 1")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"cannot simulate rank {rank} of {world_size}: world_size must be at least 1 and rank in [0, world_size)")
     if dist.is_initialized():
-        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
+        if dist.get_backend() == "fake" and (dist.get_world_size(), dist.get_rank()) == (world_size, rank):
             yield
             return
         raise RuntimeError(
-            f"cannot simulate {world_size} ranks: a process group ({dist.get_backend()}, "
+            f"cannot simulate rank {rank} of {world_size}: a process group ({dist.get_backend()}, "
             f"world size {dist.get_world_size()}) is already initialized; destroy it first"
         )
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from .device_rules import cuda_rules
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    if rank:
+        forget_sharding_cache()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with cuda_rules():
             yield
     finally:
         dist.destroy_process_group()
+        if rank:
+            forget_sharding_cache()
 
 
 def tp_mesh(world_size: int, axis: str = "tp") -> DeviceMesh:
