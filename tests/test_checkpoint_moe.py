@@ -20,7 +20,7 @@ from safetensors import safe_open  # noqa: E402
 
 from tpplan import hf_models, load_plan  # noqa: E402
 from tpplan.checkpoint.inspect import match  # noqa: E402
-from tpplan.checkpoint.simulate import simulated_load  # noqa: E402
+from tpplan.runtime.simulated_load import simulated_load  # noqa: E402
 from tpplan.checkpoint.source import locate, read_metadata  # noqa: E402
 from tpplan.runtime.simulate import allowed_diff, max_abs_diff, tolerance  # noqa: E402
 

@@ -12,7 +12,7 @@ from lint_helpers import found, lint, only
 from safetensors.torch import save_file
 
 from tpplan import PlanError, load_plan
-from tpplan.checkpoint.simulate import simulated_load
+from tpplan.runtime.simulated_load import simulated_load
 from tpplan.models import fused
 from tpplan.runtime.simulate import allowed_diff, max_abs_diff, tolerance
 from tpplan.runtime.verify import check_parity

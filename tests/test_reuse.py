@@ -1,5 +1,5 @@
-"""Memory planning simulates identical repeated blocks once (runtime/reuse.py,
-runtime/timeline.py): the composed step equals the whole simulation
+"""Memory planning simulates identical repeated blocks once (runtime/reuse.py): the
+composed step equals the whole simulation
 (`--no-reuse`) in every figure the report gives, and blocks that differ, or a
 model that cannot run truncated, are simulated whole with a note."""
 

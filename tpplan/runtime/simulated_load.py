@@ -22,9 +22,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.simulate import forget_sharding_cache, local_ranks, simulated_world
-from .load import LoadResult, load_checkpoint
-from .meta import meta_parameters
+from ..checkpoint.load import LoadResult, load_checkpoint
+from ..checkpoint.meta import meta_parameters
+from .simulate import forget_sharding_cache, local_ranks, simulated_world
 
 
 @dataclass
