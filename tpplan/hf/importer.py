@@ -29,7 +29,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG
+from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG, TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT
 from .build import config_remarks_off
 from .local_params import NAMES_A_PARAMETER, local_params_rules
 from ..core.yamltext import group_siblings, plan_fields, plan_yaml
@@ -59,36 +59,8 @@ EXPERT_PARAM_STYLES = {
     "grouped_gemm": "shard(0) of the expert dim (expert_parallel's default)",
 }
 
-# Full parameters on every rank: what tpplan does to any module no rule names.
-UNPLANNED_STYLES = {
-    "replicate": "every rank keeps the full parameter, as for any module no rule names: no rule needed",
-    "ep_router": "the router stays whole on every rank (expert_parallel's all_reduce dispatch routes the "
-    "replicated tokens on every rank): no rule needed",
-}
-
-_LOCAL = "runs the module on local shards outside DTensor (transformers' own hook); no torch style does"
-UNSOUND_STYLES: dict[str, str] = {
-    "packed_colwise": "shards a fused [gate; up] Linear weight (packed_shard) outside an experts module; "
-    "tpplan's colwise shards it contiguously, which would pair one rank's gate with another's up",
-    "packed_rowwise": "shards a fused Linear weight (packed_shard) outside an experts module, which colwise/rowwise cannot express",
-    "moe_identity_expert": "divides an identity expert's input by the TP degree to undo moe_tp_experts' sum; "
-    "only meaningful with moe_tp_experts",
-    "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output (sum_output_grad), "
-    "whose width this config does not give (no qk_rope_head_dim)",
-    "local_params": _LOCAL,
-    "unit_rowwise": "shards an output projection by whole query heads on a (heads, replicas) mesh, replicating "
-    "them above their count; rowwise does the same only at a degree that divides the query heads",
-    "grouped_gemm": "shards an expert parameter by expert index; tpplan does that with expert_parallel on the "
-    "experts module (ep_dispatch_experts), not on a parameter alone",
-    # Names of transformers 4.x, kept so that older plans are reported by name.
-    "local_colwise": _LOCAL,
-    "local_rowwise": _LOCAL,
-    "local": _LOCAL,
-    "local_packed_rowwise": _LOCAL,
-    "isolated": "expert parallelism (each rank isolates its experts), not tensor parallelism",
-    "gather": "gathers a local output outside DTensor (transformers 4.x); no torch style does",
-    "replicated_with_grad_allreduce_local": _LOCAL,
-}
+# Every other string is left out, with the reason in core.aliases: TRANSFORMERS_NO_RULE
+# (what tpplan does anyway), TRANSFORMERS_WITHOUT_EQUIVALENT (no sound tpplan style).
 
 
 class HfImportError(ValueError):
@@ -258,11 +230,11 @@ def import_hf(
             rules[key] = SOUND_STYLES[hf_style]
         elif hf_style in TRANSFORMERS_FROM_CONFIG and _from_config(config, hf_style) is not None:
             rules[key] = _from_config(config, hf_style)
-        elif hf_style in UNPLANNED_STYLES:
-            skipped.append(Skipped(key, hf_style, UNPLANNED_STYLES[hf_style]))
+        elif hf_style in TRANSFORMERS_NO_RULE:
+            skipped.append(Skipped(key, hf_style, f"{TRANSFORMERS_NO_RULE[hf_style][0]}: no rule needed"))
         else:
             unknown = f"unknown transformers style {hf_style!r}: no mapping to a tpplan style"
-            reason = UNSOUND_STYLES.get(hf_style, unknown)
+            reason = TRANSFORMERS_WITHOUT_EQUIVALENT.get(hf_style, unknown)
             skipped.append(Skipped(key, hf_style, reason))
 
     if model is not None:
