@@ -361,7 +361,7 @@ def test_a_config_saved_by_transformers_reads_back_with_its_encoded_floats_and_a
     from typer.testing import CliRunner
 
     from tpplan.cli.app import app
-    from tpplan.hf.build import load_config
+    from tpplan.hf.config import load_config
 
     FalconH1Config().save_pretrained(tmp_path)
     assert load_config(str(tmp_path)).time_step_limit[1] == float("inf")

@@ -16,8 +16,9 @@ every other one with its key and the reason, never dropping a rule silently.
     >>> imported.skipped, imported.added  # nothing left out, nothing added for llama
     ([], [])
 
-Input that names no usable config or plan raises `HfImportError` (a
-`ValueError`, with the reason); anything else that escapes is a bug.
+Input that names no readable config raises `HfConfigError` (hf.config, the reader
+`--model hf:` shares), one with no usable plan its subclass `HfImportError` (both
+`ValueError`s, with the reason); anything else that escapes is a bug.
 Needs `transformers` (`pip install tpplan[hf]`); torch only when a model is
 checked (`check_model=True`, the default) or a plan is applied.
 The YAML is written by `core.yamltext.plan_yaml`, as every plan tpplan writes.
@@ -30,7 +31,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG, TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT
-from .build import config_remarks_off
+from .config import HfConfigError, load_config
 from .local_params import NAMES_A_PARAMETER, local_params_rules
 from ..core.yamltext import group_siblings, plan_fields, plan_yaml
 from .plans import EXPERT_MODULE_STYLES, experts_only_in_ep_plan, hf_ep_plan, hf_tp_plan
@@ -63,9 +64,10 @@ EXPERT_PARAM_STYLES = {
 # (what tpplan does anyway), TRANSFORMERS_WITHOUT_EQUIVALENT (no sound tpplan style).
 
 
-class HfImportError(ValueError):
-    """The source names no config tpplan can import a plan from: not a model type,
-    an unreadable config, no causal-LM class or TP plan, a model that cannot be built."""
+class HfImportError(HfConfigError):
+    """The config names nothing tpplan can import a plan from: no causal-LM class or TP
+    plan, a model that cannot be built. (A source that names no readable config at all
+    raises its base, HfConfigError, as `--model hf:` does: hf.config.)"""
 
 
 class Skipped(NamedTuple):
@@ -80,25 +82,6 @@ class ImportedPlan(NamedTuple):
     text: str  # tpplan YAML
     skipped: list[Skipped]  # transformers entries with no rule in `text`
     added: list[tuple[str, str]]  # (key, why) for rules `text` has beyond transformers' plan
-
-
-@config_remarks_off()
-def load_config(model_type_or_config_path: str | os.PathLike):
-    """A transformers config: from a local directory or config.json, else the
-    default config of a model type (`"llama"`). Never downloads; transformers' remarks on it are off."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
-    source = os.fspath(model_type_or_config_path)
-    if os.path.isdir(source) or os.path.isfile(source):
-        try:  # a file by any name, as given
-            return AutoConfig.from_pretrained(source, local_files_only=True)
-        except (OSError, ValueError, StrictDataclassError) as exc:  # transformers' words for a missing or malformed config
-            raise HfImportError(" ".join(str(exc).split())) from exc
-    try:
-        return AutoConfig.for_model(source)
-    except ValueError:
-        raise HfImportError(f"{source!r} is neither a config path nor a transformers model type (as 'llama', 'qwen2')") from None
 
 
 def causal_lm_class(config):
