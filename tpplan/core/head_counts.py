@@ -48,7 +48,9 @@ def _int_attr(holder: Any, names: tuple) -> tuple[str, int] | None:
     for name in names:
         try:
             value = holder.get(name) if isinstance(holder, dict) else getattr(holder, name, None)
-        except (AttributeError, TypeError, ValueError):  # some configs refuse a global value for a per-layer attribute
+        except (AttributeError, RuntimeError):
+            # transformers' heterogeneous configs refuse a global value for a per-layer attribute
+            # (AmbiguousGlobalPerLayerAttributeError, a RuntimeError): not given for the whole model
             continue
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return name, value

@@ -118,14 +118,18 @@ def base_model_attr(model) -> str:
 
 
 def _tp_sizes(config) -> list[int]:
-    dims = []
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        try:
-            dims.append(getattr(config, name, None))
-        except Exception:  # some configs refuse a global value for a per-layer attribute
-            pass
-    dims = [d for d in dims if isinstance(d, int) and d > 0]
-    return [n for n in (2, 4, 8) if all(d % n == 0 for d in dims)] or [1]
+    """The mesh.sizes of the imported plan (core/degrees.py's default, as validate checks): of
+    DEFAULT_TP_SIZES those dividing the head counts (read as the lint reads them) and the
+    FFN width, so the plan promises only degrees that can work; [1] when none does."""
+    from ..core.degrees import DEFAULT_TP_SIZES, dividing
+    from ..core.head_counts import head_counts
+
+    heads = head_counts(config)
+    try:
+        intermediate = getattr(config, "intermediate_size", None)
+    except (AttributeError, RuntimeError):  # a per-layer attribute of a heterogeneous config (core/head_counts.py)
+        intermediate = None
+    return dividing(DEFAULT_TP_SIZES, [*(count for _, count in (heads.counts if heads else ())), intermediate]) or [1]
 
 
 def _meta_model(config, model_cls):
