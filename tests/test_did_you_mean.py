@@ -59,7 +59,8 @@ def test_torch_names_in_another_case_or_with_underscores(plan_error, spelling, o
         ("local_colwise", "'local_colwise' is a transformers style with no tpplan equivalent: it runs the module on local shards outside "
                           "DTensor, which no torch style does (the closest is colwise: DTensor parameters, a local output)"),
         ("packed_colwise", "'packed_colwise' is a transformers style with no tpplan equivalent: it shards a fused [gate; up] weight "
-                           "with a strided shard, which no torch style expresses"),
+                           "with a strided shard, which no torch style expresses (colwise would shard it contiguously, pairing one "
+                           "rank's gate with another's up; in an experts module, expert_tp does it)"),
         # main's import-hf leaves the router unplanned (issue 10): no rule needed
         ("ep_router", "'ep_router' is transformers' style for a router left whole on every rank (expert_parallel's all_reduce "
                       "dispatch routes the replicated tokens on every rank), as every module no rule names keeps: delete this rule"),
@@ -82,12 +83,30 @@ def test_what_the_message_says_to_write_loads(hf_style, value):
 
 def test_the_tables_agree_with_what_import_hf_does():
     pytest.importorskip("transformers")
-    from tpplan.hf.importer import SOUND_STYLES, UNPLANNED_STYLES, UNSOUND_STYLES
+    from tpplan.hf.importer import SOUND_STYLES
 
     # a string tpplan also spells the same way (colwise, rowwise, sequence_parallel) is no unknown style
     assert {k: v for k, v in SOUND_STYLES.items() if k not in STYLE_NAMES} == TRANSFORMERS_EQUIVALENTS
-    assert set(UNPLANNED_STYLES) == set(TRANSFORMERS_NO_RULE)
-    assert set(UNSOUND_STYLES) == set(TRANSFORMERS_WITHOUT_EQUIVALENT)
+
+
+def test_import_hf_leaves_an_entry_out_with_the_reason_did_you_mean_gives(tmp_path):
+    """One table of transformers' strings: the reason import-hf writes for an entry it
+    leaves out is the one a plan naming the string is told."""
+    pytest.importorskip("transformers")
+    import json
+
+    from tpplan.core.aliases import suggestion
+    from tpplan.hf.importer import import_hf
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                                  "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 128,
+                                  "base_model_tp_plan": {"layers.*.self_attn.q_proj": "gather", "layers.*.mlp.gate_proj": "replicate"}}))
+    imported = import_hf(config)
+    reasons = {s.hf_style: s.reason for s in imported.skipped}
+    assert suggestion("gather").endswith(reasons["gather"])
+    what, _ = TRANSFORMERS_NO_RULE["replicate"]
+    assert reasons["replicate"] == f"{what}: no rule needed" and what in suggestion("replicate")
 
 
 @pytest.mark.parametrize(

@@ -18,13 +18,8 @@ transformers = pytest.importorskip("transformers")
 from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
 from tpplan import hf_models  # noqa: E402
-from tpplan.hf.importer import (  # noqa: E402
-    SOUND_STYLES,
-    UNPLANNED_STYLES,
-    UNSOUND_STYLES,
-    Skipped,
-    import_hf,
-)
+from tpplan.core.aliases import TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT  # noqa: E402
+from tpplan.hf.importer import SOUND_STYLES, Skipped, import_hf  # noqa: E402
 from tpplan.hf.transformers_runtime import apply_transformers_plan  # noqa: E402
 from tpplan.runtime.verify import check_parity  # noqa: E402
 
@@ -219,7 +214,7 @@ def test_every_transformers_style_is_mapped_or_reported():
     import transformers.distributed.expert_parallel  # noqa: F401  (registers the EP styles)
     from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES  # registers the TP styles
 
-    known = set(SOUND_STYLES) | set(UNPLANNED_STYLES) | set(UNSOUND_STYLES)
+    known = set(SOUND_STYLES) | set(TRANSFORMERS_NO_RULE) | set(TRANSFORMERS_WITHOUT_EQUIVALENT)
     registered = set(ALL_PARALLEL_STYLES.keys())
     assert {"colwise", "rowwise", "grouped_gemm"} <= registered
     assert registered - known == set()
@@ -366,7 +361,7 @@ def test_a_config_saved_by_transformers_reads_back_with_its_encoded_floats_and_a
     from typer.testing import CliRunner
 
     from tpplan.cli.app import app
-    from tpplan.hf.build import load_config
+    from tpplan.hf.config import load_config
 
     FalconH1Config().save_pretrained(tmp_path)
     assert load_config(str(tmp_path)).time_step_limit[1] == float("inf")

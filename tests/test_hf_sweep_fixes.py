@@ -93,7 +93,8 @@ def test_mla_rotary_key_gradient_is_summed_as_transformers_does(tmp_path):
     from tpplan.runtime.torchrun import ApplyOptions
     from tpplan.runtime.verify import check_parity
 
-    from tpplan.hf.importer import causal_lm_class, experts_only_in_ep_plan, load_config
+    from tpplan.hf.config import load_config
+    from tpplan.hf.importer import causal_lm_class, experts_only_in_ep_plan
 
     text = _imported(tmp_path, "glm4_moe_lite")
     assert "  model.layers.*.self_attn.kv_a_proj_with_mqa: {style: sum_output_grad, last: 8}\n" in text  # qk_rope_head_dim

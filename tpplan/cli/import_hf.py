@@ -1,8 +1,9 @@
 """`tpplan import-hf`: the command-line edge of hf.importer.import_hf.
 
 Imported whenever `tpplan` starts (cli/commands.py lists the command), so nothing
-here imports torch or transformers at import time. Only the importer's typed
-error for bad input (`HfImportError`) is the user's; anything else is a bug.
+here imports torch or transformers at import time. Only the typed error for bad
+input (`HfConfigError`, of which the importer's `HfImportError` is one) is the
+user's; anything else is a bug.
 """
 
 import sys
@@ -56,7 +57,8 @@ def import_hf(
     every rule is checked to match a module.
     """
     from ..core.torch_range import warn_once
-    from ..hf.importer import HfImportError, import_hf as run_import
+    from ..hf.config import HfConfigError
+    from ..hf.importer import import_hf as run_import
 
     warn_once()  # one line, once, for a torch outside the tested range
 
@@ -68,7 +70,7 @@ def import_hf(
         from ..lint.fixes import partial_gradient_rules
 
         imported = run_import(source, minimal=minimal, ep=ep, fix_partial_gradients=partial_gradient_rules, output=output)
-    except HfImportError as exc:
+    except HfConfigError as exc:  # an unreadable config, or one with no plan to import (HfImportError)
         usage_error(str(exc))
     if output is None:
         sys.stdout.write(imported.text)

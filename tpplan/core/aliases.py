@@ -2,9 +2,9 @@
 "did you mean" of an unknown style (TP103) for a user coming from torch's
 `parallelize_module` (class names) or from transformers' `tp_plan` (strings).
 
-The transformers entries say what tpplan.hf.importer does with each string
-(tests/test_did_you_mean.py holds the two tables to each other); kept here
-because the plan core cannot import the hf layer.
+The transformers entries are the one table of transformers' style strings:
+tpplan.hf.importer maps (or leaves out, with these reasons) each string by
+them; kept here because the plan core cannot import the hf layer.
 """
 
 from __future__ import annotations
@@ -55,12 +55,17 @@ TRANSFORMERS_FROM_CONFIG: dict[str, tuple[str, str, str]] = {
 
 _LOCAL = "it runs the module on local shards outside DTensor, which no torch style does"
 _EP = "it is expert parallelism, not tensor parallelism"
-# transformers' tp_plan strings without one -> why (what the user does instead follows in the message)
+# transformers' tp_plan strings without one -> why: the reason import-hf gives for the entry it
+# leaves out, and the "did you mean" of a plan that names it (what to do instead follows there)
 TRANSFORMERS_WITHOUT_EQUIVALENT = {
-    "packed_colwise": "it shards a fused [gate; up] weight with a strided shard, which no torch style expresses",
-    "packed_rowwise": "it shards a fused weight with a strided shard, which no torch style expresses",
-    "moe_identity_expert": "it only undoes moe_tp_experts' sum",
-    "mla_kv_a_proj": "it all-reduces the gradient of only the rotary slice of the output",
+    "packed_colwise": "it shards a fused [gate; up] weight with a strided shard, which no torch style expresses "
+    "(colwise would shard it contiguously, pairing one rank's gate with another's up; in an experts module, expert_tp does it)",
+    "packed_rowwise": "it shards a fused weight with a strided shard, which no torch style expresses "
+    "(in an experts module, expert_tp does it)",
+    "moe_identity_expert": "it divides an identity expert's input by the TP degree, only to undo moe_tp_experts' sum",
+    # import-hf maps it where the config gives the width (TRANSFORMERS_FROM_CONFIG); this is why it cannot otherwise
+    "mla_kv_a_proj": "it all-reduces the gradient of only the rotary slice of the output (sum_output_grad), "
+    "whose width this config does not give (no qk_rope_head_dim)",
     "local_params": _LOCAL,
     "local_colwise": _LOCAL + " (the closest is colwise: DTensor parameters, a local output)",
     "local_rowwise": _LOCAL + " (the closest is rowwise: DTensor parameters, a local output)",
@@ -75,12 +80,13 @@ TRANSFORMERS_WITHOUT_EQUIVALENT = {
 }
 
 
-# transformers' strings for what tpplan does to a module no rule names
+# transformers' strings for what tpplan does to a module no rule names -> (what that is, what a plan
+# that names the string writes instead); import-hf leaves these entries out: no rule needed
 TRANSFORMERS_NO_RULE = {
-    "replicate": "full parameters on every rank, which every module no rule names keeps: delete this rule "
-    "(or write no_parallel for replicated DTensor parameters)",
-    "ep_router": "a router left whole on every rank (expert_parallel's all_reduce dispatch routes the "
-    "replicated tokens on every rank), as every module no rule names keeps: delete this rule",
+    "replicate": ("full parameters on every rank, which every module no rule names keeps",
+                  "delete this rule (or write no_parallel for replicated DTensor parameters)"),
+    "ep_router": ("a router left whole on every rank (expert_parallel's all_reduce dispatch routes the "
+                  "replicated tokens on every rank), as every module no rule names keeps", "delete this rule"),
 }
 
 
@@ -127,7 +133,8 @@ def suggestion(style: str) -> str | None:
         return (f"'{style}' is transformers' name for {ours} with {option}: the model config's {attribute}: "
                 f"write {{style: {ours}, {option}: N}}")
     if style in TRANSFORMERS_NO_RULE:
-        return f"'{style}' is transformers' style for {TRANSFORMERS_NO_RULE[style]}"
+        what, instead = TRANSFORMERS_NO_RULE[style]
+        return f"'{style}' is transformers' style for {what}: {instead}"
     if style in TRANSFORMERS_WITHOUT_EQUIVALENT:
         return f"'{style}' is a transformers style with no tpplan equivalent: {TRANSFORMERS_WITHOUT_EQUIVALENT[style]}"
     synonym = synonym_of(style)

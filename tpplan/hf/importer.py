@@ -16,8 +16,9 @@ every other one with its key and the reason, never dropping a rule silently.
     >>> imported.skipped, imported.added  # nothing left out, nothing added for llama
     ([], [])
 
-Input that names no usable config or plan raises `HfImportError` (a
-`ValueError`, with the reason); anything else that escapes is a bug.
+Input that names no readable config raises `HfConfigError` (hf.config, the reader
+`--model hf:` shares), one with no usable plan its subclass `HfImportError` (both
+`ValueError`s, with the reason); anything else that escapes is a bug.
 Needs `transformers` (`pip install tpplan[hf]`); torch only when a model is
 checked (`check_model=True`, the default) or a plan is applied.
 The YAML is written by `core.yamltext.plan_yaml`, as every plan tpplan writes.
@@ -29,8 +30,8 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG
-from .build import config_remarks_off
+from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG, TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT
+from .config import HfConfigError, load_config
 from .local_params import NAMES_A_PARAMETER, local_params_rules
 from ..core.yamltext import group_siblings, plan_fields, plan_yaml
 from .plans import EXPERT_MODULE_STYLES, experts_only_in_ep_plan, hf_ep_plan, hf_tp_plan
@@ -59,41 +60,14 @@ EXPERT_PARAM_STYLES = {
     "grouped_gemm": "shard(0) of the expert dim (expert_parallel's default)",
 }
 
-# Full parameters on every rank: what tpplan does to any module no rule names.
-UNPLANNED_STYLES = {
-    "replicate": "every rank keeps the full parameter, as for any module no rule names: no rule needed",
-    "ep_router": "the router stays whole on every rank (expert_parallel's all_reduce dispatch routes the "
-    "replicated tokens on every rank): no rule needed",
-}
-
-_LOCAL = "runs the module on local shards outside DTensor (transformers' own hook); no torch style does"
-UNSOUND_STYLES: dict[str, str] = {
-    "packed_colwise": "shards a fused [gate; up] Linear weight (packed_shard) outside an experts module; "
-    "tpplan's colwise shards it contiguously, which would pair one rank's gate with another's up",
-    "packed_rowwise": "shards a fused Linear weight (packed_shard) outside an experts module, which colwise/rowwise cannot express",
-    "moe_identity_expert": "divides an identity expert's input by the TP degree to undo moe_tp_experts' sum; "
-    "only meaningful with moe_tp_experts",
-    "mla_kv_a_proj": "all-reduces the gradient of only the rotary slice of the output (sum_output_grad), "
-    "whose width this config does not give (no qk_rope_head_dim)",
-    "local_params": _LOCAL,
-    "unit_rowwise": "shards an output projection by whole query heads on a (heads, replicas) mesh, replicating "
-    "them above their count; rowwise does the same only at a degree that divides the query heads",
-    "grouped_gemm": "shards an expert parameter by expert index; tpplan does that with expert_parallel on the "
-    "experts module (ep_dispatch_experts), not on a parameter alone",
-    # Names of transformers 4.x, kept so that older plans are reported by name.
-    "local_colwise": _LOCAL,
-    "local_rowwise": _LOCAL,
-    "local": _LOCAL,
-    "local_packed_rowwise": _LOCAL,
-    "isolated": "expert parallelism (each rank isolates its experts), not tensor parallelism",
-    "gather": "gathers a local output outside DTensor (transformers 4.x); no torch style does",
-    "replicated_with_grad_allreduce_local": _LOCAL,
-}
+# Every other string is left out, with the reason in core.aliases: TRANSFORMERS_NO_RULE
+# (what tpplan does anyway), TRANSFORMERS_WITHOUT_EQUIVALENT (no sound tpplan style).
 
 
-class HfImportError(ValueError):
-    """The source names no config tpplan can import a plan from: not a model type,
-    an unreadable config, no causal-LM class or TP plan, a model that cannot be built."""
+class HfImportError(HfConfigError):
+    """The config names nothing tpplan can import a plan from: no causal-LM class or TP
+    plan, a model that cannot be built. (A source that names no readable config at all
+    raises its base, HfConfigError, as `--model hf:` does: hf.config.)"""
 
 
 class Skipped(NamedTuple):
@@ -108,25 +82,6 @@ class ImportedPlan(NamedTuple):
     text: str  # tpplan YAML
     skipped: list[Skipped]  # transformers entries with no rule in `text`
     added: list[tuple[str, str]]  # (key, why) for rules `text` has beyond transformers' plan
-
-
-@config_remarks_off()
-def load_config(model_type_or_config_path: str | os.PathLike):
-    """A transformers config: from a local directory or config.json, else the
-    default config of a model type (`"llama"`). Never downloads; transformers' remarks on it are off."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
-    source = os.fspath(model_type_or_config_path)
-    if os.path.isdir(source) or os.path.isfile(source):
-        try:  # a file by any name, as given
-            return AutoConfig.from_pretrained(source, local_files_only=True)
-        except (OSError, ValueError, StrictDataclassError) as exc:  # transformers' words for a missing or malformed config
-            raise HfImportError(" ".join(str(exc).split())) from exc
-    try:
-        return AutoConfig.for_model(source)
-    except ValueError:
-        raise HfImportError(f"{source!r} is neither a config path nor a transformers model type (as 'llama', 'qwen2')") from None
 
 
 def causal_lm_class(config):
@@ -163,14 +118,18 @@ def base_model_attr(model) -> str:
 
 
 def _tp_sizes(config) -> list[int]:
-    dims = []
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        try:
-            dims.append(getattr(config, name, None))
-        except Exception:  # some configs refuse a global value for a per-layer attribute
-            pass
-    dims = [d for d in dims if isinstance(d, int) and d > 0]
-    return [n for n in (2, 4, 8) if all(d % n == 0 for d in dims)] or [1]
+    """The mesh.sizes of the imported plan (core/degrees.py's default, as validate checks): of
+    DEFAULT_TP_SIZES those dividing the head counts (read as the lint reads them) and the
+    FFN width, so the plan promises only degrees that can work; [1] when none does."""
+    from ..core.degrees import DEFAULT_TP_SIZES, dividing
+    from ..core.head_counts import head_counts
+
+    heads = head_counts(config)
+    try:
+        intermediate = getattr(config, "intermediate_size", None)
+    except (AttributeError, RuntimeError):  # a per-layer attribute of a heterogeneous config (core/head_counts.py)
+        intermediate = None
+    return dividing(DEFAULT_TP_SIZES, [*(count for _, count in (heads.counts if heads else ())), intermediate]) or [1]
 
 
 def _meta_model(config, model_cls):
@@ -258,11 +217,11 @@ def import_hf(
             rules[key] = SOUND_STYLES[hf_style]
         elif hf_style in TRANSFORMERS_FROM_CONFIG and _from_config(config, hf_style) is not None:
             rules[key] = _from_config(config, hf_style)
-        elif hf_style in UNPLANNED_STYLES:
-            skipped.append(Skipped(key, hf_style, UNPLANNED_STYLES[hf_style]))
+        elif hf_style in TRANSFORMERS_NO_RULE:
+            skipped.append(Skipped(key, hf_style, f"{TRANSFORMERS_NO_RULE[hf_style][0]}: no rule needed"))
         else:
             unknown = f"unknown transformers style {hf_style!r}: no mapping to a tpplan style"
-            reason = UNSOUND_STYLES.get(hf_style, unknown)
+            reason = TRANSFORMERS_WITHOUT_EQUIVALENT.get(hf_style, unknown)
             skipped.append(Skipped(key, hf_style, reason))
 
     if model is not None:

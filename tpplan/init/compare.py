@@ -57,7 +57,8 @@ def transformers_plan(model) -> str | None:
     """transformers' own TP plan of an HF model, imported as tpplan YAML; None when it has none."""
     import tempfile
 
-    from ..hf.importer import HfImportError, import_hf
+    from ..hf.config import HfConfigError
+    from ..hf.importer import import_hf
     from ..lint.fixes import partial_gradient_rules
 
     config = getattr(model, "config", None)
@@ -67,5 +68,5 @@ def transformers_plan(model) -> str | None:
         config.save_pretrained(directory)
         try:
             return import_hf(directory, fix_partial_gradients=partial_gradient_rules).text
-        except HfImportError:
+        except HfConfigError:  # no plan to import (HfImportError), or a config it cannot read back
             return None

@@ -37,13 +37,14 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
     plan = load_plan(path)  # a PlanError (exit 1) for a plan that does not load
     data = yaml.safe_load(text)
     model = build_model(ref, "meta", factory)
-    if tp or plan.mesh_sizes:
-        degrees = sorted(set(tp)) if tp else list(plan.mesh_sizes)
-    else:  # the degrees init would pick for the model (infer.default_degrees)
-        from . import proposal_for
-        from .infer import default_degrees
+    from ..core.degrees import tp_degrees
+    from . import proposal_for
+    from .infer import default_degrees
 
-        degrees = default_degrees(proposal_for(model, ref, inputs).groups)
+    # core/degrees.py's rule; its default the degrees init would pick for the model (infer.default_degrees:
+    # init writes the plan for the model, so the model's sizes decide), analysed only when needed
+    degrees = tp_degrees(sorted(set(tp)) if tp else None, plan.mesh_sizes,
+                         lambda: default_degrees(proposal_for(model, ref, inputs).groups))
     rules: dict[str, Any] = dict(data.get("rules") or {})
     tree = ModuleTree([n for n, _ in model.named_modules()])
     applied = []

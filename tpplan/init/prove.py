@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..core.degrees import tp_degrees
 from ..core.loader import load_plan
 from ..core.problems import PlanError, Problem
 from .infer import Group, Proposal, default_degrees, weak_degree
@@ -79,14 +80,13 @@ def choose_degrees(groups: list[Group], given: Sequence[int] | None, dropped: li
     the default ones is warned of (`warnings`; `total`: the model's parameters);
     otherwise the default degrees (infer.default_degrees: those that divide the sizes of
     all a degree can shard)."""
-    if given:
-        degrees = sorted(set(given))
-        for degree in degrees:
-            why = weak_degree(groups, degree, total)
-            if why is not None and warnings is not None:
-                warnings.append(why)
-    else:
-        degrees = default_degrees(groups)
+    # core/degrees.py's rule; no plan yet (init writes it), and the default the model's own: init
+    # writes the plan for this model, so the degrees that shard the most of it
+    degrees = tp_degrees(sorted(set(given)) if given else None, None, lambda: default_degrees(groups))
+    for degree in degrees if given else ():
+        why = weak_degree(groups, degree, total)
+        if why is not None and warnings is not None:
+            warnings.append(why)
     kept = []
     for group in groups:
         bad = [d for d in degrees if not group.allows(d)]

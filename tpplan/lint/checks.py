@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from ..core.degrees import DEFAULT_TP_SIZES, tp_degrees
 from ..core.problems import Problem
 from ..core.quiet import simulation_remarks_off
 from .registry import UnknownRuleError
@@ -25,13 +26,11 @@ if TYPE_CHECKING:
 
     from ..core.plan import Plan
 
-# What `validate --model` checks when neither --tp nor the plan's mesh.sizes says.
-DEFAULT_TP_SIZES = (2, 4, 8)
-
-
 def tp_sizes_for(plan: "Plan", requested: Sequence[int] | None) -> list[int]:
-    """The TP degrees to check: those asked for, else those the plan promises, else the default."""
-    return list(requested or plan.mesh_sizes or DEFAULT_TP_SIZES)
+    """The TP degrees to check (core/degrees.py's rule): those asked for, else those the plan
+    promises, else DEFAULT_TP_SIZES: a lint costs no ranks, so it checks the common degrees
+    rather than none."""
+    return tp_degrees(requested, plan.mesh_sizes, DEFAULT_TP_SIZES)
 
 
 def selected_codes(select: Sequence[str] | None = None, ignore: Sequence[str] | None = None) -> set[str] | None:

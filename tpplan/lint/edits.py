@@ -72,7 +72,7 @@ def _packed(ctx) -> list[Edit]:
 
 def _heads(ctx) -> list[Edit]:
     from .facts import head_split
-    from .rules.head_divisibility import _is_kv
+    from .rules.head_divisibility import failing_counts, heads_auto_fixes
 
     out, seen = [], set()
     for fqn, rule in ctx.matched.items():
@@ -82,10 +82,9 @@ def _heads(ctx) -> list[Edit]:
         if split is None or "heads" not in type(rule.spec).model_fields:  # the styles that can replicate heads
             continue
         heads, counts, _ = split
-        query = [count for name, count in heads.counts if not _is_kv(name)]
         for tp in ctx.tp_sizes:
-            bad = [(name, count) for name, count in counts if count % tp]
-            if bad and all(_is_kv(name) and tp % count == 0 for name, count in bad) and all(q % tp == 0 for q in query):
+            bad = failing_counts(counts, tp, replicates=False)
+            if heads_auto_fixes(tp, bad, heads.counts):
                 seen.add(rule.pattern)
                 out.append(Edit("TP311", rule.pattern, {"heads": "auto"}, False,
                                 f"TP {tp} is a multiple of the {bad[0][1]} KV heads of '{heads.owner}': each is replicated on {tp // bad[0][1]} ranks"))

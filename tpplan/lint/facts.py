@@ -1,4 +1,5 @@
-"""Facts about the model that several rules read: attention head counts, and the
+"""Facts about the model that several rules read: attention head counts (read by
+core/head_counts.py, as `heads: auto` reads them), and the
 placement each parameter gets under the plan (from the style table,
 core/style_table.py). The context computes each once (`LintContext.heads`,
 `LintContext.placements`)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..core.head_counts import head_counts
 from ..core.placements import PlacementSpec
 from ..core.plan import Rule
 
@@ -16,42 +18,12 @@ if TYPE_CHECKING:
 
     from .context import LintContext
 
-# Where models keep their head counts: on the attention module, one of its
-# parents, or their `config` (HuggingFace).
-HEAD_ATTRS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
-KV_HEAD_ATTRS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "multi_query_group_num")
-HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size")
-HIDDEN_ATTRS = ("dim", "hidden_size", "n_embd", "embed_dim", "d_model")
-
-
-def _int_attr(obj: object, names: tuple) -> tuple[str, int] | None:
-    for name in names:
-        value = getattr(obj, name, None) if not isinstance(obj, dict) else obj.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return name, value
-    return None
-
 
 @dataclass(frozen=True)
 class Heads:
     owner: str  # the module the counts were read from
-    counts: tuple  # ((attribute, value), ...): query heads, then KV heads
+    counts: tuple  # ((attribute, value), ...): query heads, then KV heads (core/head_counts.py)
     head_dim: int | None
-
-
-def _heads_on(module: "nn.Module") -> tuple[tuple, int | None] | None:
-    for holder in (module, getattr(module, "config", None)):
-        if holder is None:
-            continue
-        counts = tuple(found for found in (_int_attr(holder, HEAD_ATTRS), _int_attr(holder, KV_HEAD_ATTRS)) if found)
-        if not counts:
-            continue
-        head_dim = _int_attr(holder, HEAD_DIM_ATTRS)
-        hidden = _int_attr(holder, HIDDEN_ATTRS)
-        if head_dim is None and hidden is not None and hidden[1] % counts[0][1] == 0:
-            return counts, hidden[1] // counts[0][1]
-        return counts, head_dim[1] if head_dim else None
-    return None
 
 
 def heads_of(ctx: "LintContext", fqn: str) -> Heads | None:
@@ -62,8 +34,8 @@ def heads_of(ctx: "LintContext", fqn: str) -> Heads | None:
     if parent is None:
         return None
     if parent not in cache:
-        found = _heads_on(ctx.modules[parent]) if parent in ctx.modules else None
-        cache[parent] = Heads(parent, *found) if found else heads_of(ctx, parent) if parent else None
+        found = head_counts(ctx.modules[parent]) if parent in ctx.modules else None
+        cache[parent] = Heads(parent, found.counts, found.head_dim) if found else heads_of(ctx, parent) if parent else None
     return cache[parent]
 
 

@@ -37,6 +37,7 @@ from ..core.loader import load_plan
 from ..core.plan import Plan
 from ..core.problems import PlanError, error, first_line
 from ..core.quiet import simulation_remarks_off
+from ..core.degrees import tp_degrees
 from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
@@ -48,14 +49,16 @@ from .options import ApplyOptions, ApplyOptionsError
 
 def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
     """The degree to simulate, and a note when it was not given on the command line."""
+    if options.tp is not None and options.tp < 1:
+        raise ApplyOptionsError("tp", "below-one", f"{options.tp} is not at least 1", tp=options.tp)
+    # core/degrees.py's rule with no default of its own: a simulation at a degree nobody named proves nothing asked
+    degrees = tp_degrees(options.tp, plan.mesh_sizes)
+    if not degrees:
+        raise ApplyOptionsError("tp", "missing", "a dry run needs a TP degree and the plan lists no mesh.sizes to pick from")
     if options.tp is not None:
-        if options.tp < 1:
-            raise ApplyOptionsError("tp", "below-one", f"{options.tp} is not at least 1", tp=options.tp)
         return options.tp, None
-    if plan.mesh_sizes:
-        tp = max(plan.mesh_sizes)
-        return tp, f"--tp not given: simulating TP {tp}, the largest of the plan's mesh.sizes {list(plan.mesh_sizes)}"
-    raise ApplyOptionsError("tp", "missing", "a dry run needs a TP degree and the plan lists no mesh.sizes to pick from")
+    tp = max(degrees)
+    return tp, f"--tp not given: simulating TP {tp}, the largest of the plan's mesh.sizes {list(plan.mesh_sizes)}"
 
 
 @simulation_remarks_off()

@@ -15,6 +15,7 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     """Fill `report` (an ApplyReport) with the memory plan: at `options.tp`, or at
     every degree of the plan's mesh.sizes (the report then shows the smallest
     degree that fits, else the largest, and the table of all)."""
+    from ..core.degrees import tp_degrees
     from ..core.problems import PlanError, first_line
     from .layouts import param_layouts
     from .locate import FailureLocator, raised_by_tpplan, shard_with_progress, unpromised_tp_note
@@ -23,12 +24,9 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     from .report import ApplyReport
 
     train = options.train
-    if options.tp is not None:
-        degrees = [options.tp]
-    elif plan.mesh_sizes:
-        degrees = sorted(plan.mesh_sizes)
-    else:
-        degrees = [report.tp]
+    # core/degrees.py's rule, as the dry run's (dry_run_tp refused a run with neither); every
+    # promised degree, smallest first: the report shows the smallest that fits
+    degrees = sorted(tp_degrees(options.tp, plan.mesh_sizes))
     if options.inputs and (train.batch is not None or train.seq is not None):
         report.notes.append("--inputs gives the inputs: --batch and --seq size only the default inputs and are not used")
     batch, seq = train.batch or 2, train.seq or 8

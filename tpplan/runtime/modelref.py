@@ -34,11 +34,12 @@ def load_callable(ref: str, option: str = "--model") -> Callable[..., Any]:
     """The callable that `ref` ("package.module:function") names; "hf:SPEC" names
     the transformers causal LM of a local config (tpplan.hf.build)."""
     if option == "--model" and ref.startswith("hf:"):
-        from ..hf.build import HFSpecError, factory
+        from ..hf.build import factory
+        from ..hf.config import HfConfigError
 
         try:
             return factory(ref)
-        except HFSpecError as exc:
+        except HfConfigError as exc:
             raise ModelRefError(str(exc)) from None
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:

@@ -16,8 +16,8 @@ Attention code must repeat KV heads by the LOCAL ratio (query heads on the rank 
 KV heads on the rank): given the attention module (`bind_parent`, which
 `tpplan.plan.Plan.apply` calls before applying), the style sets transformers'
 `num_key_value_groups` on it (the one model attribute it changes: the attention's
-own forward repeats by it), and reads the head count from its `head_dim` when
-`heads` is not given. Code that derives the ratio from tensor shapes
+own forward repeats by it), and reads the head count from its head size (its or its
+config's, core/head_counts.py: the lint's reader) when `heads` is not given. Code that derives the ratio from tensor shapes
 (tpplan.models.llama) needs nothing more. The style's own state (the mesh, the
 parent) is on the style object, one per module.
 """
@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle
 
+from ..core.head_counts import HEAD_ATTRS, HEAD_DIM_ATTRS, head_counts, head_dim_of
 from ..core.problems import StyleInputError
 
 __all__ = ["HeadsColwiseParallel", "replicas"]
@@ -43,11 +44,9 @@ def replicas(heads: int, degree: int) -> int:
 
 
 def _query_heads(parent: nn.Module | None) -> int | None:
-    """The attention's query-head count, where it says (torchtitan's n_heads, transformers' config)."""
-    for value in (getattr(parent, "n_heads", None), getattr(getattr(parent, "config", None), "num_attention_heads", None)):
-        if isinstance(value, int):
-            return value
-    return None
+    """The attention's query-head count, where it or its config says (core/head_counts.py, as the lint reads it)."""
+    found = head_counts(parent) if parent is not None else None
+    return found.query if found is not None else None
 
 
 def _heads_mesh(mesh: DeviceMesh, heads: int, copies: int) -> DeviceMesh:
@@ -69,7 +68,7 @@ class HeadsColwiseParallel(ParallelStyle):
 
     Keyword Args:
         heads (int, optional): number of heads in the projection's output; default
-            out_features / the attention module's `head_dim` (see `bind_parent`).
+            out_features / the attention module's head size (see `bind_parent`).
         input_layouts (Placement, optional): layout of the input. Default Replicate.
         use_local_output (bool, optional): return a local tensor (always, when heads
             are replicated: the output is not a shard of any DTensor). Default True.
@@ -139,11 +138,12 @@ class HeadsColwiseParallel(ParallelStyle):
     def _heads(self, module: nn.Module) -> int:
         heads = self.heads
         if heads is None:
-            head_dim = getattr(self._parent, "head_dim", None)
-            if not isinstance(head_dim, int):
+            head_dim = head_dim_of(self._parent) if self._parent is not None else None
+            if head_dim is None:
                 parent = type(self._parent).__name__ if self._parent is not None else "no parent module"
                 raise StyleInputError(
-                    f"colwise with heads: auto reads the head size from the attention module's integer head_dim; {parent} has none",
+                    f"colwise with heads: auto reads the head size from the attention module or its config "
+                    f"({', '.join(HEAD_DIM_ATTRS)}, or the hidden size over the query heads); {parent} has none",
                     "give the head count (heads: N)",
                 )
             heads = module.out_features // head_dim
@@ -167,8 +167,8 @@ class HeadsColwiseParallel(ParallelStyle):
         if query_heads is None:
             raise StyleInputError(
                 f"colwise with heads replicates {heads} KV heads over TP degree {degree}, so {type(parent).__name__}'s "
-                "num_key_value_groups must become the local ratio, but it gives no query-head count "
-                "(n_heads or config.num_attention_heads)",
+                "num_key_value_groups must become the local ratio, but neither it nor its config gives a query-head count "
+                f"({', '.join(HEAD_ATTRS)})",
                 f"use a TP degree that divides the {heads} KV heads",
             )
         if query_heads % degree:

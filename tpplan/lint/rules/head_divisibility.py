@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...core.head_counts import HEAD_ATTRS, HEAD_DIM_ATTRS, KV_HEAD_ATTRS, is_kv_count
 from ..facts import head_split
 from ..registry import Finding, LintRule
 from ..text import degrees_that_work, rule_ref
@@ -17,8 +18,7 @@ def check(ctx):
         heads, counts, _ = split
         replicates = getattr(rule.spec, "heads", None) is not None
         for tp in ctx.tp_sizes:
-            # colwise with heads also takes a multiple of a KV-head count (those heads replicated)
-            bad = [(name, count) for name, count in counts if count % tp and not (replicates and _is_kv(name) and tp % count == 0)]
+            bad = failing_counts(counts, tp, replicates)
             if bad:
                 key = (id(rule), tp, heads.owner)
                 _, _, _, names, modules = found.setdefault(key, (rule, tp, heads, {}, []))
@@ -28,8 +28,8 @@ def check(ctx):
         what = " and ".join(f"{name} ({count})" for name, count in names.items())
         shown = ", ".join(f"'{m}'" for m in modules)
         all_counts = dict(heads.counts)
-        query = [count for name, count in all_counts.items() if not _is_kv(name)]
-        if not replicates and all(_is_kv(n) and tp % c == 0 for n, c in names.items()) and all(q % tp == 0 for q in query):
+        replicates = getattr(rule.spec, "heads", None) is not None
+        if not replicates and heads_auto_fixes(tp, names.items(), heads.counts):
             fix = (f"replicate the KV heads instead: give '{rule.pattern}' {{style: colwise, heads: auto}} (rank r then "
                    f"holds KV head r // (tp / heads), whole, and their gradients are summed)")
         else:
@@ -42,8 +42,25 @@ def check(ctx):
         ))
 
 
-def _is_kv(name: str) -> bool:
-    return "kv" in name or "key_value" in name
+def failing_counts(counts, tp: int, replicates: bool) -> list[tuple[str, int]]:
+    """The (attribute, count) of `counts` a rule splits that `tp` does not divide into whole
+    heads; with `replicates` (colwise with heads), a KV-head count `tp` is a multiple of
+    passes too (those heads replicated)."""
+    return [(name, count) for name, count in counts if count % tp and not (replicates and is_kv_count(name) and tp % count == 0)]
+
+
+def heads_auto_fixes(tp: int, failing, all_counts) -> bool:
+    """Whether `heads: auto` makes `tp` work for a rule whose `failing` counts (failing_counts,
+    without heads) it does not divide: only KV heads fail, `tp` is a multiple of each, and it
+    divides the query heads of `all_counts` (which stay split). The rule's fix and the edit
+    init applies (lint/edits.py) both ask this."""
+    failing = list(failing)
+    query = [count for name, count in all_counts if not is_kv_count(name)]
+    return bool(failing) and all(is_kv_count(name) and tp % count == 0 for name, count in failing) and all(q % tp == 0 for q in query)
+
+
+def _names(attrs: tuple) -> str:
+    return ", ".join(f"`{name}`" for name in attrs)
 
 
 RULE = LintRule(
@@ -51,17 +68,17 @@ RULE = LintRule(
     name="head-divisibility",
     severity="error",
     summary="A TP degree does not divide the attention heads (or KV heads) a rule splits.",
-    what="""
+    what=f"""
         For every TP degree checked and every Linear a colwise or rowwise rule
         shards, looks for head counts on the module's parents or their
-        `config`: `n_heads`, `num_heads`, `num_attention_heads`, `n_head`, and
-        `n_kv_heads`, `num_key_value_heads`, `num_kv_heads`, with `head_dim`
-        (or the hidden size divided by the head count). When the sharded
+        `config` (as `heads: auto` reads them): {_names(HEAD_ATTRS)}, and
+        {_names(KV_HEAD_ATTRS)}, with {_names(HEAD_DIM_ATTRS)} (or the hidden
+        size divided by the query-head count). When the sharded
         features are exactly `count x head_dim`, the degree must divide that
         count; for colwise with `heads` (KV heads replicated) the degree may
         also be a multiple of the KV-head count. When only the KV heads fail and
-        the degree is a multiple of them, the fix is `{style: colwise, heads:
-        auto}`; otherwise the message lists the degrees that divide every head
+        the degree is a multiple of them, the fix is `{{style: colwise, heads:
+        auto}}`; otherwise the message lists the degrees that divide every head
         count.
     """,
     why="""
