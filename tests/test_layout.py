@@ -147,8 +147,8 @@ MAY_IMPORT = {
     "hf_models": set(),
     "titan_models": set(),
 }
-# The one way down a layer: Plan.apply (SPEC §5's API) compiles and applies styles, lazily.
-ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.compile"), ("tpplan.core.plan", "tpplan.sharding.tied")}
+# The one way down a layer: Plan.apply and Plan.resolve (SPEC §5's API) call the applier, lazily.
+ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.apply")}
 
 
 def _layer(module: str) -> str:
