@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from .report import ApplyReport
 
+
 @dataclass(frozen=True)
 class Sharded:
     """Which rule gave each module its style: {fqn: rule}, and its report fields;
