@@ -42,13 +42,13 @@ def test_collectives_are_counted_on_a_module_called_twice_in_one_forward():
 
 def test_local_params_naming_a_parameter_its_module_lacks_is_tp501_at_its_rule(tmp_path):
     from tpplan.core.problems import PlanError
-    from tpplan.runtime.locate import apply_plan
+    from tpplan.runtime.locate import apply_located
     from tpplan.runtime.simulate import simulated_world, tp_mesh
 
     path = tmp_path / "plan.yaml"
     path.write_text("version: 1\nrules:\n  lin: colwise\n  act: {style: local_params, params: {sinks: shard(0)}}\n")
     with simulated_world(2), pytest.raises(PlanError) as raised:
-        apply_plan(load_plan(path), _SharedActivation(), tp_mesh(2))
+        apply_located(load_plan(path), _SharedActivation(), tp_mesh(2))
     (problem,) = raised.value.problems
     assert (problem.code, problem.line, problem.column) == ("TP501", 4, 3)
     assert "local_params: SiLU has no parameter 'sinks' (its own parameters: none)" in problem.message

@@ -136,10 +136,9 @@ MAY_IMPORT = {
     "hf_models": set(),
     "titan_models": set(),
 }
-# The one way down a layer: Plan.apply (SPEC §5's API) compiles and applies styles, lazily
-# (and names the styles' type for its annotations).
-ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.compile"), ("tpplan.core.plan", "tpplan.sharding.tied"),
-                 ("tpplan.core.plan", "tpplan.sharding.styles")}
+# The one way down a layer: Plan.apply and Plan.resolve (SPEC §5's API) call the applier, lazily
+# (and name the styles' type for their annotations).
+ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.apply"), ("tpplan.core.plan", "tpplan.sharding.styles")}
 
 
 def _layer(module: str) -> str:

@@ -20,7 +20,7 @@ from tpplan.core.problems import PlanError
 from tpplan.runtime.consensus import disagreements, rank_state
 from tpplan.runtime.devices import BACKENDS, mesh_shape, pick_device, torchrun_env
 from tpplan.runtime.layouts import param_layouts
-from tpplan.runtime.locate import apply_plan
+from tpplan.runtime.locate import apply_located
 from tpplan.cli.apply import worded
 from tpplan.runtime.options import UsageError
 from tpplan.runtime.steps import sgd_steps
@@ -289,7 +289,7 @@ def test_a_style_that_cannot_apply_is_tp501_at_its_rule():
     plan = load_plan(text="version: 1\nrules:\n  blocks.*.in_proj: colwise\n  blocks.*.act: colwise\n", file="p.yaml")
     with simulated_world(2):
         with pytest.raises(PlanError) as caught:
-            apply_plan(plan, mlp.tiny(), tp_mesh(2))
+            apply_located(plan, mlp.tiny(), tp_mesh(2))
     (problem,) = caught.value.problems
     assert (problem.code, problem.line, problem.column) == ("TP501", 4, 3)
     assert problem.message.startswith("colwise cannot shard 'blocks.1.act' (GELU) at TP 2: ColwiseParallel currently only support nn.Linear and nn.Embedding")
@@ -298,7 +298,7 @@ def test_a_style_that_cannot_apply_is_tp501_at_its_rule():
 def test_progress_reports_every_module_descendants_first():
     seen = []
     with simulated_world(2), torch.device("meta"):
-        apply_plan(load_plan(PLANS / "mlp_tp.yaml"), mlp.tiny(), tp_mesh(2), lambda done, total, fqn: seen.append((done, total, fqn)))
+        apply_located(load_plan(PLANS / "mlp_tp.yaml"), mlp.tiny(), tp_mesh(2), lambda done, total, fqn: seen.append((done, total, fqn)))
     assert seen == [(1, 4, "blocks.1.out_proj"), (2, 4, "blocks.1.in_proj"), (3, 4, "blocks.0.out_proj"), (4, 4, "blocks.0.in_proj")]
 
 
@@ -309,7 +309,7 @@ def test_layouts_give_what_each_rank_really_holds_even_when_uneven():
     plan = load_plan(PLANS / "llama_tp.yaml")
     with simulated_world(3), LocalTensorMode(3):
         model = llama.tiny()
-        apply_plan(plan, model, tp_mesh(3))
+        apply_located(plan, model, tp_mesh(3))
         layouts = {layout.name: layout for layout in param_layouts(model, 3)}
         # Under LocalTensorMode every tensor, DTensor shard or not, keeps one real value per rank.
         local = {name: p.to_local() if isinstance(p, DTensor) else p for name, p in model.named_parameters()}

@@ -5,6 +5,7 @@ user's TP501/TP502, and the one verification engine."""
 from __future__ import annotations
 
 import inspect
+import pickle
 import re
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tpplan.models import mlp
 from tpplan.runtime.report import ApplyReport, CheckResult, ParamLayout
 from tpplan.runtime.comm import is_comm_failure
 from tpplan.runtime.dryrun import dry_run
-from tpplan.runtime.locate import FailureLocator, apply_plan, run_located
+from tpplan.runtime.locate import FailureLocator, apply_located, run_located
 from tpplan.runtime.options import ApplyOptions
 from tpplan.runtime.simulate import forward_backward, scalar_loss, simulated_world, tp_mesh
 from tpplan.runtime.verify import Pair, check_parity, compare, compare_with_reference
@@ -58,12 +59,46 @@ def _mlp_plan():
 
 
 def test_a_tpplan_bug_during_apply_escapes_instead_of_blaming_a_rule(monkeypatch):
-    import tpplan.sharding.tied
+    import tpplan.sharding.apply
 
     # A KeyError inside tpplan's own apply code (raised from C, so tpplan's frame is innermost).
-    monkeypatch.setattr(tpplan.sharding.tied, "shared_parameters", {}.__getitem__)
+    monkeypatch.setattr(tpplan.sharding.apply, "shared_parameters", {}.__getitem__)
     with simulated_world(2), pytest.raises(KeyError):
-        apply_plan(_mlp_plan(), mlp.tiny(), tp_mesh(2))
+        apply_located(_mlp_plan(), mlp.tiny(), tp_mesh(2))
+
+
+def test_a_tpplan_bug_while_sharding_a_module_escapes_both_appliers_unchanged(monkeypatch):
+    import tpplan.sharding.apply
+
+    # Raised from C inside the applier's own step: tpplan's frame is innermost, no rule is blamed.
+    monkeypatch.setattr(tpplan.sharding.apply, "parallelize_module", {}.__getitem__)
+    with simulated_world(2):
+        with pytest.raises(TypeError):
+            apply_located(_mlp_plan(), mlp.tiny(), tp_mesh(2))
+        with pytest.raises(TypeError):
+            _mlp_plan().apply(mlp.tiny(), tp_mesh(2))
+
+
+def test_plan_apply_and_the_located_path_blame_one_rule_with_one_problem():
+    from tpplan.sharding.apply import ModuleShardingError
+
+    text = "version: 1\nrules:\n  blocks.*.in_proj: colwise\n  blocks.*.act: colwise\n"
+    with simulated_world(2):
+        with pytest.raises(ModuleShardingError) as direct:
+            load_plan(text=text, file="p.yaml").apply(mlp.tiny(), tp_mesh(2))
+        with pytest.raises(PlanError) as located:
+            apply_located(load_plan(text=text, file="p.yaml"), mlp.tiny(), tp_mesh(2))
+    failed = direct.value
+    # descendants first, in reverse module order: the last block's activation fails first
+    assert (failed.rule.pattern, failed.rule.where, failed.fqn, type(failed.module).__name__, failed.tp) == (
+        "blocks.*.act", "p.yaml:4", "blocks.1.act", "GELU", 2)
+    assert isinstance(failed.error, NotImplementedError) and failed.__cause__ is failed.error  # torch's own error
+    assert type(located.value) is PlanError and located.value.problems == failed.problems
+    (problem,) = failed.problems
+    assert (problem.code, problem.line, problem.column) == ("TP501", 4, 3)
+    # torchrun ranks pickle errors to each other: it travels as the PlanError it is
+    assert type(pickle.loads(pickle.dumps(failed))) is PlanError
+    assert pickle.loads(pickle.dumps(failed)).problems == failed.problems
 
 
 def test_a_tpplan_bug_in_the_forward_hooks_escapes_instead_of_becoming_tp502(monkeypatch):
@@ -71,7 +106,7 @@ def test_a_tpplan_bug_in_the_forward_hooks_escapes_instead_of_becoming_tp502(mon
 
     plan, model = _mlp_plan(), mlp.tiny()
     with simulated_world(2):
-        rules = apply_plan(plan, model, tp_mesh(2))
+        rules = apply_located(plan, model, tp_mesh(2))
         monkeypatch.setattr(tpplan.runtime.locate, "_arg_shapes", {}.__getitem__)
         locator = FailureLocator(plan, model, rules, 2)
         with pytest.raises(KeyError):
@@ -98,7 +133,7 @@ def test_an_error_of_the_users_model_is_still_located_at_its_rule():
     plan = load_plan(text="version: 1\nrules:\n  up: colwise\n", file="p.yaml")
     model = Broken()
     with simulated_world(2):
-        rules = apply_plan(plan, model, tp_mesh(2))
+        rules = apply_located(plan, model, tp_mesh(2))
         with pytest.raises(PlanError) as caught:
             run_located(FailureLocator(plan, model, rules, 2), lambda: model(torch.randn(2, 8)))
     (problem,) = caught.value.problems
@@ -118,7 +153,7 @@ def test_a_model_without_float_outputs_is_the_models_problem_not_a_bug():
     plan = load_plan(text="version: 1\nrules:\n  up: colwise\n", file="p.yaml")
     model = Ints()
     with simulated_world(2):
-        rules = apply_plan(plan, model, tp_mesh(2))
+        rules = apply_located(plan, model, tp_mesh(2))
         with pytest.raises(PlanError) as caught:
             run_located(FailureLocator(plan, model, rules, 2), lambda: scalar_loss(model(torch.randn(2, 8))).backward())
     assert caught.value.problems[0].code == "TP502"

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from tpplan.cli.app import app
 from tpplan.core.problems import StyleInputError
-from tpplan.runtime.locate import raised_by_tpplan
+from tpplan.core.problems import raised_by_tpplan
 
 MLP = "tpplan.models.mlp:tiny"
 OWN = "style_error_models"  # tests/style_error_models.py

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 # A model like the user's: an error raised in its code is the model's, not a tpplan bug
-# (tpplan.runtime.locate.raised_by_tpplan).
+# (tpplan.core.problems.raised_by_tpplan).
 MODEL_CODE = True
 
 # The sizes every family shares. vocab and intermediate sizes divide by 8 too,

@@ -130,7 +130,9 @@ class Plan:
 
     def resolve(self, model: "nn.Module") -> dict[str, "ParallelStyle"]:
         """{concrete module path: a fresh ParallelStyle}, in module order."""
-        return {fqn: _compiled(rule, self.src_data_rank, model.get_submodule(fqn)) for fqn, rule in self.match(model).items()}
+        from ..sharding.apply import resolve
+
+        return resolve(self, model)
 
     def tp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh":
         """The 1-D mesh the plan shards over: `mesh` itself, or its `mesh.axis` dimension."""
@@ -149,54 +151,13 @@ class Plan:
         """Parallelize `model` in place over the plan's mesh axis; returns it.
 
         Tied parameters stay tied (one parameter, whole gradient); tied parameters
-        that the plan lays out differently are a PlanError (TP210). `on_module(fqn)`
-        is called after each module is parallelized (progress, and the runtime's
-        way to tell which module a failure belongs to).
+        that the plan lays out differently are a PlanError (TP210), and so is a
+        module its rule's style cannot shard (TP501, a `ModuleShardingError`
+        naming the rule, the module and torch's error). `on_module(fqn)` is called
+        after each module is parallelized (progress). The work is sharding/apply.py's
+        `apply_plan`, the one applier, which the runtime calls too.
         """
-        from torch.distributed.tensor.parallel import parallelize_module
+        from ..sharding.apply import apply_plan
 
-        from ..sharding.tied import retie, shared_parameters
-
-        tp_mesh = self.tp_mesh(mesh)
-        claimed = self.match(model)
-        tied = shared_parameters(model)
-        # Descendants first: a parent's NoParallel then replicates only what no
-        # more specific rule has sharded already.
-        for fqn, rule in reversed(claimed.items()):
-            # a LoRA-wrapped Linear: the rule shards its base layer, its adapters follow (sharding/lora.py)
-            style = _compiled(rule, self.src_data_rank, model.get_submodule(fqn))
-            if rule.spec.needs_parent():  # colwise with heads: the attention module holding it
-                style.bind_parent(model.get_submodule(fqn.rpartition(".")[0]))
-            parallelize_module(model.get_submodule(fqn), tp_mesh, style, src_data_rank=self.src_data_rank)
-            if on_module is not None:
-                on_module(fqn)
-        problems = []
-        for group, described in retie(model, tied):
-            rule = next(r for r in (_claiming_rule(claimed, fqn) for fqn, _ in group) if r is not None)
-            problems.append(rule.problem(
-                "TP210",
-                f"tied parameters got different layouts: {described}; give their modules styles that shard "
-                "the same dim (a rowwise Embedding and a colwise Linear both shard(0)) or untie them",
-            ))
-        if problems:
-            raise PlanError(problems)
+        apply_plan(self, model, mesh, None if on_module is None else lambda done, total, fqn: on_module(fqn))
         return model
-
-
-def _compiled(rule: Rule, src_data_rank: int | None, module: "nn.Module") -> "ParallelStyle":
-    """The rule's style object for `module`; a class the plan names that cannot be used
-    is TP306 at the rule."""
-    from ..sharding.compile import StyleClassError, compile_for
-
-    try:
-        return compile_for(rule.spec, module, src_data_rank)
-    except StyleClassError as exc:
-        raise PlanError([rule.problem("TP306", f"rule '{rule.pattern}': {exc}")]) from None
-
-
-def _claiming_rule(claimed: dict[str, Rule], fqn: str) -> Rule | None:
-    """The rule on `fqn` or on its closest ancestor (NoParallel and sequence_parallel
-    lay out the parameters of the whole subtree)."""
-    while fqn not in claimed and fqn:
-        fqn = fqn.rpartition(".")[0]
-    return claimed.get(fqn)

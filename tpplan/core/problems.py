@@ -83,3 +83,31 @@ class StyleInputError(ModelError, ValueError):
 
     def __reduce__(self):  # pickled with both fields (torchrun ranks send errors to each other)
         return type(self), (self.what, self.fix)
+
+
+def raised_by_tpplan(exc: BaseException) -> bool:
+    """Whether `exc` is a tpplan bug: not one of the typed errors tpplan raises on
+    purpose about the user's plan or model (`ModelError`: a `StyleInputError` from a
+    style, a model output without floats), and raised by tpplan's own code, that is,
+    its innermost frame runs in a module of the tpplan package. Reference models
+    shipped in the package (tpplan.models, tpplan.hf_models, tpplan.lint.examples)
+    are models like the user's and say so with a module-level `MODEL_CODE = True`:
+    a torch op failing on a line of their forward is the model's."""
+    if isinstance(exc, ModelError):
+        return False
+    tb = exc.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    module = tb.tb_frame.f_globals
+    package = module.get("__package__") or module.get("__name__") or ""
+    return package.split(".")[0] == "tpplan" and not module.get("MODEL_CODE", False)
+
+
+def reason(exc: BaseException) -> str:
+    """What went wrong, for a problem's message: a StyleInputError's whole message
+    (what is wrong and the fix, never cut), else the exception's first line."""
+    if isinstance(exc, StyleInputError):
+        return f"{exc.what}; {exc.fix}"
+    return first_line(exc)

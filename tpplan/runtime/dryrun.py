@@ -35,13 +35,13 @@ from typing import Any
 
 from ..core.loader import load_plan
 from ..core.plan import Plan
-from ..core.problems import PlanError, error, first_line
+from ..core.problems import PlanError, error, first_line, raised_by_tpplan
 from ..core.quiet import simulation_remarks_off
 from ..core.degrees import tp_degrees
 from .report import ApplyReport, human_bytes
 from .check_problems import check_problems
 from .layouts import param_layouts
-from .locate import FailureLocator, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
+from .locate import FailureLocator, run_located, shard_with_progress, unpromised_tp_note
 from .modelref import ModelRefError, build_model, load_callable, make_inputs
 from .one_device import one_device_failure, unsharded_failure
 from .options import ApplyOptions, ApplyOptionsError

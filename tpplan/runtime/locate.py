@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.placements import placements_text
 from ..core.plan import Plan, Rule
-from ..core.problems import ModelError, PlanError, Problem, StyleInputError, error, first_line
+from ..core.problems import PlanError, Problem, StyleInputError, error, raised_by_tpplan, reason
+from ..sharding.apply import ModuleShardingError, apply_plan
 from .comm import CommFailure, comm_problem, is_comm_failure
 from .layouts import local_shapes
 
@@ -25,25 +26,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from .report import ApplyReport
-
-def raised_by_tpplan(exc: BaseException) -> bool:
-    """Whether `exc` is a tpplan bug: not one of the typed errors tpplan raises on
-    purpose about the user's plan or model (`ModelError`: a `StyleInputError` from a
-    style, a model output without floats), and raised by tpplan's own code, that is,
-    its innermost frame runs in a module of the tpplan package. Reference models
-    shipped in the package (tpplan.models, tpplan.hf_models, tpplan.lint.examples)
-    are models like the user's and say so with a module-level `MODEL_CODE = True`:
-    a torch op failing on a line of their forward is the model's."""
-    if isinstance(exc, ModelError):
-        return False
-    tb = exc.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    module = tb.tb_frame.f_globals
-    package = module.get("__package__") or module.get("__name__") or ""
-    return package.split(".")[0] == "tpplan" and not module.get("MODEL_CODE", False)
 
 
 @dataclass(frozen=True)
@@ -76,8 +58,8 @@ class Sharded:
 
 
 def shard_with_progress(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", event: Callable[[str], None]) -> Sharded:
-    """`apply_plan` with a progress event per module."""
-    rules = apply_plan(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
+    """`apply_located` with a progress event per module."""
+    rules = apply_located(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
     return Sharded(rules, plan.module_tree(model)[1])
 
 
@@ -88,43 +70,17 @@ def unpromised_tp_note(plan: Plan, tp: int) -> list[str]:
     return []
 
 
-def _module_shapes(module: "nn.Module") -> str:
-    shapes = [f"{key} {tuple(p.shape)}" for key, p in module.named_parameters(recurse=False)]
-    return f", {', '.join(shapes)}" if shapes else ""
-
-
-def apply_plan(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None) -> dict[str, Rule]:
-    """`plan.apply(model, mesh)`, with a failure inside torch turned into a problem
-    that names the module and the rule (file:line) that sharded it, and progress
-    reported as `on_module(done, total, fqn)`. Returns {fqn: rule}."""
-    rules = plan.match(model)
-    tp_size = plan.tp_mesh(mesh).size()  # before the try: a mesh without the plan's axis is our bug, not a module's
-    order = list(reversed(rules))  # Plan.apply's order: descendants first
-    done: list[str] = []
-
-    def applied(fqn: str) -> None:
-        done.append(fqn)
-        if on_module is not None:
-            on_module(len(done), len(order), fqn)
-
+def apply_located(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None) -> dict[str, Rule]:
+    """The applier's `apply_plan` (sharding/apply.py), with a module that cannot be
+    sharded a TP501 problem at its rule and a failed collective while sharding a
+    TP504 (`CommFailure`); progress reported as `on_module(done, total, fqn)`.
+    Returns {fqn: rule}."""
     try:
-        plan.apply(model, mesh, on_module=applied)
-    except PlanError:
-        raise
-    except Exception as exc:  # torch raises anything from deep inside; it becomes a located problem
-        if len(done) == len(order) or raised_by_tpplan(exc):
-            raise  # not from a style (the modules are all done), or tpplan's own code: a bug, shown as one
-        fqn = order[len(done)]  # Plan.apply reports each module once it is parallelized
-        if is_comm_failure(exc):
-            raise CommFailure(comm_problem(plan, f"sharding '{fqn}'", exc)) from None
-        rule, module = rules[fqn], model.get_submodule(fqn)
-        raise PlanError([rule.problem(
-            "TP501",
-            f"{rule.spec.style} cannot shard '{fqn or '<root>'}' ({type(module).__name__}{_module_shapes(module)}) "
-            f"at TP {tp_size}: {_reason(exc)}",
-        )]) from None
-    return rules
-
+        return apply_plan(plan, model, mesh, on_module)
+    except ModuleShardingError as failed:
+        if is_comm_failure(failed.error):
+            raise CommFailure(comm_problem(plan, f"sharding '{failed.fqn}'", failed.error)) from None
+        raise PlanError(failed.problems) from None  # the problem at the rule is the whole story: torch's traceback off
 
 
 class FailureLocator:
@@ -174,12 +130,12 @@ class FailureLocator:
         if op is not None:
             return self._no_rule_problem(op)
         if not self.stack:
-            return error("TP502", f"the backward (or the loss) fails at TP {self.tp}: {_reason(exc)}", self.plan.file)
+            return error("TP502", f"the backward (or the loss) fails at TP {self.tp}: {reason(exc)}", self.plan.file)
         site, shapes = self.stack[-1]
         module = self.model.get_submodule(site)
         message = (
             f"the forward of '{site or '<root>'}' ({type(module).__name__}, input {shapes or 'none'}) "
-            f"fails at TP {self.tp}: {_reason(exc)}"
+            f"fails at TP {self.tp}: {reason(exc)}"
         )
         if isinstance(exc, StyleInputError) and site in self.rules:
             # The style's own hook raised: its rule is the one at fault, no guessing.
@@ -241,14 +197,6 @@ class FailureLocator:
                     text += f", not divisible: dim {placement.dim} is {length}, {length} % {self.tp} = {length % self.tp}"
             found.append((text, uneven))
         return found
-
-
-def _reason(exc: BaseException) -> str:
-    """What went wrong, for a problem's message: a StyleInputError's whole message
-    (what is wrong and the fix, never cut), else the exception's first line."""
-    if isinstance(exc, StyleInputError):
-        return f"{exc.what}; {exc.fix}"
-    return first_line(exc)
 
 
 _NO_RULE = re.compile(r"Operator (\S+?)(?:\.default)? does not have a sharding strategy registered")

@@ -16,9 +16,9 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     every degree of the plan's mesh.sizes (the report then shows the smallest
     degree that fits, else the largest, and the table of all)."""
     from ..core.degrees import tp_degrees
-    from ..core.problems import PlanError, first_line
+    from ..core.problems import PlanError, first_line, raised_by_tpplan
     from .layouts import param_layouts
-    from .locate import FailureLocator, raised_by_tpplan, shard_with_progress, unpromised_tp_note
+    from .locate import FailureLocator, shard_with_progress, unpromised_tp_note
     from .memory_report import DegreeFit
     from .modelref import build_model, make_inputs
     from .report import ApplyReport

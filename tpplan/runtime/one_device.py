@@ -6,8 +6,7 @@ the dry run (`dryrun.py`) and its memory planning (`memory_dryrun.py`)."""
 
 from __future__ import annotations
 
-from ..core.problems import PlanError
-from .locate import raised_by_tpplan
+from ..core.problems import PlanError, raised_by_tpplan
 from .modelref import build_model, make_inputs, model_failure
 
 

@@ -21,7 +21,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..core.plan import Plan
-from ..core.problems import PlanError, Problem, error, first_line
+from ..core.problems import PlanError, Problem, error, first_line, raised_by_tpplan
 from .report import ApplyReport, CheckResult, ParamLayout, StepsResult
 from .comm import CommFailure, comm_problem, is_comm_failure
 from .consensus import disagreements, gather_states, rank_state, usage_errors
@@ -29,7 +29,7 @@ from .check_problems import check_problems
 from .fsdp import fsdp_tp
 from .devices import init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env
 from .layouts import param_layouts
-from .locate import FailureLocator, Sharded, raised_by_tpplan, run_located, shard_with_progress, unpromised_tp_note
+from .locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
 from .modelref import ModelRefError, build_model, make_inputs, module_structure
 from .options import ApplyOptions, RanksUsageError, UsageError
 

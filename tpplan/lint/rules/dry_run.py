@@ -53,7 +53,7 @@ def check(ctx, earlier):
 def _simulate(ctx, tp: int, mode: str):
     """None when the plan applies and a forward and backward run at `tp`; else the problems."""
     from ...core.problems import PlanError
-    from ...runtime.locate import FailureLocator, apply_plan, run_located
+    from ...runtime.locate import FailureLocator, apply_located, run_located
     from ...runtime.simulate import scalar_loss, simulated_world, tp_mesh
     from ..collapse import collapsed_copy, plan_for
     from ...runtime.ladder import prepared, running
@@ -64,7 +64,7 @@ def _simulate(ctx, tp: int, mode: str):
         with simulated_world(tp):
             mesh = tp_mesh(tp, ctx.plan.mesh_axis)  # outside fake mode: the mesh needs real rank lists
             with running(mode, model):
-                rules = apply_plan(plan, model, mesh)
+                rules = apply_located(plan, model, mesh)
                 inputs = _inputs(ctx, model, tp)
                 run_located(FailureLocator(plan, model, rules, tp), lambda: scalar_loss(model(*inputs)).backward())
     except PlanError as exc:

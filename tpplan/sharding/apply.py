@@ -1,0 +1,118 @@
+"""The one applier (as torch's `parallelize_module` beside its styles): a plan
+resolved against a model, each claimed module's style compiled and applied, tied
+parameters tied again. `Plan.apply` and the runtime's located application both
+call `apply_plan`; a module that cannot be sharded is a `ModuleShardingError`
+naming the rule, the module and the error torch (or the model) raised.
+
+    claimed = apply_plan(plan, model, mesh)  # {fqn: rule}, in module order
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.distributed.tensor.parallel import parallelize_module
+
+from ..core.problems import PlanError, raised_by_tpplan, reason
+from .compile import StyleClassError, compile_for
+from .styles import ParallelStyle
+from .tied import retie, shared_parameters
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..core.plan import Plan, Rule
+
+
+class ModuleShardingError(PlanError):
+    """Applying `rule`'s style to the module `fqn` raised `error` (torch's, the
+    model's, or a style's `StyleInputError`): TP501 at the rule. A tpplan bug is
+    never one: it escapes as it was raised."""
+
+    def __init__(self, rule: "Rule", fqn: str, module: nn.Module, tp: int, error: BaseException):
+        self.rule, self.fqn, self.module, self.tp, self.error = rule, fqn, module, tp, error
+        super().__init__([rule.problem(
+            "TP501",
+            f"{rule.spec.style} cannot shard '{fqn or '<root>'}' ({type(module).__name__}{_parameter_shapes(module)}) "
+            f"at TP {tp}: {reason(error)}",
+        )])
+
+    def __reduce__(self):  # pickled (torchrun ranks send errors to each other) as the PlanError it is
+        return PlanError, (self.problems,)
+
+
+def apply_plan(
+    plan: "Plan", model: nn.Module, mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None
+) -> dict[str, "Rule"]:
+    """Parallelize `model` in place over the plan's mesh axis; returns {fqn: the rule
+    that claimed it}, in module order. `on_module(done, total, fqn)` after each module.
+
+    PlanError: the plan does not match the model (TP200, TP201), a class it names
+    cannot be used (TP306), tied parameters got different layouts (TP210); a
+    `ModuleShardingError` (TP501) when a module's style fails on it."""
+    tp_mesh = plan.tp_mesh(mesh)  # a mesh without the plan's axis is the caller's ValueError, not a module's
+    claimed = plan.match(model)
+    tied = shared_parameters(model)
+    # Descendants first: a parent's NoParallel then replicates only what no more
+    # specific rule has sharded already.
+    order = list(reversed(claimed.items()))
+    for done, (fqn, rule) in enumerate(order, start=1):
+        _apply_rule(plan, model, fqn, rule, tp_mesh)
+        if on_module is not None:
+            on_module(done, len(order), fqn)
+    problems = []
+    for group, described in retie(model, tied):
+        rule = next(r for r in (_claiming_rule(claimed, fqn) for fqn, _ in group) if r is not None)
+        problems.append(rule.problem(
+            "TP210",
+            f"tied parameters got different layouts: {described}; give their modules styles that shard "
+            "the same dim (a rowwise Embedding and a colwise Linear both shard(0)) or untie them",
+        ))
+    if problems:
+        raise PlanError(problems)
+    return claimed
+
+
+def resolve(plan: "Plan", model: nn.Module) -> dict[str, ParallelStyle]:
+    """{concrete module path: a fresh ParallelStyle}, in module order (what `apply_plan` applies)."""
+    return {fqn: compiled(rule, plan.src_data_rank, model.get_submodule(fqn)) for fqn, rule in plan.match(model).items()}
+
+
+def compiled(rule: "Rule", src_data_rank: int | None, module: nn.Module) -> ParallelStyle:
+    """The rule's style object for `module` (a LoRA-wrapped Linear: the style that shards
+    its base layer, its adapters following, sharding/lora.py); a class the plan names
+    that cannot be used is TP306 at the rule."""
+    try:
+        return compile_for(rule.spec, module, src_data_rank)
+    except StyleClassError as exc:
+        raise PlanError([rule.problem("TP306", f"rule '{rule.pattern}': {exc}")]) from None
+
+
+def _apply_rule(plan: "Plan", model: nn.Module, fqn: str, rule: "Rule", tp_mesh: "DeviceMesh") -> None:
+    module = model.get_submodule(fqn)
+    try:
+        style = compiled(rule, plan.src_data_rank, module)
+        if rule.spec.needs_parent():  # colwise with heads: the attention module holding it
+            style.bind_parent(model.get_submodule(fqn.rpartition(".")[0]))
+        parallelize_module(module, tp_mesh, style, src_data_rank=plan.src_data_rank)
+    except PlanError:
+        raise
+    except Exception as exc:  # torch raises anything from deep inside; it becomes the rule's error
+        if raised_by_tpplan(exc):
+            raise  # tpplan's own code: a bug, shown as one
+        raise ModuleShardingError(rule, fqn, module, tp_mesh.size(), exc) from exc
+
+
+def _parameter_shapes(module: nn.Module) -> str:
+    shapes = [f"{key} {tuple(p.shape)}" for key, p in module.named_parameters(recurse=False)]
+    return f", {', '.join(shapes)}" if shapes else ""
+
+
+def _claiming_rule(claimed: dict[str, "Rule"], fqn: str) -> "Rule | None":
+    """The rule on `fqn` or on its closest ancestor (NoParallel and sequence_parallel
+    lay out the parameters of the whole subtree)."""
+    while fqn not in claimed and fqn:
+        fqn = fqn.rpartition(".")[0]
+    return claimed.get(fqn)
