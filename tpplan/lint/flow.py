@@ -62,8 +62,9 @@ class _Interpreter:
         self.frames: list[_Frame] = []
         self.skip = 0
         self.report = FlowReport()
-        self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()))
-        self.sums = GradSums()
+        self.zeros: set[int] = set()  # nodes holding zeros only: torch.zeros, nothing written into them yet
+        self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()), self.zeros.__contains__)
+        self.sums = GradSums(modules)
         self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
         self.report.grad_sums = self.sums.found
         self.report.shared_operands = self.sums.shared_operands
@@ -287,8 +288,11 @@ class _Interpreter:
             self.uniform[op.outputs[0]] = frozenset(d for d in range(len(out)) if out[d] != 1 and (d < lead or shape[d - lead] == 1))
         results = [self.value(n) for n in op.outputs]
         if not self.in_local_params():
-            self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)
+            self.sums.operands(op, values, results, self.trace, self.where(), self.producers)
         self.sums.op(op.inputs, values, op.outputs, results)
+        self.zeros.difference_update(op.outputs)  # written in place
+        if op.name == "zeros":
+            self.zeros.update(op.outputs)
 
     def derive(self, op: Op, values: list[Lay]) -> None:
         """Follow a replicated parameter's dims through the ops that only reshape it

@@ -219,13 +219,23 @@ class _Tracer(TorchFunctionMode):
         ins = _tensors(args, [])
         if kwargs:
             _tensors(kwargs, ins)
+        name = _op_name(func)
         if not ins:
-            return out  # creation ops make plain, replicated tensors: the default
+            # creation ops make plain, replicated tensors: the default; zeros are kept, as
+            # what a scatter into them holds is what was scattered (a partial sum stays one)
+            if name == "zeros" and isinstance(out, torch.Tensor):
+                self.trace.events.append(Op(name, (), (self.node(out),), _simplify(args), {k: _simplify(v) for k, v in kwargs.items()}))
+            return out
         outs = _tensors(out, [])
-        if not outs:
+        if not outs and name != "setitem":
             return out
         in_ids = tuple(self.node(t) for t in ins)
         grad = any(self.trace.needs_grad[i] for i in in_ids)
+        if not outs:  # x[index] = value writes into x, returning nothing: x is its output
+            if grad and (ins[0].is_floating_point() or ins[0].is_complex()):
+                self.trace.needs_grad[in_ids[0]] = True
+            self.trace.events.append(Op(name, in_ids, in_ids[:1], _simplify(args), {}))
+            return out
         out_ids = []
         for t in outs:
             fresh = id(t) not in self.ids
@@ -234,7 +244,7 @@ class _Tracer(TorchFunctionMode):
                 self.trace.needs_grad[nid] = True
             out_ids.append(nid)
         self.trace.events.append(
-            Op(_op_name(func), in_ids, tuple(out_ids), _simplify(args), {k: _simplify(v) for k, v in kwargs.items()})
+            Op(name, in_ids, tuple(out_ids), _simplify(args), {k: _simplify(v) for k, v in kwargs.items()})
         )
         return out
 
