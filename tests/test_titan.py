@@ -243,6 +243,13 @@ def test_torchtitans_own_deepseek_v3_moe_plan_is_an_error_at_the_moe_naming_the_
     assert [(p.code, p.severity, rules.get(p.line)) for p in problems] == [("TP325", "error", "layers.*.moe")], [str(p) for p in problems]
     assert "in 'bmm' inside 'layers.1.moe', a whole tensor computed from parameters (from the output of 'layers.1.moe.router.gate')" in problems[0].message
     assert problems[0].message.endswith("add the rule 'layers.*.moe.router.gate: sum_output_grad' (its output's gradient summed over the mesh)")
+    # torchtitan's NoParallel gate written out: the error is at that rule, which sums nothing
+    theirs.write_text(shipped.replace("router.gate: sum_output_grad", "router.gate: no_parallel"))
+    plan = load_plan(theirs)
+    rules = {rule.line: rule.pattern for rule in plan.rules if Path(rule.file) == theirs}
+    problems = lint_model(plan, model, [2, 4])
+    assert [(p.code, rules.get(p.line)) for p in problems] == [("TP325", "layers.*.moe.router.gate")], [str(p) for p in problems]
+    assert "(now no_parallel) 'layers.*.moe.router.gate: sum_output_grad'" in problems[0].message
 
 
 # The whole models, 2 layers: llama4 MoE in both, deepseek_v3_moe a dense first layer

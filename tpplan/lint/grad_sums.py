@@ -116,8 +116,9 @@ class GradSums:
 
 def summing_module(trace, node: int, use, producers: dict, modules: "dict[str, nn.Module]") -> tuple[str | None, bool]:
     """(the module whose output's gradient to sum for replicated `node`, which op `use`
-    reads, and whether that module returned `node` itself). Followed back from `node` through the ops that computed it from one
-    tensor with a gradient, to the output of a module with parameters of its own (the
+    reads, and whether that module returned `node` itself). Followed back from `node`
+    through the ops that computed it from one tensor with a gradient, to the output of
+    a module with parameters of its own (the
     router's `gate` under `top_scores = softmax(gate(x)).gather(...)`): summing there sums
     each rank's share of every gradient before it. Only while each tensor on the way has
     no other use that reaches the model's output, whose gradient would be summed with it

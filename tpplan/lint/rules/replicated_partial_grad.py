@@ -69,9 +69,15 @@ def check(ctx):
         what = f"local {shard_text(found.value.dim, ndim)}" if found.value.kind == "S" else "local partial sum"
         share = "covers its own slice only" if found.value.kind == "S" else "is its share of a sum"
         producer = (f" (returned by '{found.producer}')" if found.returned else f" (from the output of '{found.producer}')") if found.producer else ""
-        fix = (f"add the rule '{generalize(found.producer)}: sum_output_grad' (its output's gradient summed over the mesh)"
-               if found.producer else "sum that tensor's gradient over the mesh (sum_output_grad on the module that returns it)")
-        yield Finding(ctx.at(_fix_site(ctx, found.producer) or src.rule), (
+        site = _fix_site(ctx, found.producer)
+        if found.producer is None:
+            fix = "sum that tensor's gradient over the mesh (sum_output_grad on the module that returns it)"
+        elif site is not None and ctx.matched.get(found.producer) is site:  # its rule leaves the gradient a share
+            fix = (f"make the rule for '{site.pattern}' (now {site.spec.style}) '{generalize(found.producer)}: sum_output_grad' "
+                   "(its output's gradient summed over the mesh)")
+        else:
+            fix = f"add the rule '{generalize(found.producer)}: sum_output_grad' (its output's gradient summed over the mesh)"
+        yield Finding(ctx.at(site or src.rule), (
             f"the {what} {found.shape} that {styled(src.fqn, src.rule)} returns meets, in "
             f"'{found.op}'{inside}, a whole tensor computed from parameters{producer}: each rank's gradient of that tensor "
             f"{share} (partial), so the parameters before it get a rank's share of their gradient; {fix}"
@@ -94,7 +100,7 @@ RULE = LintRule(
     code="TP325",
     name="replicated-partial-grad",
     severity="error",
-    summary="A parameter left replicated computes on sharded activations, so its gradient is partial.",
+    summary="A parameter left replicated computes on sharded activations or partial sums, so its gradient is partial.",
     what="""
         Follows the layout flow to each module with parameters that no rule
         covers and that receives a local shard (a colwise output, say), where
