@@ -62,7 +62,7 @@ class _Interpreter:
         self.frames: list[_Frame] = []
         self.skip = 0
         self.report = FlowReport()
-        self.zeros: set[int] = set()  # nodes holding zeros only: torch.zeros, nothing written into them yet
+        self.zeros: set[int] = set()  # nodes holding zeros only: torch.zeros, not touched by any op yet
         self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()), self.zeros.__contains__)
         self.sums = GradSums(modules)
         self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
@@ -290,7 +290,9 @@ class _Interpreter:
         if not self.in_local_params():
             self.sums.operands(op, values, results, self.trace, self.where(), self.producers)
         self.sums.op(op.inputs, values, op.outputs, results)
-        self.zeros.difference_update(op.outputs)  # written in place
+        # zeros only until the first op that touches them: trusting them after a view of
+        # them (which may be written through) would not be sound
+        self.zeros.difference_update((*op.inputs, *op.outputs))
         if op.name == "zeros":
             self.zeros.update(op.outputs)
 
