@@ -58,6 +58,12 @@ class GradSums:
         self.found: list[GradSum] = []
         self.shared_operands: list[SharedOperand] = []
         self.marks: dict[int, tuple[GradSum, ...]] = {}  # node -> the sums it derives from
+        self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
+
+    def returned_by(self, fqn: str, nodes) -> None:
+        """Module `fqn` returned `nodes` (called innermost first)."""
+        for node in nodes:
+            self.producers.setdefault(node, fqn)
 
     def returned(self, fqn: str, rule: "Rule", nodes) -> None:
         """The module `fqn` styled by `rule` (a style that sums its output's gradient) returned `nodes`."""
@@ -73,7 +79,7 @@ class GradSums:
         for node in outputs if marks else ():
             self.marks[node] = marks
 
-    def operands(self, op, values: "list[Lay]", results: "list[Lay]", trace, where: str, producers: dict) -> None:
+    def operands(self, op, values: "list[Lay]", results: "list[Lay]", trace, where: str) -> None:
         """Record a replicated activation computed from parameters (not a parameter: those are
         TP325's at their module's door, or local_params'; not one whose gradient is summed)
         that meets a plain local shard (or partial sum) in an op the flow follows to a shard
@@ -87,7 +93,7 @@ class GradSums:
             if (value.kind == "R" and value.dt is False and trace.needs_grad[node] and node not in trace.params
                     and node not in self.marks and node not in op.outputs and math.prod(trace.shapes[node]) > 1):
                 met_node, lay = met[0]
-                producer, returned = summing_module(trace, node, op, producers, self.modules)
+                producer, returned = summing_module(trace, node, op, self.producers, self.modules)
                 self.shared_operands.append(SharedOperand(lay, op.name, where, producer, trace.shapes[met_node], returned))
                 return
 

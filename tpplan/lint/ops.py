@@ -6,9 +6,8 @@ that needs what a plain shard lacks (reducing over the sharded dim, mixing it
 with a full tensor) is a `Leak`; an op not modelled here makes the layout
 unknown, and nothing after it is judged. A fused projection's shard cut into
 kinds (q, k, v) along its sharded dim is a `Fused` finding, unless the
-projection is a packed colwise whose blocks the cut follows. A partial sum
-stays one through the ops linear in it (`P + P`, `P * R`, `R @ P`, views,
-indexing, sums, a scatter into zeros); anything else stops the flow there.
+projection is a packed colwise whose blocks the cut follows. Partial sums are
+partial.py's.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .layouts import Fused, Lay, Leak
-from .trace import TENSOR, Op
+from .trace import Op
 
 # -- op semantics -------------------------------------------------------------------
 
@@ -44,14 +43,6 @@ FRESH = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})  # x.new_z
 SHAPE_ONLY_OTHERS = frozenset({"type_as", "to", "view_as", "reshape_as", "expand_as"}) | FRESH
 SPLITS = frozenset({"chunk", "split", "tensor_split", "unbind", "split_with_sizes"})
 CATS = frozenset({"cat", "concat", "concatenate", "stack"})
-# Ops of one tensor (the others replicated indices at most) linear in it: a partial sum
-# stays one. Reductions that sum are too (ops.partial); max, norm and the like are not.
-_PARTIAL_LINEAR = (VIEWS | EXPANDS | SPLITS | frozenset("""
-neg negative to float half bfloat16 double type_as contiguous clone getitem gather index_select take_along_dim
-transpose swapaxes swapdims t T mT permute movedim repeat repeat_interleave flip roll narrow select
-""".split()))
-# A product with one partial factor and replicated others is the partial sum of the products.
-_PARTIAL_FACTOR = frozenset({"mul", "matmul", "bmm", "mm", "einsum"})
 
 
 def _arg(op: Op, index: int, name: str, default: Any = None) -> Any:
@@ -152,11 +143,11 @@ class OpSemantics:
     """Output layouts of ops on plain inputs, some of them sharded or partial."""
 
     def __init__(self, shape: Callable[[int], tuple], where: Callable[[], str], uniform: Callable[[int], frozenset] = lambda node: frozenset(),
-                 zero: Callable[[int], bool] = lambda node: False):
+                 partial: Callable = lambda op, values, count: None):
         self.shape = shape  # node id -> full shape
         self.where = where  # () -> the module the op runs in
         self.uniform = uniform  # node id -> the dims of a replicated tensor expanded from size 1 (a broadcast)
-        self.zero = zero  # node id -> it holds zeros only (torch.zeros, nothing written into it yet)
+        self.partial = partial  # (op, values, output count) -> the outputs' layouts where some values are partial sums (partial.py)
 
     def leak(self, value: Lay, where: str, op: Op, node: int, against: tuple | None = None) -> Leak:
         return Leak(value, where, self.where(), op.name, self.shape(node), against)
@@ -184,7 +175,7 @@ class OpSemantics:
             return []
         sharded = [(i, v) for i, v in enumerate(values) if v.kind != "R"]
         if any(v.kind == "P" for _, v in sharded):
-            return self.partial(op, values, shapes, len(out_shapes))
+            return self.partial(op, values, len(out_shapes))
 
         if name in ("max", "min") and len(op.inputs) > 1:
             return self.elementwise(op, values, shapes, out_shapes)  # torch.min(x, other): per element
@@ -264,36 +255,6 @@ class OpSemantics:
         if moved is None or not all(len(s) > moved and s[moved] != 1 for s in out_shapes):
             return None
         return [Lay("S", False, moved, src, first.blocks)] * len(out_shapes)
-
-    def partial(self, op: Op, values: list[Lay], shapes: list[tuple], count: int) -> "list[Lay] | None":
-        """Ops on partial sums: those linear in them keep a partial sum partial (the ranks'
-        results add up to the op of the sum). A replicated factor (`P * R`, `R @ P`) is fine
-        in forward; its gradient is partial then, which grad_sums.py follows. Anything else
-        (`P + R` adds R tp times, `P * P`, a nonlinear op) is not modelled: None."""
-        name, first = op.name, values[0]
-        parts = [i for i, v in enumerate(values) if v.kind == "P"]
-        if any(v.kind not in ("R", "P") for v in values):
-            return None  # a partial sum meeting a shard
-        lay = values[parts[0]]
-        if name in ("add", "sub") or name in CATS:
-            return [lay] * count if len(parts) == len(values) else None  # P + P; cat of partial sums
-        if name == "setitem":  # x[index] = P: into a partial sum, or into zeros (the rest stays 0 on every rank)
-            into = first.kind == "P" or self.zero(op.inputs[0])
-            written = _arg(op, 2, "value") == TENSOR and parts[-1] == len(values) - 1  # the value written is the P
-            return [lay] * count if into and written and set(parts) <= {0, len(values) - 1} else None
-        if len(parts) != 1:
-            return None  # P * P, P @ P: not the product of the sums
-        if name in _PARTIAL_FACTOR:  # the partial sum one factor of a product (mul, matmul, einsum)
-            return [lay] * count
-        if name in ("div", "truediv"):
-            return [lay] * count if parts == [0] else None  # P / R; R / P is not
-        if parts != [0]:
-            return None
-        if name == "masked_fill":
-            return [lay] * count if _arg(op, 2, "value") == 0 else None
-        if name in _PARTIAL_LINEAR or (name in ("sum", "mean", "nansum") and len(op.inputs) == 1):
-            return [lay] * count
-        return None
 
     def kinds(self, op: Op, first: Lay, shape: tuple, out_shapes: list[tuple]) -> "list[Lay] | Fused | None":
         """An op that cuts a fused projection's shard along its sharded dim into kinds

@@ -220,25 +220,18 @@ class _Tracer(TorchFunctionMode):
         if kwargs:
             _tensors(kwargs, ins)
         name = _op_name(func)
-        if not ins:
-            # creation ops make plain, replicated tensors: the default; zeros are kept, as
-            # what a scatter into them holds is what was scattered (a partial sum stays one)
+        if not ins:  # creation ops make plain, replicated tensors (the default); zeros are kept: see ops
             if name == "zeros" and isinstance(out, torch.Tensor):
-                self.trace.events.append(Op(name, (), (self.node(out),), _simplify(args), {k: _simplify(v) for k, v in kwargs.items()}))
+                self.trace.events.append(Op(name, (), (self.node(out),), _simplify(args), {}))
             return out
-        outs = _tensors(out, [])
-        if not outs and name != "setitem":
+        outs = _tensors(out, []) or (ins[:1] if name == "setitem" else [])  # x[i] = v returns nothing: x is its output
+        if not outs:
             return out
         in_ids = tuple(self.node(t) for t in ins)
         grad = any(self.trace.needs_grad[i] for i in in_ids)
-        if not outs:  # x[index] = value writes into x, returning nothing: x is its output
-            if grad and (ins[0].is_floating_point() or ins[0].is_complex()):
-                self.trace.needs_grad[in_ids[0]] = True
-            self.trace.events.append(Op(name, in_ids, in_ids[:1], _simplify(args), {}))
-            return out
         out_ids = []
         for t in outs:
-            fresh = id(t) not in self.ids
+            fresh = id(t) not in self.ids or name == "setitem"
             nid = self.node(t)
             if fresh and grad and (t.is_floating_point() or t.is_complex()):
                 self.trace.needs_grad[nid] = True
