@@ -260,3 +260,71 @@ def test_the_shipped_hf_llama_plan_validates_strict_on_a_gqa_llama_with_its_cach
     plan = Path(__file__).resolve().parent.parent / "plans" / "hf" / "llama_tp.yaml"
     result = CliRunner().invoke(app, ["validate", "--strict", str(plan), "--model", f"hf:{tmp_path}", "--tp", "2"])
     assert result.exit_code == 0 and "TP328" not in result.output, result.output
+
+
+class _Router(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x):
+        return torch.sigmoid(self.gate(x).float())
+
+
+class _ScoredMoE(nn.Module):
+    """torchtitan's MoE in small: a router's scores and two feed-forwards whose outputs are
+    partial sums (rowwise, output partial); the routed one scattered into zeros, then
+    weighed by the scores after it (`R @ P`) or its input by them before it, plus the
+    shared one (`P + P`)."""
+
+    def __init__(self, after: bool, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        self.after = after
+        self.router = _Router(dim)
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim, bias=False)
+        self.shared_up, self.shared_down = nn.Linear(dim, hidden), nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        flat = x.view(-1, x.shape[-1])
+        scores = self.router(flat)
+        routed = self.down(torch.relu(self.up(flat if self.after else flat * scores)))
+        unsorted = torch.zeros(flat.shape, dtype=routed.dtype, device=routed.device)
+        unsorted[torch.arange(flat.shape[0], device=flat.device)] = routed
+        if self.after:
+            unsorted = torch.bmm(scores.reshape(-1, 1, 1), unsorted.unsqueeze(1)).squeeze(1)
+        return (self.shared_down(torch.relu(self.shared_up(flat))) + unsorted).view_as(x)
+
+
+class _ScoredModel(nn.Module):
+    def __init__(self, after: bool):
+        super().__init__()
+        self.moe = _ScoredMoE(after)
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+_SCORED_PLAN = """
+version: 1
+rules:
+  moe: {style: prepare_module_output, output_layouts: partial, desired_output_layouts: replicate}
+  moe.{up,shared_up}: colwise
+  moe.{down,shared_down}: {style: rowwise, output_layouts: partial}
+"""
+
+
+def test_scores_weighing_partial_sums_need_their_gate_summed_and_the_flow_follows_the_partial_sums():
+    """The partial sums are followed through the scatter into zeros, the scores' bmm and
+    the sum with the shared experts' (no TP328). Scores applied after the experts: each
+    rank's gradient of them is its share of a sum (TP325 at the MoE's rule, naming the
+    router's gate), fixed by summing the gate's output gradient; applied before, clean."""
+    with torch.device("meta"):
+        after, before = _ScoredModel(after=True), _ScoredModel(after=False)
+    problems = lint(_SCORED_PLAN, after)
+    assert [p.code for p in problems] == ["TP325"], [str(p) for p in problems]
+    problem = problems[0]
+    assert (problem.line, problem.severity) == (3, "error"), str(problem)
+    assert "in 'bmm' inside 'moe', a whole tensor computed from parameters (from the output of 'moe.router.gate')" in problem.message
+    assert problem.message.endswith("add the rule 'moe.router.gate: sum_output_grad' (its output's gradient summed over the mesh)")
+    assert [str(p) for p in lint(_SCORED_PLAN + "  moe.router.gate: sum_output_grad\n", after)] == []
+    assert [str(p) for p in lint(_SCORED_PLAN, before)] == []

@@ -38,15 +38,15 @@ PLANS = Path(__file__).resolve().parent.parent / "plans" / "titan"
 MODELS = [pytest.param("llama3", marks=pytest.mark.slow), "qwen3", pytest.param("deepseek_v3", marks=pytest.mark.slow)]
 MOE_MODELS = ["llama4", "deepseek_v3_moe"]
 # What the lint says of each plan against its model, as (code, rule): the layout flow does
-# not model Llama's complex rotary (view_as_complex) nor the MoE's sum of the routed and
-# shared experts' partial outputs, and says where it stops (TP328, a warning); --check
-# covers both with values
+# not model Llama's complex rotary (view_as_complex) and says where it stops (TP328, a
+# warning); --check covers it with values. It follows the MoE's partial sums (the routed
+# experts' scattered into zeros, weighed by the scores, plus the shared experts')
 LINT = {
     "llama3": [("TP328", "layers.*.attention.w{q,k,v}")],
     "qwen3": [],
     "deepseek_v3": [],
-    "llama4": [("TP328", "layers.*.attention.w{q,k,v}"), ("TP328", "layers.*.moe.shared_experts.w2")],
-    "deepseek_v3_moe": [("TP328", "layers.*.moe.shared_experts.w2")],
+    "llama4": [("TP328", "layers.*.attention.w{q,k,v}")],
+    "deepseek_v3_moe": [],
 }
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
@@ -223,6 +223,33 @@ def test_torchtitans_own_moe_layer_against_one_device(name, tp):
         # leaves unsummed (its PR 2416 adds the all-reduce); the plan's sum_output_grad sums it
         assert not theirs.passed
         assert {problem.split(" grad:")[0] for problem in theirs.problems} == {"layers.0.moe.router.gate.weight"}
+
+
+def test_torchtitans_own_deepseek_v3_moe_plan_is_an_error_at_the_moe_naming_the_router_gates_sum(tmp_path):
+    # torchtitan 0.2.2's plan is the shipped one without the router gate's rule (its
+    # NoParallel router, pytorch/torchtitan#2387): the gate's scores weigh the experts'
+    # partial sums, so each rank's gradient of them is its share; the lint says so from
+    # the plan and the model alone (the check test above confirms it with values)
+    shipped = (PLANS / "deepseek_v3_moe_tp.yaml").read_text()
+    assert shipped.count("  layers.*.moe.router.gate: sum_output_grad\n") == 1
+    (tmp_path / "deepseek_v3_tp.yaml").write_text((PLANS / "deepseek_v3_tp.yaml").read_text())  # what it extends
+    theirs = tmp_path / "theirs.yaml"
+    theirs.write_text(shipped.replace("  layers.*.moe.router.gate: sum_output_grad\n", ""))
+    plan = load_plan(theirs)
+    with torch.device("meta"):
+        model = _model("deepseek_v3_moe")
+    problems = lint_model(plan, model, [2, 4])
+    rules = {rule.line: rule.pattern for rule in plan.rules if Path(rule.file) == theirs}
+    assert [(p.code, p.severity, rules.get(p.line)) for p in problems] == [("TP325", "error", "layers.*.moe")], [str(p) for p in problems]
+    assert "in 'bmm' inside 'layers.1.moe', a whole tensor computed from parameters (from the output of 'layers.1.moe.router.gate')" in problems[0].message
+    assert problems[0].message.endswith("add the rule 'layers.*.moe.router.gate: sum_output_grad' (its output's gradient summed over the mesh)")
+    # torchtitan's NoParallel gate written out: the error is at that rule, which sums nothing
+    theirs.write_text(shipped.replace("router.gate: sum_output_grad", "router.gate: no_parallel"))
+    plan = load_plan(theirs)
+    rules = {rule.line: rule.pattern for rule in plan.rules if Path(rule.file) == theirs}
+    problems = lint_model(plan, model, [2, 4])
+    assert [(p.code, rules.get(p.line)) for p in problems] == [("TP325", "layers.*.moe.router.gate")], [str(p) for p in problems]
+    assert "(now no_parallel) 'layers.*.moe.router.gate: sum_output_grad'" in problems[0].message
 
 
 # The whole models, 2 layers: llama4 MoE in both, deepseek_v3_moe a dense first layer

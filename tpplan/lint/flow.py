@@ -43,6 +43,7 @@ from .layouts import (
 )
 from .grad_sums import GradSums
 from .ops import ELEMENTWISE, EXPANDS, SHAPE_ONLY_OTHERS, OpSemantics
+from .partial import PartialSums
 from .trace import Call, Op, Return, Trace
 
 _REPLICATE = PlacementSpec("replicate")
@@ -62,15 +63,14 @@ class _Interpreter:
         self.frames: list[_Frame] = []
         self.skip = 0
         self.report = FlowReport()
-        self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()))
-        self.sums = GradSums()
-        self.producers: dict[int, str] = {}  # node -> the innermost module that returned it
-        self.report.grad_sums = self.sums.found
-        self.report.shared_operands = self.sums.shared_operands
-        # node -> (parameter node, where each of its dims went): views of a parameter
+        self.partials = PartialSums()
+        self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()), self.partials.layouts)
+        self.sums = GradSums(modules)
+        self.report.grad_sums, self.report.shared_operands = self.sums.found, self.sums.shared_operands
         # a replicated tensor expanded from size 1 (`k_rot.expand(-1, heads, -1, -1)`): the same values along
         # those dims, whatever their size on a rank, so it meets a shard there as a broadcast would
         self.uniform: dict[int, frozenset] = {}
+        # node -> (parameter node, where each of its dims went): views of a parameter
         self.derived: dict[int, tuple[int, tuple]] = {n: (n, tuple(range(len(self.shape(n))))) for n in trace.params}
         self.own_params()
 
@@ -105,6 +105,7 @@ class _Interpreter:
             if isinstance(event, Op):
                 if not self.skip:
                     self.op(event)
+                self.partials.seen(event)  # in a module run whole too: it may write into zeros it returns
             elif isinstance(event, Call):
                 if self.skip:
                     self.skip += 1
@@ -223,8 +224,7 @@ class _Interpreter:
 
     def ret(self, event: Return) -> None:
         frame = self.frames.pop()
-        for node in event.flat:
-            self.producers.setdefault(node, frame.fqn)
+        self.sums.returned_by(frame.fqn, event.flat)
         spec = frame.rule.spec if frame.rule else None
         if frame.owned or frame.dead:
             self.skip = 0
@@ -239,9 +239,8 @@ class _Interpreter:
                         self.set(node, DEAD)  # torch raises on the return (TP303 reports it)
                 else:
                     for i, (node, layout, desired) in enumerate(zip(event.outputs, spec.output_layouts, spec.desired_output_layouts)):
-                        if node is not None and layout is not None:
-                            if self.annotate(node, layout, False, frame, f"output {i}"):
-                                self.after(node, desired or layout, spec.use_local_output, frame)
+                        if node is not None and layout is not None and self.annotate(node, layout, False, frame, f"output {i}"):
+                            self.after(node, desired or layout, spec.use_local_output, frame)
             if spec is not None and spec.semantics.sums_output_grad:
                 self.sums.returned(frame.fqn, frame.rule, event.flat)
         if not self.frames:  # the model's own output
@@ -287,7 +286,7 @@ class _Interpreter:
             self.uniform[op.outputs[0]] = frozenset(d for d in range(len(out)) if out[d] != 1 and (d < lead or shape[d - lead] == 1))
         results = [self.value(n) for n in op.outputs]
         if not self.in_local_params():
-            self.sums.operands(op.inputs, values, results, self.trace, self.where(), op.name, self.producers)
+            self.sums.operands(op, values, results, self.trace, self.where())
         self.sums.op(op.inputs, values, op.outputs, results)
 
     def derive(self, op: Op, values: list[Lay]) -> None:

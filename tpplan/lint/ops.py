@@ -6,7 +6,8 @@ that needs what a plain shard lacks (reducing over the sharded dim, mixing it
 with a full tensor) is a `Leak`; an op not modelled here makes the layout
 unknown, and nothing after it is judged. A fused projection's shard cut into
 kinds (q, k, v) along its sharded dim is a `Fused` finding, unless the
-projection is a packed colwise whose blocks the cut follows.
+projection is a packed colwise whose blocks the cut follows. Partial sums are
+partial.py's.
 """
 
 from __future__ import annotations
@@ -141,10 +142,12 @@ def _packable(value: Lay) -> bool:
 class OpSemantics:
     """Output layouts of ops on plain inputs, some of them sharded or partial."""
 
-    def __init__(self, shape: Callable[[int], tuple], where: Callable[[], str], uniform: Callable[[int], frozenset] = lambda node: frozenset()):
+    def __init__(self, shape: Callable[[int], tuple], where: Callable[[], str], uniform: Callable[[int], frozenset] = lambda node: frozenset(),
+                 partial: Callable = lambda op, values, count: None):
         self.shape = shape  # node id -> full shape
         self.where = where  # () -> the module the op runs in
         self.uniform = uniform  # node id -> the dims of a replicated tensor expanded from size 1 (a broadcast)
+        self.partial = partial  # (op, values, output count) -> the outputs' layouts where some values are partial sums (partial.py)
 
     def leak(self, value: Lay, where: str, op: Op, node: int, against: tuple | None = None) -> Leak:
         return Leak(value, where, self.where(), op.name, self.shape(node), against)
@@ -172,12 +175,7 @@ class OpSemantics:
             return []
         sharded = [(i, v) for i, v in enumerate(values) if v.kind != "R"]
         if any(v.kind == "P" for _, v in sharded):
-            if name in ("add", "sub") and all(v.kind == "P" for v in values):
-                return [values[0]] * len(out_shapes)
-            if name in ("mul", "div", "truediv", "neg", "to", "float", "type_as", "contiguous", "clone", "view", "reshape") and len(sharded) == 1:
-                others = [i for i, v in enumerate(values) if v.kind == "R" and math.prod(shapes[i]) > 1]
-                return None if others else [sharded[0][1]] * len(out_shapes)
-            return None
+            return self.partial(op, values, len(out_shapes))
 
         if name in ("max", "min") and len(op.inputs) > 1:
             return self.elementwise(op, values, shapes, out_shapes)  # torch.min(x, other): per element
@@ -245,6 +243,11 @@ class OpSemantics:
             if along is None or along[0] == dim:
                 return None
             moved = dim if name != "unbind" else dim - (1 if along[0] < dim else 0)
+        elif name == "setitem":
+            # x[index] = value: a shard stays one where the index keeps its dim and the value
+            # is the same everywhere (a number, or a replicated one-element tensor)
+            rest = [i for i in range(1, len(values)) if math.prod(shapes[i]) != 1]
+            moved = dim if not rest and _index_dim(_arg(op, 1, "index"), shape, dim) is not None else None
         elif name in ("linear", "embedding"):
             if name == "linear" and dim == len(shape) - 1:
                 return None  # contracting a shard with a full weight (an unplanned Linear reports it)

@@ -219,22 +219,25 @@ class _Tracer(TorchFunctionMode):
         ins = _tensors(args, [])
         if kwargs:
             _tensors(kwargs, ins)
-        if not ins:
-            return out  # creation ops make plain, replicated tensors: the default
-        outs = _tensors(out, [])
+        name = _op_name(func)
+        if not ins:  # creation ops make plain, replicated tensors (the default); zeros are kept: see ops
+            if name == "zeros" and isinstance(out, torch.Tensor):
+                self.trace.events.append(Op(name, (), (self.node(out),), _simplify(args), {}))
+            return out
+        outs = _tensors(out, []) or (ins[:1] if name == "setitem" else [])  # x[i] = v returns nothing: x is its output
         if not outs:
             return out
         in_ids = tuple(self.node(t) for t in ins)
         grad = any(self.trace.needs_grad[i] for i in in_ids)
         out_ids = []
         for t in outs:
-            fresh = id(t) not in self.ids
+            fresh = id(t) not in self.ids or name == "setitem"
             nid = self.node(t)
             if fresh and grad and (t.is_floating_point() or t.is_complex()):
                 self.trace.needs_grad[nid] = True
             out_ids.append(nid)
         self.trace.events.append(
-            Op(_op_name(func), in_ids, tuple(out_ids), _simplify(args), {k: _simplify(v) for k, v in kwargs.items()})
+            Op(name, in_ids, tuple(out_ids), _simplify(args), {k: _simplify(v) for k, v in kwargs.items()})
         )
         return out
 

@@ -1,5 +1,6 @@
-"""TP325: a parameter left replicated that computes on sharded activations: its
-gradient on each rank is that rank's share only (partial)."""
+"""TP325: a parameter left replicated that computes on sharded activations (or a whole
+tensor computed from parameters that meets a shard or a partial sum): its gradient on
+each rank is that rank's share only (partial)."""
 
 from __future__ import annotations
 
@@ -65,21 +66,41 @@ def check(ctx):
     for found in ctx.flow.shared_operands:
         src, ndim = found.value.src, len(found.shape)
         inside = f" inside '{found.fqn}'" if found.fqn else ""
-        producer = f" (returned by '{found.producer}')" if found.producer else ""
-        fix = (f"add the rule '{generalize(found.producer)}: sum_output_grad' (its output's gradient summed over the mesh)"
-               if found.producer else "sum that tensor's gradient over the mesh (sum_output_grad on the module that returns it)")
-        yield Finding(ctx.at(src.rule), (
-            f"the local {shard_text(found.value.dim, ndim)} {found.shape} that {styled(src.fqn, src.rule)} returns meets, in "
+        what = f"local {shard_text(found.value.dim, ndim)}" if found.value.kind == "S" else "local partial sum"
+        share = "covers its own slice only" if found.value.kind == "S" else "is its share of a sum"
+        producer = (f" (returned by '{found.producer}')" if found.returned else f" (from the output of '{found.producer}')") if found.producer else ""
+        site = _fix_site(ctx, found.producer)
+        if found.producer is None:
+            fix = "sum that tensor's gradient over the mesh (sum_output_grad on the module that returns it)"
+        elif site is not None and ctx.matched.get(found.producer) is site:  # its rule leaves the gradient a share
+            fix = (f"make the rule for '{site.pattern}' (now {site.spec.style}) '{generalize(found.producer)}: sum_output_grad' "
+                   "(its output's gradient summed over the mesh)")
+        else:
+            fix = f"add the rule '{generalize(found.producer)}: sum_output_grad' (its output's gradient summed over the mesh)"
+        yield Finding(ctx.at(site or src.rule), (
+            f"the {what} {found.shape} that {styled(src.fqn, src.rule)} returns meets, in "
             f"'{found.op}'{inside}, a whole tensor computed from parameters{producer}: each rank's gradient of that tensor "
-            f"covers its own slice only (partial), so the parameters before it get a rank's share of their gradient; {fix}"
+            f"{share} (partial), so the parameters before it get a rank's share of their gradient; {fix}"
         ))
+
+
+def _fix_site(ctx, producer: str | None):
+    """The rule where the fix goes: the one styling the module to sum at (it does not sum
+    its output's gradient, or there would be nothing to report), else the innermost rule
+    around it (a MoE's, whose router it leaves alone); None when no rule covers either."""
+    while producer:
+        rule = ctx.matched.get(producer)
+        if rule is not None:
+            return rule
+        producer = producer.rpartition(".")[0]
+    return None
 
 
 RULE = LintRule(
     code="TP325",
     name="replicated-partial-grad",
     severity="error",
-    summary="A parameter left replicated computes on sharded activations, so its gradient is partial.",
+    summary="A parameter left replicated computes on sharded activations or partial sums, so its gradient is partial.",
     what="""
         Follows the layout flow to each module with parameters that no rule
         covers and that receives a local shard (a colwise output, say), where
@@ -91,6 +112,16 @@ RULE = LintRule(
         whose output reaches the module; the fix is `local_params` on the
         module (transformers' `replicated_with_grad_allreduce`), which
         `import-hf --minimal` adds.
+
+        The same holds for a whole tensor computed from parameters that meets
+        a local shard or a partial sum in an op: `R * S` is a shard and
+        `R * P`, `R @ P` a partial sum, fine in forward, but the gradient of
+        the whole operand is then each rank's share (partial). The lint follows
+        it back to the output of a module with parameters of its own (a MoE
+        router's `gate`, whose scores weigh the experts' partial outputs after
+        the experts) and names `sum_output_grad` there, reported at the rule
+        that covers that module or, if none does, the innermost rule around it
+        (the MoE's), else at the rule whose shard it meets.
     """,
     why="""
         The forward is right, so nothing fails and outputs match one device.
@@ -98,7 +129,8 @@ RULE = LintRule(
         of the replicated parameter on each rank is that rank's share, not the
         sum: the optimizer steps differ per rank, the copies drift apart, and
         the model trains wrong (transformers' own Apertus plan, found only by
-        comparing gradients with `apply --check`).
+        comparing gradients with `apply --check`; torchtitan 0.2.2's
+        DeepSeek-V3 MoE router gate, pytorch/torchtitan#2387).
     """,
     model="tpplan.hf_models:apertus",
     failing="""
