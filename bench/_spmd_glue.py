@@ -43,7 +43,7 @@ _BUFFER_RETYPE = re.compile(r"in-place/out operation would change SPMD type on a
 
 @dataclass
 class SpmdResult:
-    verdict: str  # "clean", "error" (a type error), "no-rule" (an autograd Function it cannot type), "not-run"
+    verdict: str  # "clean", "error" (a type error), "no-rule" (an autograd Function or a placement it cannot type)
     message: str = ""
     default_ops: set[str] = field(default_factory=set)  # local ops typed by the default rule
     seconds: float = 0.0  # the checked forward and backward

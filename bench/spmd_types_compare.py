@@ -10,7 +10,9 @@ applied (bench/_spmd_glue.py: the types come from the plan's DTensor placements
 at to_local/from_local; its verdict, the ops it typed by its default rule only,
 and its time). Cases: the shipped plans (plans/*.yaml, plans/hf/, plans/titan/
 when torchtitan is installed), torchtitan's DeepSeek-V3 MoE plan without and
-with its router fix (`layers.*.moe.router.gate: sum_output_grad`), each lint
+with its router fix (`layers.*.moe.router.gate: sum_output_grad`), the
+torchtitan MoE cases again with spmd_types run on the MoE edited so that it can
+type it (bench/_titan_moe_edit.py: six lines of the model), each lint
 rule's failing and passing example (--no-examples: not those), and the
 first N transformers families that build and have a TP plan (transformers' own
 plan via import-hf, and its --minimal plan where that differs, as the family
@@ -51,10 +53,11 @@ class Case:
     stops: set[str] = field(default_factory=set)  # ops the layout flow stopped at (TP328)
     lint_s: float = 0.0
     check: str = ""  # "passes", the failing codes, or "not run"
-    spmd: str = ""  # "clean", "error", "no-rule", "not-run"
+    spmd: str = ""  # "clean", "error" (a type error), "no-rule" (what it has no type for), "raised" (the run itself did)
     spmd_message: str = ""
     default_ops: set[str] = field(default_factory=set)
     spmd_s: float = 0.0
+    edited_moe: bool = False  # spmd_types run on torchtitan's MoE edited for it (bench/_titan_moe_edit.py)
 
     @property
     def agree(self) -> str:
@@ -78,12 +81,18 @@ def shipped_cases(tp: int | None) -> list[tuple[str, str, str, int]]:
     return cases
 
 
+def edited_moe_cases(specs: list[tuple[str, str, str, int]]) -> list[Case]:
+    """The torchtitan MoE cases again, spmd_types on the MoE edited so that it can type it."""
+    return [Case(f"{name}, MoE edited for spmd_types", plan, model, tp, edited_moe=True)
+            for name, plan, model, tp in specs if model.endswith(("titan_models:deepseek_v3_moe", "titan_models:llama4"))]
+
+
 def example_cases(directory: Path, tp: int | None) -> list[tuple[str, str, str, int]]:
     """Each lint rule's failing and passing example with its model (the rule docs'; the
     differential test judges them too): plans made to be wrong, and their fixes."""
-    from verdict_cases import rule_examples
+    from verdict_cases import degrees, rule_examples
 
-    return [(name, path, model, tp or 2) for name, path, model in rule_examples(directory)]
+    return [(name, path, model, tp or degrees(path)[0]) for name, path, model in rule_examples(directory)]
 
 
 def unfixed_deepseek(directory: Path, tp: int | None) -> list[tuple[str, str, str, int]]:
@@ -140,14 +149,18 @@ def run_tpplan(case: Case) -> None:
 
 
 def run_spmd(case: Case) -> None:
+    import contextlib
+
     from _spmd_glue import typecheck_plan
+    from _titan_moe_edit import edited_titan_moe
 
     from tpplan import load_plan
 
     try:
-        result = typecheck_plan(load_plan(case.plan), case.model, case.tp)
-    except Exception as exc:  # the model or the plan fails on CPU values before or outside the checker: recorded, not judged
-        case.spmd, case.spmd_message = "not-run", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        with edited_titan_moe() if case.edited_moe else contextlib.nullcontext():
+            result = typecheck_plan(load_plan(case.plan), case.model, case.tp)
+    except Exception as exc:  # the plan does not apply, or the model raises with it (torch's error): no type verdict
+        case.spmd, case.spmd_message = "raised", f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         return
     case.spmd, case.spmd_message, case.default_ops, case.spmd_s = result.verdict, result.message, result.default_ops, result.seconds
 
@@ -185,7 +198,8 @@ def totals(cases: list[Case]) -> str:
     return "\n".join([
         f"- cases: {len(cases)}; spmd_types ran on {len(ran)} (agree {sum(c.agree == 'yes' for c in ran)}, "
         f"disagree {sum(c.agree == 'no' for c in ran)}), could not run on {len(cases) - len(ran)} "
-        f"({', '.join(sorted({c.spmd for c in cases} - {'clean', 'error'})) or 'none'})",
+        f"({', '.join(f'{kind} {sum(c.spmd == kind for c in cases)}' for kind in ('no-rule', 'raised'))}; "
+        f"of the raised, the lint found an error in {sum(c.spmd == 'raised' and c.lint_error for c in cases)})",
         f"- against --check (where both ran and --check ran, {len(checked)} cases): tpplan's lint right on {lint_right}, "
         f"spmd_types right on {spmd_right}",
         f"- ops the layout flow stopped at (TP328), all cases: {', '.join(sorted(set().union(*(c.stops for c in cases)))) or 'none'}",
@@ -219,8 +233,7 @@ def main() -> int:
             found, skipped = family_cases(args.families, directory, args.tp)
             specs += found
         cases = []
-        for name, plan, model, tp in specs:
-            case = Case(name, plan, model, tp)
+        for case in [Case(*spec) for spec in specs] + edited_moe_cases(specs):
             run_tpplan(case)
             run_spmd(case)
             print(f"{case.name} @{case.tp}: lint {case.lint}; --check {case.check}; spmd_types {case.spmd} "
