@@ -10,7 +10,6 @@ from lint_helpers import lint, meta_model, only
 from torch import nn
 
 from tpplan import load_plan
-from tpplan.lint.collapse import kept_blocks
 from tpplan.lint.context import LintContext
 from tpplan.lint.ops import _index_dim, _view_dim
 from tpplan.lint.trace import Call, Op, Return, TraceError, _Tracer, trace_model
@@ -129,10 +128,10 @@ def test_repeated_blocks_are_cut_to_two_unless_a_rule_sets_one_apart():
     with torch.device("meta"):
         model = MLP(n_blocks=6)
     uniform = load_plan(text="version: 1\nrules:\n  blocks.*.in_proj: colwise\n  blocks.*.out_proj: rowwise\n")
-    [(container, kept)] = kept_blocks(LintContext(uniform, model, [2]))
+    [(container, kept)] = LintContext(uniform, model, [2]).kept_blocks
     assert container is model.blocks and list(kept) == ["0", "1"]
     special = load_plan(text="version: 1\nrules:\n  blocks.[!3].in_proj: colwise\n  blocks.3.in_proj: {style: colwise, use_local_output: false}\n  blocks.*.out_proj: rowwise\n")
-    [(_, kept)] = kept_blocks(LintContext(special, model, [2]))
+    [(_, kept)] = LintContext(special, model, [2]).kept_blocks
     assert list(kept) == ["0", "1", "3", "4", "5"]
 
 

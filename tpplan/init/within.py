@@ -29,7 +29,7 @@ def sharded_modules(plan_text: str, model: "nn.Module") -> set[str]:
     from ..lint.facts import parameter_placements
 
     ctx = LintContext(load_plan(text=plan_text, file="<shipped plan>"), model, [2])
-    return {placed.module for placed in parameter_placements(ctx).values()
+    return {placed.module for placed in parameter_placements(ctx.modules, ctx.matched).values()
             if placed.placement is not None and placed.placement.kind == "shard"}
 
 

@@ -19,28 +19,29 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-    from .context import LintContext
+    from ..core.plan import Plan, Rule
+    from .trace import Trace
 
 
-def _call_order(ctx: "LintContext") -> dict[str, list[str]]:
+def _call_order(trace: "Trace") -> dict[str, list[str]]:
     """{module: the names of its children, in the order the forward called them}."""
     from .trace import Call
 
     order: dict[str, list[str]] = defaultdict(list)
-    for event in ctx.trace.events:
+    for event in trace.events:
         if isinstance(event, Call) and event.fqn:
             parent, _, key = event.fqn.rpartition(".")
             order[parent].append(key)
     return order
 
 
-def _rules_by_child(ctx: "LintContext", containers) -> dict[str, dict[str, list]]:
+def _rules_by_child(matched: "dict[str, Rule]", containers) -> dict[str, dict[str, list]]:
     """{container: {child: [(path inside it, what its rule does)]}}: by meaning, not by
     pattern, so blocks that two rules with equal styles cover count as identical.
     One pass over the matched modules: each one is filed under its container ancestors."""
     meaning: dict[int, str] = {}
     inside: dict[str, dict[str, list]] = {fqn: defaultdict(list) for fqn in containers}
-    for name, rule in ctx.matched.items():
+    for name, rule in matched.items():
         parent, rest = name, ""
         while parent:
             parent, _, key = parent.rpartition(".")
@@ -53,21 +54,21 @@ def _rules_by_child(ctx: "LintContext", containers) -> dict[str, dict[str, list]
     return inside
 
 
-def kept_blocks(ctx: "LintContext") -> list[tuple["nn.Module", dict]]:
-    """(container, the children it keeps) for each container worth cutting
-    (`ctx.kept_blocks` computes it once)."""
+def kept_blocks(trace: "Trace | None", matched: "dict[str, Rule]", modules: "dict[str, nn.Module]") -> list[tuple["nn.Module", dict]]:
+    """(container, the children it keeps) for each container worth cutting, from the
+    traced forward and the plan's {fqn: rule} (`ctx.kept_blocks` computes it once)."""
     from torch import nn
 
-    if ctx.trace is None:
+    if trace is None:
         return []
-    order = _call_order(ctx)
+    order = _call_order(trace)
     containers = {
-        fqn: module for fqn, module in ctx.modules.items()
+        fqn: module for fqn, module in modules.items()
         if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module._modules) >= 3
         and order.get(fqn) == list(module._modules)
     }
-    rules = _rules_by_child(ctx, containers)
-    structures = ctx.trace.structures
+    rules = _rules_by_child(matched, containers)
+    structures = trace.structures
     cuts = []
     for fqn, module in containers.items():
         kept, run, last = {}, 0, None
@@ -82,24 +83,25 @@ def kept_blocks(ctx: "LintContext") -> list[tuple["nn.Module", dict]]:
     return cuts
 
 
-def collapsed_copy(ctx: "LintContext") -> "nn.Module":
-    """A deep copy of the model (to shard), with repeated blocks cut to two."""
-    cuts = [(module, module._modules, kept) for module, kept in ctx.kept_blocks]
+def collapsed_copy(model: "nn.Module", cuts: list[tuple["nn.Module", dict]]) -> "nn.Module":
+    """A deep copy of `model` (to shard), with each container of `cuts` (kept_blocks)
+    keeping only its kept children."""
+    saved = [(module, module._modules, kept) for module, kept in cuts]
     try:
-        for module, _, kept in cuts:
+        for module, _, kept in saved:
             module._modules = kept
-        return copy.deepcopy(ctx.model)
+        return copy.deepcopy(model)
     finally:
-        for module, original, _ in cuts:
+        for module, original, _ in saved:
             module._modules = original
 
 
-def plan_for(ctx: "LintContext", model: "nn.Module"):
-    """The plan without the rules that match nothing in the collapsed `model`."""
+def plan_for(plan: "Plan", model: "nn.Module") -> "Plan":
+    """`plan` without the rules that match nothing in the collapsed `model`."""
     from ..core.plan import Plan
 
-    tree, under = ctx.plan.module_tree(model)
-    rules = [rule for rule in ctx.plan.rules if tree.match(rule.glob, under)]
-    if len(rules) == len(ctx.plan.rules):
-        return ctx.plan
-    return Plan(ctx.plan.spec, rules, ctx.plan.file)
+    tree, under = plan.module_tree(model)
+    rules = [rule for rule in plan.rules if tree.match(rule.glob, under)]
+    if len(rules) == len(plan.rules):
+        return plan
+    return Plan(plan.spec, rules, plan.file)

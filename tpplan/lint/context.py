@@ -26,7 +26,7 @@ from ..core.problems import Problem
 if TYPE_CHECKING:
     from torch import nn
 
-    from .facts import Heads, Placed
+    from .facts import HeadIndex, Placed
     from .flow import FlowReport
     from .trace import Trace
 
@@ -158,23 +158,25 @@ class LintContext:
     # -- facts several rules read ----------------------------------------------------------
 
     @cached_property
-    def heads(self) -> "dict[str, Heads | None]":
-        """{module: the head counts that apply inside it}, filled as `facts.heads_of` asks."""
-        return {}
+    def heads(self) -> "HeadIndex":
+        """The head counts inside each module (`ctx.heads.of(fqn)`, `ctx.heads.split(fqn, rule)`)."""
+        from .facts import HeadIndex
+
+        return HeadIndex(self.modules)
 
     @cached_property
     def placements(self) -> "dict[str, Placed]":
         """{parameter name: its placement under the plan} (facts.parameter_placements)."""
         from .facts import parameter_placements
 
-        return parameter_placements(self)
+        return parameter_placements(self.modules, self.matched)
 
     @cached_property
     def kept_blocks(self) -> list:
         """(container, the children the dry run keeps) for each run of identical blocks."""
         from .collapse import kept_blocks
 
-        return kept_blocks(self)
+        return kept_blocks(self.trace, self.matched, self.modules)
 
 
 def resolve(plan: Plan, modules: dict[str, "nn.Module"]) -> tuple[dict[str, Rule], list[Problem]]:

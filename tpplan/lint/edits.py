@@ -71,14 +71,13 @@ def _packed(ctx) -> list[Edit]:
 
 
 def _heads(ctx) -> list[Edit]:
-    from .facts import head_split
     from .rules.head_divisibility import failing_counts, heads_auto_fixes
 
     out, seen = [], set()
     for fqn, rule in ctx.matched.items():
         if rule.pattern in seen or getattr(rule.spec, "heads", None) is not None:
             continue
-        split = head_split(ctx, fqn, rule)
+        split = ctx.heads.split(fqn, rule)
         if split is None or "heads" not in type(rule.spec).model_fields:  # the styles that can replicate heads
             continue
         heads, counts, _ = split

@@ -1,8 +1,9 @@
 """Facts about the model that several rules read: attention head counts (read by
 core/head_counts.py, as `heads: auto` reads them), and the
 placement each parameter gets under the plan (from the style table,
-core/style_table.py). The context computes each once (`LintContext.heads`,
-`LintContext.placements`)."""
+core/style_table.py). The context computes each once (`LintContext.heads`, a `HeadIndex`;
+`LintContext.placements`); this module takes the model's modules and the plan's
+matches, not the context, which sits above it."""
 
 from __future__ import annotations
 
@@ -16,8 +17,6 @@ from ..core.plan import Rule
 if TYPE_CHECKING:
     from torch import nn
 
-    from .context import LintContext
-
 
 @dataclass(frozen=True)
 class Heads:
@@ -26,36 +25,41 @@ class Heads:
     head_dim: int | None
 
 
-def heads_of(ctx: "LintContext", fqn: str) -> Heads | None:
-    """The head counts that apply to module `fqn`: those of its closest ancestor
-    (itself excluded: a Linear has none) that has any."""
-    cache = ctx.heads
-    parent = fqn.rpartition(".")[0] if "." in fqn else ("" if fqn else None)
-    if parent is None:
-        return None
-    if parent not in cache:
-        found = head_counts(ctx.modules[parent]) if parent in ctx.modules else None
-        cache[parent] = Heads(parent, found.counts, found.head_dim) if found else heads_of(ctx, parent) if parent else None
-    return cache[parent]
+class HeadIndex:
+    """The head counts inside each module of a model, read once per module as asked."""
 
+    def __init__(self, modules: "dict[str, nn.Module]"):
+        self.modules = modules
+        self._found: dict[str, Heads | None] = {}
 
-def head_split(ctx: "LintContext", fqn: str, rule: Rule) -> tuple[Heads, list[tuple[str, int]], int] | None:
-    """For a Linear sharded by `rule` whose sharded features are whole heads
-    (count x head_dim): the heads, the counts it splits, and the sharded size."""
-    module = ctx.modules.get(fqn)
-    dim = sharded_weight_dim(module, rule) if module is not None else None
-    if dim is None or module_kind(module) != "Linear":
-        return None
-    size = module.weight.shape[dim]
-    heads = heads_of(ctx, fqn)
-    if heads is None or heads.head_dim is None:
-        return None
-    if heads.owner == "" and "att" not in fqn.lower():
-        # Counts on the model's own config describe attention only; elsewhere (an FFN as
-        # wide as the model) an equal size is a coincidence.
-        return None
-    split = [(name, count) for name, count in heads.counts if count * heads.head_dim == size]
-    return (heads, split, size) if split else None
+    def of(self, fqn: str) -> Heads | None:
+        """The head counts that apply to module `fqn`: those of its closest ancestor
+        (itself excluded: a Linear has none) that has any."""
+        parent = fqn.rpartition(".")[0] if "." in fqn else ("" if fqn else None)
+        if parent is None:
+            return None
+        if parent not in self._found:
+            found = head_counts(self.modules[parent]) if parent in self.modules else None
+            self._found[parent] = Heads(parent, found.counts, found.head_dim) if found else self.of(parent) if parent else None
+        return self._found[parent]
+
+    def split(self, fqn: str, rule: Rule) -> tuple[Heads, list[tuple[str, int]], int] | None:
+        """For a Linear sharded by `rule` whose sharded features are whole heads
+        (count x head_dim): the heads, the counts it splits, and the sharded size."""
+        module = self.modules.get(fqn)
+        dim = sharded_weight_dim(module, rule) if module is not None else None
+        if dim is None or module_kind(module) != "Linear":
+            return None
+        size = module.weight.shape[dim]
+        heads = self.of(fqn)
+        if heads is None or heads.head_dim is None:
+            return None
+        if heads.owner == "" and "att" not in fqn.lower():
+            # Counts on the model's own config describe attention only; elsewhere (an FFN as
+            # wide as the model) an equal size is a coincidence.
+            return None
+        split = [(name, count) for name, count in heads.counts if count * heads.head_dim == size]
+        return (heads, split, size) if split else None
 
 
 def nested_parameters(module: "nn.Module") -> list[str]:
@@ -91,13 +95,13 @@ def sharded_weight_dim(module: "nn.Module", rule: Rule) -> int | None:
 _REPLICATED = PlacementSpec("replicate")
 
 
-def parameter_placements(ctx: "LintContext") -> dict[str, Placed]:
-    """{parameter name (as named_parameters gives it): its placement under the plan},
-    for every name of a parameter, shared ones included (`ctx.placements`)."""
+def parameter_placements(modules: "dict[str, nn.Module]", matched: dict[str, Rule]) -> dict[str, Placed]:
+    """{parameter name (as named_parameters gives it): its placement under the plan's
+    {fqn: rule}}, for every name of a parameter, shared ones included (`ctx.placements`)."""
     replicated_by: dict[str, Rule | None] = {}
     out: dict[str, Placed] = {}
-    for fqn, module in ctx.modules.items():
-        rule = ctx.matched.get(fqn)
+    for fqn, module in modules.items():
+        rule = matched.get(fqn)
         parent = fqn.rpartition(".")[0] if fqn else None
         inherited = replicated_by.get(parent) if parent is not None else None
         semantics = rule.spec.semantics if rule else None

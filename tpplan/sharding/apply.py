@@ -10,7 +10,7 @@ naming the rule, the module and the error torch (or the model) raised.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from torch import nn
 from torch.distributed.tensor.parallel import parallelize_module
@@ -23,7 +23,26 @@ from .tied import retie, shared_parameters
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..core.plan import Plan, Rule
+    from ..core.problems import Problem
+
+
+# What the applier reads of a plan and its rules (core.plan's Plan and Rule). They are
+# named by shape, not imported: Plan.apply calls down into this module (SPEC's
+# `plan.apply(model, mesh)`), so importing them back would make the two a cycle.
+class Rule(Protocol):
+    pattern: str
+    spec: Any  # the rule's style spec (core.style_model)
+
+    def problem(self, code: str, message: str) -> "Problem": ...
+
+
+class Plan(Protocol):
+    @property
+    def src_data_rank(self) -> int | None: ...
+
+    def tp_mesh(self, mesh: "DeviceMesh") -> "DeviceMesh": ...
+
+    def match(self, model: nn.Module) -> dict[str, Rule]: ...
 
 
 class ModuleShardingError(PlanError):

@@ -58,8 +58,8 @@ def _simulate(ctx, tp: int, mode: str):
     from ..collapse import collapsed_copy, plan_for
     from ...runtime.ladder import prepared, running
 
-    model = prepared(collapsed_copy(ctx), mode, owned=True)
-    plan = plan_for(ctx, model)
+    model = prepared(collapsed_copy(ctx.model, ctx.kept_blocks), mode, owned=True)
+    plan = plan_for(ctx.plan, model)
     try:
         with simulated_world(tp):
             mesh = tp_mesh(tp, ctx.plan.mesh_axis)  # outside fake mode: the mesh needs real rank lists

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ...core.head_counts import HEAD_ATTRS, HEAD_DIM_ATTRS, KV_HEAD_ATTRS, is_kv_count
-from ..facts import head_split
 from ..registry import Finding, LintRule
 from ..text import degrees_that_work, rule_ref
 
@@ -12,7 +11,7 @@ def check(ctx):
     # One finding per (rule, degree, attention module): its projections share the verdict.
     found: dict[tuple, tuple] = {}
     for fqn, rule in ctx.matched.items():
-        split = head_split(ctx, fqn, rule)
+        split = ctx.heads.split(fqn, rule)
         if split is None:
             continue
         heads, counts, _ = split

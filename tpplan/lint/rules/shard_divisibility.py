@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...core.style_model import MODULE_KINDS
-from ..facts import head_split, module_kind, sharded_weight_dim
+from ..facts import module_kind, sharded_weight_dim
 from ..registry import Finding, LintRule
 from ..text import chunks_text, degrees_that_work, rule_ref
 
@@ -14,7 +14,7 @@ def sharded_dims(ctx):
     for fqn, rule in ctx.matched.items():
         module = ctx.modules[fqn]
         dim = sharded_weight_dim(module, rule)  # from the style table
-        if dim is None or head_split(ctx, fqn, rule) is not None:
+        if dim is None or ctx.heads.split(fqn, rule) is not None:
             continue
         yield fqn, rule, MODULE_KINDS[module_kind(module)].weight_dims[dim], dim, module.weight.shape[dim]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..facts import head_split
 from ..registry import Finding, LintRule
 from ..text import chunks_text, degrees_that_work, styled
 
@@ -15,7 +14,7 @@ def check(ctx):
         # Only the feature dim: its size is the model's; a sequence shard's size is the input's.
         if src is None or handoff.value.dim != handoff.ndim - 1:
             continue
-        if head_split(ctx, src.fqn, src.rule) is not None:
+        if ctx.heads.split(src.fqn, src.rule) is not None:
             continue  # split by whole heads: TP311 reports the degree
         for tp in ctx.tp_sizes:
             if handoff.size % tp == 0:
