@@ -164,7 +164,7 @@ class _Interpreter:
             if first is None:
                 return
             declared, default = spec.declared_input()
-            if semantics.replicated_input:
+            if semantics.contract.tp.inputs[0].grad == "sum":  # backward sums its gradient: siblings sharing it pay (TP340)
                 self.report.colwise_inputs.append(ColwiseInput(
                     event.fqn, rule, first, self.value(first), self.trace.needs_grad[first],
                     tuple((f.fqn, f.call) for f in self.frames[:-1]),
@@ -242,7 +242,7 @@ class _Interpreter:
                         if node is not None and layout is not None:
                             if self.annotate(node, layout, False, frame, f"output {i}"):
                                 self.after(node, desired or layout, spec.use_local_output, frame)
-            if spec is not None and spec.semantics.sums_output_grad:
+            if spec is not None and any(port.grad == "sum" for port in spec.semantics.contract.tp.outputs):
                 self.sums.returned(frame.fqn, frame.rule, event.flat)
         if not self.frames:  # the model's own output
             for node in event.flat:
