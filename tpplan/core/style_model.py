@@ -119,38 +119,6 @@ class StyleSemantics:
     # -- derived from the contract's tp axis (one truth: the contract) --
 
     @property
-    def params(self) -> Mapping[str, Mapping[str, PlacementSpec]]:
-        """Module kind -> the placement of each parameter by name; a style with these
-        applies to those kinds only (torch raises NotImplementedError on any other: TP300)."""
-        return {kind: table for kind, table in self.contract.tp.state.items() if kind != ANY}
-
-    def placement(self, kind: str | None, param: str) -> PlacementSpec | None:
-        """The placement parameter `param` of a `kind` module gets; None when the
-        style does not shard that kind."""
-        return self.contract.tp.placement(kind, param)
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        """The module kinds the style applies to; () for any module."""
-        return self.contract.tp.kinds
-
-    @property
-    def replicates(self) -> bool:
-        """Every parameter and buffer of the module and its submodules becomes a replicated DTensor."""
-        return self.contract.tp.subtree == _REPLICATE
-
-    @property
-    def runs_module(self) -> bool:
-        """The style hands the module DTensors and what happens inside is torch's business
-        (the lint does not follow layouts in there); False: the module's forward is followed."""
-        return self.contract.tp.body != "traced"
-
-    @property
-    def opaque(self) -> bool:
-        """The lint knows nothing of what the style does (a class named without `like:`)."""
-        return self.contract.tp.body == "unknown"
-
-    @property
     def inputs(self) -> Literal["first", "first_tensor", "layouts", "none"]:
         """"first": only the first positional input is handed on (torch drops the rest);
         "first_tensor": the first is laid out, the others pass; "layouts": one layout per
@@ -161,12 +129,6 @@ class StyleSemantics:
         if ports[0].each:
             return "layouts"
         return "first" if self.contract.tp.rest == "dropped" else "first_tensor"
-
-    @property
-    def outputs(self) -> Literal["first", "layouts", "none"]:
-        """"first": the output gets the contract's layout; "layouts": one per output, from the options."""
-        ports = self.contract.tp.outputs
-        return "none" if not ports else "layouts" if ports[0].each else "first"
 
     @property
     def input_option(self) -> str | None:
@@ -182,7 +144,7 @@ class StyleSemantics:
         input must arrive sharded on the dim its `input_option` names (TP320)."""
         ports = self.contract.tp.inputs
         first = _default(ports[0].dst) if ports and not ports[0].each else None
-        return self.replicates and first is not None and first.kind == "shard"
+        return self.contract.tp.subtree == _REPLICATE and first is not None and first.kind == "shard"
 
     @property
     def feature_sharded_output(self) -> bool:
@@ -220,7 +182,7 @@ class StyleSpec(_Strict):
         input to have, and whether that is torch's default rather than the plan's
         word. None for the prepare_module_* styles (their options say)."""
         template = self.semantics.contract.tp.inputs
-        if not self.semantics.runs_module or not template or template[0].each:
+        if self.semantics.contract.tp.body != "sharded" or not template or template[0].each:
             return None
         option = template[0].option
         return self.contract().inputs[0].src, option is not None and getattr(self, option, None) is None
@@ -233,7 +195,7 @@ class StyleSpec(_Strict):
     def natural_output(self) -> "PlacementSpec | None":
         """For a style that runs the module: the layout its (first) output gets."""
         outputs = self.contract().outputs
-        return outputs[0].dst if self.semantics.runs_module and outputs else None
+        return outputs[0].dst if self.semantics.contract.tp.body == "sharded" and outputs else None
 
     def packed_blocks(self, size: int) -> "tuple[int, ...] | None":
         """For a style whose local output packs several kinds (colwise with `packed`): the
@@ -252,7 +214,7 @@ class StyleSpec(_Strict):
     def param_placements(self, module: Any) -> "dict[str, PlacementSpec] | None":
         """For a style whose placements depend on the module and the options: the
         placement of each own parameter of `module` (ValueError when the style cannot
-        shard it). None: `semantics.params` says, by module kind (or nothing is placed)."""
+        shard it). None: the contract's `state` says, by module kind (or nothing is placed)."""
         return None
 
     def local_param_placements(self) -> "dict[str, PlacementSpec]":

@@ -2,32 +2,41 @@
 
 Each spec class holds its options (pydantic fields, named and defaulted as
 torch's constructor) and a `semantics` class attribute, a `StyleSemantics`
-(style_model.py), that says what the style does, and methods for the facts
+(style_model.py): its torch class and its layout contract (contract.py), per
+mesh axis the placements of the parameters, each input's and output's source and
+destination layouts (fixed, or an option's with torch's default) and what
+backward does to each gradient. A rule's own contract is the table's filled from
+its options (`StyleSpec.contract()`). A spec class also has methods for the facts
 that depend on the options or the module (`param_placements`, `needs_parent`,
-`declared_input`, ...), and a `cross_field` tuple, the rules between its options
-as data (cross_field.py: the loader's TP105 checks and the JSON Schema's
-conditions are both read from it). Everything else reads them and never branches on a
-style's name (tests/test_style_table.py checks): `sharding.compile` (the torch
-class), `Plan.apply`, the lint's layout flow (`lint/flow.py`), facts
-(`lint/facts.py`) and rules (parameter placements, which modules a style applies
-to, which inputs it takes), and import-hf (`schema.rule_spec`). For example, colwise:
+...), and a `cross_field` tuple, the rules between its options as data
+(cross_field.py: the loader's TP105 checks and the JSON Schema's conditions are
+both read from it). Everything else reads them and never branches on a style's
+name (tests/test_style_table.py checks): `sharding.compile` (the torch class, and
+the layouts a rule leaves out), `Plan.apply`, the lint's layout flow
+(`lint/flow.py`), facts (`lint/facts.py`) and rules (parameter placements, which
+modules a style applies to, which inputs it takes), and import-hf
+(`schema.rule_spec`). For example, colwise:
 
     class ColwiseSpec(_LinearOptions):
         style: Literal["colwise"]
         semantics = StyleSemantics(
             torch_class="torch.distributed.tensor.parallel:ColwiseParallel",
-            params={  # module kind -> {parameter name, or "*" for any other: placement}
-                "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
-                "Embedding": {"weight": _SHARD1, "*": _SHARD1},
-            },
-            runs_module=True, inputs="first", outputs="first", replicated_input=True, feature_sharded_output=True,
+            contract=tp(
+                state={  # module kind -> {parameter name, or "*" for any other: placement}
+                    "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
+                    "Embedding": {"weight": _SHARD1, "*": _SHARD1},
+                },
+                # arrives as input_layouts says (torch's default replicate), computed on whole, gradient summed
+                inputs=(Port(src=Option("input_layouts", _REPLICATE), dst=_REPLICATE, grad="sum"),),
+                rest="dropped",  # torch hands on the first positional input only
+                outputs=(Port(src=_LAST_DIM, dst=Option("output_layouts", _LAST_DIM)),),
+                body="sharded",  # the module runs on DTensor parameters
+            ),
         )
-        def declared_input(self): ...   # (layout of a plain first input, torch's default?)
-        def natural_output(self): ...   # the layout the module's output gets
 
 This module holds torch's six styles and no_parallel; expert_styles.py holds
 expert_tp, expert_parallel and local_params (SPEC §2a). Adding a style is one
-spec class (plus its tests) added to `STYLE_SPECS` below, and, if it shards a
+spec class (its options and its contract, plus its tests) added to `STYLE_SPECS` below, and, if it shards a
 new kind of module, an entry in `style_model.MODULE_KINDS` (a class, or a
 predicate for modules recognised by their parameters, as fused experts are).
 

@@ -53,7 +53,7 @@ def adapter_specs(spec: StyleSpec) -> tuple[StyleSpec, StyleSpec] | None:
     (no_parallel, sequence_parallel replicate every parameter, adapters too)."""
     from ..core.style_table import ColwiseSpec, NoParallelSpec, RowwiseSpec
 
-    placement = spec.semantics.placement("Linear", "weight")
+    placement = spec.semantics.contract.tp.placement("Linear", "weight")
     use_local = getattr(spec, "use_local_output", True)
     if placement == _COLUMNS:
         replicated_a = NoParallelSpec.model_construct(
