@@ -14,10 +14,10 @@ from typing import Any, Literal, Optional
 
 from pydantic import Field
 
+from .contract import TP, Option, Port, tp
 from .cross_field import Allowed, Equals
 from .placements import PlacementSpec
 from .problems import StyleInputError
-from .contract import TP, Option, Port, tp
 from .style_model import (
     INPUT_PORTS,
     _PARTIAL,

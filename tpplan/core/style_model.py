@@ -45,7 +45,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from .contract import ANY, TP, AxisContract, Contract, LayoutRef, Option, Port, tp
+from .contract import TP, AxisContract, Contract, LayoutRef, Option, Port, tp
 from .cross_field import Fills, Requires, Rule, SameKeys, SameLength
 from .cross_field import problems as broken_rules
 from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement

@@ -48,9 +48,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
+from .contract import ANY, SUBTREE, Option, Port, tp
 from .cross_field import Allowed, Excludes, Given
 from .placements import PlacementSpec, parse_placement
-from .contract import ANY, SUBTREE, Option, Port, tp
 from .style_model import (
     INPUT_PORTS,
     OUTPUT_PORTS,

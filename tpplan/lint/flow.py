@@ -196,8 +196,7 @@ class _Interpreter:
         module = self.modules.get(fqn)
         if module is None:
             return True
-        kinds = semantics.contract.tp.kinds
-        if kinds and module_kind(module) not in kinds:
+        if semantics.contract.tp.kinds and module_kind(module) not in semantics.contract.tp.kinds:
             return False
         return not (semantics.flat_params and nested_parameters(module))
 
