@@ -56,7 +56,10 @@ def test_a_rule_fills_its_contract_from_its_options():
     assert sp.inputs[0].src == sp.outputs[0].dst == PlacementSpec("shard", 0)
     a2a = rule_spec({"style": "expert_parallel", "dispatch": "all_to_all"}).contract()
     assert a2a.inputs[0].src == a2a.outputs[0].dst == PlacementSpec("shard", 0)
-    assert rule_spec("expert_parallel").contract().outputs[0] == Port(src=PlacementSpec("partial"), dst=_R)
+    assert a2a.inputs[0].grad == "reverse"  # tokens travel back: nothing summed
+    all_reduce = rule_spec("expert_parallel").contract()
+    assert all_reduce.inputs[0].grad == "sum"  # tokens whole on every rank: each rank's share of the gradient summed
+    assert all_reduce.outputs[0] == Port(src=PlacementSpec("partial"), dst=_R)
 
 
 def test_prepare_module_input_has_one_port_per_argument_and_keyword():

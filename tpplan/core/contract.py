@@ -108,20 +108,6 @@ class AxisContract:
         """The placement of every parameter and buffer of the module and its submodules, if one."""
         return self.state.get(ANY, {}).get(SUBTREE)
 
-    def with_defaults(self, defaults: Mapping[str, PlacementSpec]) -> "AxisContract":
-        """The same contract with other defaults for the options named (an option that
-        changes more than one layout, as expert_parallel's dispatch)."""
-
-        def swap(layout: LayoutRef) -> LayoutRef:
-            if isinstance(layout, Option) and layout.name in defaults:
-                return dataclasses.replace(layout, default=defaults[layout.name])
-            return layout
-
-        def ports(group: tuple[Port, ...]) -> tuple[Port, ...]:
-            return tuple(dataclasses.replace(p, src=swap(p.src), dst=swap(p.dst)) for p in group)
-
-        return dataclasses.replace(self, inputs=ports(self.inputs), outputs=ports(self.outputs))
-
     def filled(self, value: Callable[[str], Any]) -> "AxisContract":
         """The contract of one rule: each `Option` replaced by `value(name)` (the rule's
         option), or its default where that is None; a port with list options becomes one

@@ -10,6 +10,7 @@ No `from __future__ import annotations` here: pydantic would compile every
 field's annotation string at start-up.
 """
 
+import dataclasses
 from typing import Any, Literal, Optional
 
 from pydantic import Field
@@ -163,11 +164,13 @@ class _ExpertOptions(StyleSpec):
 
 
 # The experts' hidden states are laid out, their token indices and routing weights
-# handed on (rest passed); each rank's output is partial, reduced to output_layouts.
+# handed on (rest passed); the hidden states are computed on whole, so backward sums
+# their gradient (sharding/experts.py: grad_placements Partial); each rank's output is
+# partial, reduced to output_layouts.
 # Parameter placements depend on the module's layout and the options: each spec's
 # param_placements, read by lint/facts.py.
 _EXPERT_CONTRACT = tp(
-    inputs=(Port(src=Option("input_layouts", _REPLICATE), dst=_REPLICATE),),
+    inputs=(Port(src=Option("input_layouts", _REPLICATE), dst=_REPLICATE, grad="sum"),),
     rest="passed",
     outputs=(Port(src=_PARTIAL, dst=Option("output_layouts", _REPLICATE)),),
     body="sharded",
@@ -244,8 +247,12 @@ class ExpertParallelSpec(_ExpertOptions):
 
     def contract(self, axis: str = TP):
         contract = self.semantics.contract[axis]
-        if self.dispatch == "all_to_all":  # tokens sharded on their dim, in and out
-            contract = contract.with_defaults({"input_layouts": _SHARD0, "output_layouts": _SHARD0})
+        if self.dispatch == "all_to_all":  # tokens stay sharded on their dim, sent to their expert's rank and back: nothing summed
+            contract = dataclasses.replace(
+                contract,
+                inputs=(Port(src=Option("input_layouts", _SHARD0), dst=_SHARD0),),
+                outputs=(Port(src=_SHARD0, dst=Option("output_layouts", _SHARD0)),),
+            )
         return contract.filled(lambda name: getattr(self, name, None))
 
     def output_follows_input(self) -> bool:

@@ -164,7 +164,7 @@ class _Interpreter:
             if first is None:
                 return
             declared, default = spec.declared_input()
-            if semantics.contract.tp.inputs[0].grad == "sum":  # backward sums its gradient: siblings sharing it pay (TP340)
+            if spec.contract().inputs[0].grad == "sum":  # backward sums its gradient: siblings sharing it pay (TP340)
                 self.report.colwise_inputs.append(ColwiseInput(
                     event.fqn, rule, first, self.value(first), self.trace.needs_grad[first],
                     tuple((f.fqn, f.call) for f in self.frames[:-1]),
