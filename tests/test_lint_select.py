@@ -170,11 +170,12 @@ def test_every_style_entry_names_a_torch_style_and_compiles(name):
     semantics = spec_class.semantics
     assert isinstance(semantics, StyleSemantics)
     assert issubclass(resolve(semantics.torch_class), ParallelStyle)
-    assert set(semantics.kinds) <= set(MODULE_KINDS)
-    assert semantics.runs_module == (semantics.inputs in ("first", "first_tensor"))
+    contract = semantics.contract.tp
+    assert set(contract.kinds) <= set(MODULE_KINDS)
+    assert (contract.body == "sharded") == (semantics.inputs in ("first", "first_tensor"))
     spec = spec_class.model_construct(style=name)  # every option at its default
-    if semantics.runs_module:
-        assert semantics.outputs == "first" and spec.natural_output() is not None and spec.declared_input()[0] is not None
+    if contract.body == "sharded":
+        assert len(contract.outputs) == 1 and spec.natural_output() is not None and spec.declared_input()[0] is not None
     if name in ("prepare_module_output", "prepare_module_input_output"):
         return  # their output lists are required options
     assert type(compile_style(spec)) is resolve(semantics.torch_class)
@@ -194,10 +195,11 @@ def test_the_table_gives_torchs_parameter_placements():
             spec_class = STYLE_SPECS[name]
             for module in (torch.nn.Linear(4, 6), torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4)):
                 kind = module_kind(module)
-                if spec_class.semantics.kinds and kind not in spec_class.semantics.kinds:
+                kinds = spec_class.semantics.contract.tp.kinds
+                if kinds and kind not in kinds:
                     continue
                 compile_style(spec_class(style=name))._apply(module, mesh)
                 for key, param in module.named_parameters():
                     assert isinstance(param, DTensor)
-                    expected = spec_class.semantics.placement(kind, key) or "replicate"
+                    expected = spec_class.semantics.contract.tp.placement(kind, key) or "replicate"
                     assert param.placements == (parse_placement(expected).to_torch(),), (name, kind, key)

@@ -48,7 +48,7 @@ def test_the_tables_placements_of_each_kind_are_what_the_compiled_style_does(sty
 
     spec, module = rule_spec(style), make()
     assert module_kind(module) == kind
-    assert {name: spec.semantics.placement(kind, name) for name in expected} == expected
+    assert {name: spec.semantics.contract.tp.placement(kind, name) for name in expected} == expected
     with simulated_world(2):
         compile_for(spec, module)._apply(module, tp_mesh(2, "tp"))
     assert {name: p.placements for name, p in module.named_parameters()} == {

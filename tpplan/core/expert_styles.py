@@ -10,14 +10,18 @@ No `from __future__ import annotations` here: pydantic would compile every
 field's annotation string at start-up.
 """
 
+import dataclasses
 from typing import Any, Literal, Optional
 
 from pydantic import Field
 
+from .contract import TP, Option, Port, tp
 from .cross_field import Allowed, Equals
 from .placements import PlacementSpec
 from .problems import StyleInputError
 from .style_model import (
+    INPUT_PORTS,
+    _PARTIAL,
     _REPLICATE,
     _SHARD0,
     Layout,
@@ -158,17 +162,19 @@ class _ExpertOptions(StyleSpec):
     )
     use_local_output: bool = True
 
-    def declared_input(self):
-        return (self.input_layouts, False) if self.input_layouts is not None else (_REPLICATE, True)
 
-    def natural_output(self):
-        return self.output_layouts or _REPLICATE
-
-
-# The experts' hidden states, token indices and routing weights are all handed on
-# (first_tensor); parameter placements depend on the module's layout and the
-# options: each spec's param_placements, read by lint/facts.py.
-_EXPERT_SEMANTICS = dict(runs_module=True, inputs="first_tensor", outputs="first", input_option="input_layouts")
+# The experts' hidden states are laid out, their token indices and routing weights
+# handed on (rest passed); the hidden states are computed on whole, so backward sums
+# their gradient (sharding/experts.py: grad_placements Partial); each rank's output is
+# partial, reduced to output_layouts.
+# Parameter placements depend on the module's layout and the options: each spec's
+# param_placements, read by lint/facts.py.
+_EXPERT_CONTRACT = tp(
+    inputs=(Port(src=Option("input_layouts", _REPLICATE), dst=_REPLICATE, grad="sum"),),
+    rest="passed",
+    outputs=(Port(src=_PARTIAL, dst=Option("output_layouts", _REPLICATE)),),
+    body="sharded",
+)
 
 
 class ExpertTPSpec(_ExpertOptions):
@@ -187,7 +193,9 @@ class ExpertTPSpec(_ExpertOptions):
         "w2 [E, dim, hidden], w3) has no defaults: name what to shard, e.g. {w1: shard(1), w2: shard(2), "
         "w3: shard(1)}; parameters not named stay replicated.",
     )
-    semantics = StyleSemantics(torch_class="tpplan.sharding.experts:ExpertTensorParallel", experts="each", **_EXPERT_SEMANTICS)
+    semantics = StyleSemantics(
+        torch_class="tpplan.sharding.experts:ExpertTensorParallel", contract=_EXPERT_CONTRACT, experts="each"
+    )
 
     def param_placements(self, module):
         placed = {**expert_tp_base(module, self.style, self.params or {}), **(self.params or {})}
@@ -214,7 +222,7 @@ class ExpertParallelSpec(_ExpertOptions):
         "output_layouts are then shard(0), the token dim, and the output is the same local tokens.",
     )
     semantics = StyleSemantics(
-        torch_class="tpplan.sharding.expert_parallel:AllReduceExpertParallel", experts="whole", **_EXPERT_SEMANTICS
+        torch_class="tpplan.sharding.expert_parallel:AllReduceExpertParallel", contract=_EXPERT_CONTRACT, experts="whole"
     )
     cross_field = tuple(
         Allowed(name, (_SHARD0,), Equals("dispatch", "all_to_all"),
@@ -237,18 +245,18 @@ class ExpertParallelSpec(_ExpertOptions):
         _experts_only(module, self.style)
         return {name: _SHARD0 for name in _own_parameters(module)}
 
-    def declared_input(self):
-        if self.dispatch == "all_to_all" and self.input_layouts is None:
-            return _SHARD0, True
-        return super().declared_input()
+    def contract(self, axis: str = TP):
+        contract = self.semantics.contract[axis]
+        if self.dispatch == "all_to_all":  # tokens stay sharded on their dim, sent to their expert's rank and back: nothing summed
+            contract = dataclasses.replace(
+                contract,
+                inputs=(Port(src=Option("input_layouts", _SHARD0), dst=_SHARD0),),
+                outputs=(Port(src=_SHARD0, dst=Option("output_layouts", _SHARD0)),),
+            )
+        return contract.filled(lambda name: getattr(self, name, None))
 
     def output_follows_input(self) -> bool:
         return self.dispatch == "all_to_all"
-
-    def natural_output(self):
-        if self.dispatch == "all_to_all":
-            return self.output_layouts or _SHARD0
-        return super().natural_output()
 
 
 class LocalParamsSpec(_InputOptions):
@@ -261,8 +269,8 @@ class LocalParamsSpec(_InputOptions):
         None, description="Placement per own parameter (default replicate, gradient summed over the mesh)."
     )
     use_local_output: bool = False
-    # Its module's ops are followed by the lint (runs_module False), on local tensors.
-    semantics = StyleSemantics(torch_class="tpplan.sharding.params:LocalParams", inputs="layouts")
+    # Its module's ops are followed by the lint (body traced), on local tensors.
+    semantics = StyleSemantics(torch_class="tpplan.sharding.params:LocalParams", contract=tp(inputs=INPUT_PORTS))
 
     def param_placements(self, module):
         given = self.params or {}
@@ -282,5 +290,6 @@ class SumOutputGradSpec(StyleSpec):
     last: Optional[int] = Field(
         None, ge=1, description="How many of the output's last features get their gradient summed; default all of them."
     )
-    # Forward is the module's own (its parameters stay plain): the lint follows its ops.
-    semantics = StyleSemantics(torch_class="tpplan.sharding.grad_sum:SumOutputGrad", sums_output_grad=True)
+    # Forward is the module's own (its parameters stay plain): the lint follows its ops. Its
+    # output is used whole by every rank's shard: its gradient is summed (spmd R).
+    semantics = StyleSemantics(torch_class="tpplan.sharding.grad_sum:SumOutputGrad", contract=tp(outputs=(Port(grad="sum"),)))

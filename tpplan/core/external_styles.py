@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal, Optional
 from pydantic import ConfigDict, Field
 
 from .placements import parse_placement
+from .contract import tp
 from .style_model import StyleSemantics, StyleSpec
 
 # dotted module path, a colon, a dotted attribute path (a nested class is fine)
@@ -35,7 +36,7 @@ ExternalName = Annotated[str, Field(pattern=EXTERNAL_PATTERN, description="PKG.M
 
 # The lint follows nothing through an opaque module: inputs pass as they are, its
 # outputs' layouts are unknown.
-OPAQUE = StyleSemantics(torch_class="", runs_module=True, opaque=True)
+OPAQUE = StyleSemantics(torch_class="", contract=tp(body="unknown"))
 
 
 def is_external(style: Any) -> bool:

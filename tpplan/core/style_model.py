@@ -4,47 +4,25 @@ layout types of options, and the module kinds styles apply to. No torch here.
 The entries themselves are in style_table.py (torch's styles and no_parallel)
 and expert_styles.py (tpplan's styles beyond torch's).
 
-The fields of `StyleSemantics`:
+A style's table entry is a `StyleSemantics`: its torch class and its layout
+contract (contract.py: per mesh axis, its parameters' placements, each input's and
+output's source and destination layouts, what backward does to each gradient, who
+runs the module's body). What the lint and the tools ask of a style (does it
+replicate every parameter, does it sum its input's gradient, ...) is derived from
+the contract by the entry's properties, never stated beside it. Besides the
+contract an entry holds:
 
 - `torch_class`: "module:Class" of the ParallelStyle (resolved by compile, so
   core never imports torch); the spec's fields are its keyword arguments.
-- `params`: module kind (a key of `MODULE_KINDS`) -> placement of each
-  parameter (a `PlacementSpec`). A style with `params` applies to those kinds
-  only (torch raises NotImplementedError on any other module: TP300). Styles
-  whose placements depend on the module and the options say so through
-  `StyleSpec.param_placements(module)` instead (the expert styles, local_params).
-- `replicates`: every parameter and buffer of the module and of its submodules
-  becomes a replicated DTensor (sequence_parallel, no_parallel).
-- `flat_params`: the style refuses a module whose submodules hold parameters
-  (sequence_parallel re-registers them under dotted names: TP301).
-- `runs_module`: the style hands the module DTensors; what happens inside is
-  torch's business (the lint does not follow layouts in there). False: the
-  style only lays out inputs and/or outputs (prepare_module_*).
-- `inputs`: "first" (only the first positional input is handed on, torch drops
-  the rest), "first_tensor" (the first positional input must be a tensor, the
-  others pass), "layouts" (one layout per input, from the options), or "none"
-  (inputs pass untouched).
-- `outputs`: "first" (the output gets `natural_output()`), "layouts" (one
-  layout per output, from the options), or "none".
-- `replicated_input`: the module computes on its input replicated, so siblings
-  that share one input each pay for it (TP340).
-- `input_option`: the option that declares the first input's layout, for
-  messages that say what to change (None: the options say per input).
-- `sequence_shards`: the style runs the module on one sequence shard per rank
-  (sequence_parallel): right only for position-wise modules (TP302), and its
-  input must arrive sharded on the dim its `input_option` names (TP320).
-- `feature_sharded_output`: the module's output features are split over the
-  ranks (colwise), so its local output is a feature shard (heads, a vocabulary),
-  not a sequence shard (TP325, TP370).
-- `experts`: how the style splits a fused 3-D experts module: "whole" experts
-  per rank (the expert dim), or "each" expert on its intermediate dim; None for
-  a style that is no expert style (TP305 checks the module and the degree).
 - `kind_classes`: module kind -> the ParallelStyle class that shards that kind,
   where `torch_class` (torch's) shards only the others (colwise and rowwise on
   transformers' Conv1D and stacked expert Linears: sharding/kinds.py).
-- `opaque`: the lint knows nothing of what the style does (a class the plan
-  names without `like:`, external_styles.py): it follows no layout through
-  the module and judges none of its inputs or outputs.
+- `flat_params`: the torch class refuses a module whose submodules hold
+  parameters (sequence_parallel re-registers them under dotted names: TP301).
+- `experts`: how the style splits a fused 3-D experts module: "whole" experts
+  per rank (the expert dim), or "each" expert on its intermediate dim; None for
+  a style that is no expert style (TP305 checks the module and the degree).
+  (Their placements depend on the module: `StyleSpec.param_placements`.)
 
 Option names and defaults are those of torch's style constructors; the
 constructors' cross-field asserts (and tpplan's own, between its options) are
@@ -67,6 +45,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
+from .contract import TP, AxisContract, Contract, LayoutRef, Option, Port, tp
 from .cross_field import Fills, Requires, Rule, SameKeys, SameLength
 from .cross_field import problems as broken_rules
 from .placements import GRAMMAR, PACKED_GRAMMAR, PATTERN, PlacementSpec, parse_placement
@@ -128,37 +107,56 @@ MODULE_KINDS: dict[str, ModuleKind] = {
 
 @dataclass(frozen=True)
 class StyleSemantics:
-    """What a style does (see the module docstring)."""
+    """A style's table entry: its torch class and its contract (see the module docstring)."""
 
     torch_class: str
-    params: Mapping[str, Mapping[str, PlacementSpec]] = field(default_factory=dict)
-    replicates: bool = False
+    contract: Contract = field(default_factory=lambda: tp())
     flat_params: bool = False
-    runs_module: bool = False
-    inputs: Literal["first", "first_tensor", "layouts", "none"] = "none"
-    outputs: Literal["first", "layouts", "none"] = "none"
-    replicated_input: bool = False
-    input_option: str | None = None  # the option that declares the first input's layout
-    sequence_shards: bool = False
-    feature_sharded_output: bool = False
     experts: Literal["whole", "each"] | None = None
-    opaque: bool = False
-    sums_output_grad: bool = False  # backward all-reduces the gradient of the module's output
     # module kind -> "module:Class" for that kind, where `torch_class` shards only the others
     kind_classes: Mapping[str, str] = field(default_factory=dict)
 
-    def placement(self, kind: str | None, param: str) -> PlacementSpec | None:
-        """The placement parameter `param` of a `kind` module gets; None when the
-        style does not shard that kind."""
-        table = self.params.get(kind) if kind is not None else None
-        if table is None:
-            return None
-        return table.get(param, table["*"])
+    # -- derived from the contract's tp axis (one truth: the contract) --
 
     @property
-    def kinds(self) -> tuple[str, ...]:
-        """The module kinds the style applies to; () for any module."""
-        return tuple(self.params)
+    def inputs(self) -> Literal["first", "first_tensor", "layouts", "none"]:
+        """"first": only the first positional input is handed on (torch drops the rest);
+        "first_tensor": the first is laid out, the others pass; "layouts": one layout per
+        input, from the options; "none": inputs pass untouched."""
+        ports = self.contract.tp.inputs
+        if not ports:
+            return "none"
+        if ports[0].each:
+            return "layouts"
+        return "first" if self.contract.tp.rest == "dropped" else "first_tensor"
+
+    @property
+    def input_option(self) -> str | None:
+        """The option that declares the first input's layout, for messages that say what to
+        change (None: the options say per input, or no option does)."""
+        ports = self.contract.tp.inputs
+        return ports[0].option if ports and not ports[0].each else None
+
+    @property
+    def sequence_shards(self) -> bool:
+        """The style runs the module, its parameters replicated, on one shard of its input
+        per rank (sequence_parallel): right only for position-wise modules (TP302), and its
+        input must arrive sharded on the dim its `input_option` names (TP320)."""
+        ports = self.contract.tp.inputs
+        first = _default(ports[0].dst) if ports and not ports[0].each else None
+        return self.contract.tp.subtree == _REPLICATE and first is not None and first.kind == "shard"
+
+    @property
+    def feature_sharded_output(self) -> bool:
+        """The module's output features are split over the ranks (colwise): its local output
+        is a feature shard (heads, a vocabulary), not a sequence shard (TP325, TP370)."""
+        ports = self.contract.tp.outputs
+        return bool(ports) and not ports[0].each and _default(ports[0].dst) == _LAST_DIM
+
+
+def _default(layout: LayoutRef) -> PlacementSpec | None:
+    """A template's layout where the rule leaves its option out."""
+    return layout.default if isinstance(layout, Option) else layout
 
 
 class _Strict(BaseModel):
@@ -173,11 +171,21 @@ class StyleSpec(_Strict):
     # problems and the JSON Schema's conditions are both read from it.
     cross_field: ClassVar[tuple[Rule, ...]] = ()
 
+    def contract(self, axis: str = TP) -> AxisContract:
+        """This rule's contract on `axis`: the table's, each option-given layout resolved
+        to the rule's option or its default (a spec whose options change more than one
+        layout says so here)."""
+        return self.semantics.contract[axis].filled(lambda name: getattr(self, name, None))
+
     def declared_input(self) -> "tuple[PlacementSpec | None, bool] | None":
         """For a style that runs the module: the layout it declares a plain first
         input to have, and whether that is torch's default rather than the plan's
         word. None for the prepare_module_* styles (their options say)."""
-        return None
+        template = self.semantics.contract.tp.inputs
+        if self.semantics.contract.tp.body != "sharded" or not template or template[0].each:
+            return None
+        option = template[0].option
+        return self.contract().inputs[0].src, option is not None and getattr(self, option, None) is None
 
     def output_follows_input(self) -> bool:
         """For a style that runs the module: whether its (local) output is laid out
@@ -186,7 +194,8 @@ class StyleSpec(_Strict):
 
     def natural_output(self) -> "PlacementSpec | None":
         """For a style that runs the module: the layout its (first) output gets."""
-        return None
+        outputs = self.contract().outputs
+        return outputs[0].dst if self.semantics.contract.tp.body == "sharded" and outputs else None
 
     def packed_blocks(self, size: int) -> "tuple[int, ...] | None":
         """For a style whose local output packs several kinds (colwise with `packed`): the
@@ -205,7 +214,7 @@ class StyleSpec(_Strict):
     def param_placements(self, module: Any) -> "dict[str, PlacementSpec] | None":
         """For a style whose placements depend on the module and the options: the
         placement of each own parameter of `module` (ValueError when the style cannot
-        shard it). None: `semantics.params` says, by module kind (or nothing is placed)."""
+        shard it). None: the contract's `state` says, by module kind (or nothing is placed)."""
         return None
 
     def local_param_placements(self) -> "dict[str, PlacementSpec]":
@@ -228,8 +237,17 @@ class StyleSpec(_Strict):
         return self.semantics.kind_classes.get(kind, self.semantics.torch_class)
 
     def torch_options(self) -> dict[str, Any]:
-        """The constructor's keyword arguments: every option (a spec may drop some)."""
-        return {name: getattr(self, name) for name in type(self).model_fields if name != "style"}
+        """The constructor's keyword arguments: every option (a spec may drop some), a
+        layout the rule leaves out given as the contract's default, so that the torch
+        class lays out what the contract (and so the lint) says."""
+        options = {name: getattr(self, name) for name in type(self).model_fields if name != "style"}
+        template, filled = self.semantics.contract.tp, self.contract()
+        for group, ports in ((template.inputs, filled.inputs), (template.outputs, filled.outputs)):
+            for port, resolved in zip(group, ports):
+                for layout, value in ((port.src, resolved.src), (port.dst, resolved.dst)):
+                    if isinstance(layout, Option) and not layout.each and not layout.as_dim and options.get(layout.name, 0) is None:
+                        options[layout.name] = value
+        return options
 
 
 # -- shared option groups -------------------------------------------------------
@@ -279,3 +297,11 @@ _REPLICATE = PlacementSpec("replicate")
 _SHARD0 = PlacementSpec("shard", 0)
 _SHARD1 = PlacementSpec("shard", 1)
 _LAST_DIM = PlacementSpec("shard", -1)
+_PARTIAL = PlacementSpec("partial")
+
+# prepare_module_input's and _output's ports: one per entry of their options' lists
+INPUT_PORTS = (
+    Port(src=Option("input_layouts", each=True), dst=Option("desired_input_layouts", each=True)),
+    Port(src=Option("input_kwarg_layouts", each=True), dst=Option("desired_input_kwarg_layouts", each=True)),
+)
+OUTPUT_PORTS = (Port(src=Option("output_layouts", each=True), dst=Option("desired_output_layouts", each=True)),)

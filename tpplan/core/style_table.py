@@ -2,32 +2,41 @@
 
 Each spec class holds its options (pydantic fields, named and defaulted as
 torch's constructor) and a `semantics` class attribute, a `StyleSemantics`
-(style_model.py), that says what the style does, and methods for the facts
+(style_model.py): its torch class and its layout contract (contract.py), per
+mesh axis the placements of the parameters, each input's and output's source and
+destination layouts (fixed, or an option's with torch's default) and what
+backward does to each gradient. A rule's own contract is the table's filled from
+its options (`StyleSpec.contract()`). A spec class also has methods for the facts
 that depend on the options or the module (`param_placements`, `needs_parent`,
-`declared_input`, ...), and a `cross_field` tuple, the rules between its options
-as data (cross_field.py: the loader's TP105 checks and the JSON Schema's
-conditions are both read from it). Everything else reads them and never branches on a
-style's name (tests/test_style_table.py checks): `sharding.compile` (the torch
-class), `Plan.apply`, the lint's layout flow (`lint/flow.py`), facts
-(`lint/facts.py`) and rules (parameter placements, which modules a style applies
-to, which inputs it takes), and import-hf (`schema.rule_spec`). For example, colwise:
+...), and a `cross_field` tuple, the rules between its options as data
+(cross_field.py: the loader's TP105 checks and the JSON Schema's conditions are
+both read from it). Everything else reads them and never branches on a style's
+name (tests/test_style_table.py checks): `sharding.compile` (the torch class, and
+the layouts a rule leaves out), `Plan.apply`, the lint's layout flow
+(`lint/flow.py`), facts (`lint/facts.py`) and rules (parameter placements, which
+modules a style applies to, which inputs it takes), and import-hf
+(`schema.rule_spec`). For example, colwise:
 
     class ColwiseSpec(_LinearOptions):
         style: Literal["colwise"]
         semantics = StyleSemantics(
             torch_class="torch.distributed.tensor.parallel:ColwiseParallel",
-            params={  # module kind -> {parameter name, or "*" for any other: placement}
-                "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
-                "Embedding": {"weight": _SHARD1, "*": _SHARD1},
-            },
-            runs_module=True, inputs="first", outputs="first", replicated_input=True, feature_sharded_output=True,
+            contract=tp(
+                state={  # module kind -> {parameter name, or "*" for any other: placement}
+                    "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
+                    "Embedding": {"weight": _SHARD1, "*": _SHARD1},
+                },
+                # arrives as input_layouts says (torch's default replicate), computed on whole, gradient summed
+                inputs=(Port(src=Option("input_layouts", _REPLICATE), dst=_REPLICATE, grad="sum"),),
+                rest="dropped",  # torch hands on the first positional input only
+                outputs=(Port(src=_LAST_DIM, dst=Option("output_layouts", _LAST_DIM)),),
+                body="sharded",  # the module runs on DTensor parameters
+            ),
         )
-        def declared_input(self): ...   # (layout of a plain first input, torch's default?)
-        def natural_output(self): ...   # the layout the module's output gets
 
 This module holds torch's six styles and no_parallel; expert_styles.py holds
 expert_tp, expert_parallel and local_params (SPEC §2a). Adding a style is one
-spec class (plus its tests) added to `STYLE_SPECS` below, and, if it shards a
+spec class (its options and its contract, plus its tests) added to `STYLE_SPECS` below, and, if it shards a
 new kind of module, an entry in `style_model.MODULE_KINDS` (a class, or a
 predicate for modules recognised by their parameters, as fused experts are).
 
@@ -39,10 +48,14 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Field
 
+from .contract import ANY, SUBTREE, Option, Port, tp
 from .cross_field import Allowed, Excludes, Given
 from .placements import PlacementSpec, parse_placement
 from .style_model import (
+    INPUT_PORTS,
+    OUTPUT_PORTS,
     _LAST_DIM,
+    _PARTIAL,
     _REPLICATE,
     _SHARD0,
     _SHARD1,
@@ -80,19 +93,20 @@ class ColwiseSpec(_LinearOptions):
     )
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:ColwiseParallel",
-        params={
-            "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
-            "Embedding": {"weight": _SHARD1, "*": _SHARD1},
-            "Conv1D": {"weight": _SHARD1, "bias": _SHARD0, "*": _SHARD1},  # weight [in, out]
-            "StackedLinears": {"weight": _SHARD1, "*": _SHARD1},  # weight [E, out, in]
-        },
+        contract=tp(
+            state={
+                "Linear": {"weight": _SHARD0, "bias": _SHARD0, "*": _SHARD0},
+                "Embedding": {"weight": _SHARD1, "*": _SHARD1},
+                "Conv1D": {"weight": _SHARD1, "bias": _SHARD0, "*": _SHARD1},  # weight [in, out]
+                "StackedLinears": {"weight": _SHARD1, "*": _SHARD1},  # weight [E, out, in]
+            },
+            # computes on its input whole: every rank's use adds to its gradient (siblings sharing it each pay: TP340)
+            inputs=(Port(src=Option("input_layouts", _REPLICATE), dst=_REPLICATE, grad="sum"),),
+            rest="dropped",
+            outputs=(Port(src=_LAST_DIM, dst=Option("output_layouts", _LAST_DIM)),),  # output features split
+            body="sharded",
+        ),
         kind_classes={kind: "tpplan.sharding.kinds:KindColwiseParallel" for kind in ("Conv1D", "StackedLinears")},
-        runs_module=True,
-        inputs="first",
-        outputs="first",
-        replicated_input=True,
-        input_option="input_layouts",
-        feature_sharded_output=True,
     )
     cross_field = (
         Allowed("output_layouts", (_LAST_DIM,), Given("heads"),
@@ -102,12 +116,6 @@ class ColwiseSpec(_LinearOptions):
         Excludes("packed", "output_layouts",
                  "colwise with 'packed' hands on each rank's slice of every block: drop output_layouts", at="output_layouts"),
     )
-
-    def declared_input(self):
-        return (self.input_layouts, False) if self.input_layouts is not None else (_REPLICATE, True)
-
-    def natural_output(self):
-        return self.output_layouts or _LAST_DIM
 
     def torch_class(self, kind: str | None = None) -> str:
         if self.packed is not None:  # each rank its slice of every packed block (tpplan/sharding/packed.py)
@@ -145,25 +153,24 @@ class RowwiseSpec(_LinearOptions):
     style: Literal["rowwise"]
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:RowwiseParallel",
-        params={
-            "Linear": {"weight": _SHARD1, "bias": _REPLICATE, "*": _SHARD1},
-            "Embedding": {"weight": _SHARD0, "*": _SHARD0},
-            "Conv1D": {"weight": _SHARD0, "bias": _REPLICATE, "*": _SHARD0},  # weight [in, out]
-            "StackedLinears": {"weight": PlacementSpec("shard", 2), "*": PlacementSpec("shard", 2)},  # weight [E, out, in]
-        },
+        contract=tp(
+            state={
+                "Linear": {"weight": _SHARD1, "bias": _REPLICATE, "*": _SHARD1},
+                "Embedding": {"weight": _SHARD0, "*": _SHARD0},
+                "Conv1D": {"weight": _SHARD0, "bias": _REPLICATE, "*": _SHARD0},  # weight [in, out]
+                "StackedLinears": {"weight": PlacementSpec("shard", 2), "*": PlacementSpec("shard", 2)},  # weight [E, out, in]
+            },
+            # torch's default is shard(-1), even on an Embedding (which computes on its token ids whole)
+            inputs=(Port(src=Option("input_layouts", _LAST_DIM), dst=_LAST_DIM),),
+            rest="dropped",
+            outputs=(Port(src=_PARTIAL, dst=Option("output_layouts", _REPLICATE)),),  # partial sums, reduced
+            body="sharded",
+        ),
         kind_classes={kind: "tpplan.sharding.kinds:KindRowwiseParallel" for kind in ("Conv1D", "StackedLinears")},
-        runs_module=True,
-        inputs="first",
-        outputs="first",
-        input_option="input_layouts",
     )
 
-    def declared_input(self):
-        # torch's default is shard(-1), even on an Embedding
-        return (self.input_layouts, False) if self.input_layouts is not None else (_LAST_DIM, True)
 
-    def natural_output(self):
-        return self.output_layouts or _REPLICATE
+_SEQUENCE = Option("sequence_dim", _SHARD1, as_dim=True)
 
 
 class SequenceParallelSpec(StyleSpec):
@@ -174,20 +181,15 @@ class SequenceParallelSpec(StyleSpec):
     use_local_output: bool = False
     semantics = StyleSemantics(
         torch_class=f"{_TORCH_TP}:SequenceParallel",
-        replicates=True,
+        contract=tp(
+            state={ANY: {SUBTREE: _REPLICATE}},
+            inputs=(Port(src=_SEQUENCE, dst=_SEQUENCE),),  # one sequence shard per rank
+            rest="dropped",
+            outputs=(Port(src=_SEQUENCE, dst=_SEQUENCE),),
+            body="sharded",
+        ),
         flat_params=True,
-        runs_module=True,
-        inputs="first",
-        outputs="first",
-        input_option="sequence_dim",
-        sequence_shards=True,
     )
-
-    def declared_input(self):
-        return PlacementSpec("shard", self.sequence_dim), False
-
-    def natural_output(self):
-        return PlacementSpec("shard", self.sequence_dim)
 
 
 class PrepareModuleInputSpec(_InputOptions):
@@ -195,7 +197,7 @@ class PrepareModuleInputSpec(_InputOptions):
 
     style: Literal["prepare_module_input"]
     use_local_output: bool = False
-    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInput", inputs="layouts")
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInput", contract=tp(inputs=INPUT_PORTS))
 
 
 class PrepareModuleOutputSpec(_OutputOptions):
@@ -203,7 +205,7 @@ class PrepareModuleOutputSpec(_OutputOptions):
 
     style: Literal["prepare_module_output"]
     use_local_output: bool = True
-    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleOutput", outputs="layouts")
+    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleOutput", contract=tp(outputs=OUTPUT_PORTS))
 
 
 class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
@@ -212,7 +214,9 @@ class PrepareModuleInputOutputSpec(_InputOptions, _OutputOptions):
     style: Literal["prepare_module_input_output"]
     use_local_input: bool = False
     use_local_output: bool = True
-    semantics = StyleSemantics(torch_class=f"{_TORCH_TP}:PrepareModuleInputOutput", inputs="layouts", outputs="layouts")
+    semantics = StyleSemantics(
+        torch_class=f"{_TORCH_TP}:PrepareModuleInputOutput", contract=tp(inputs=INPUT_PORTS, outputs=OUTPUT_PORTS)
+    )
 
     def inputs_local(self) -> bool:
         return self.use_local_input
@@ -237,18 +241,14 @@ class NoParallelSpec(StyleSpec):
     use_local_output: bool = True
     semantics = StyleSemantics(
         torch_class="tpplan.sharding.styles:NoParallel",
-        replicates=True,
-        runs_module=True,
-        inputs="first_tensor",
-        outputs="first",
-        input_option="input_layout",
+        contract=tp(
+            state={ANY: {SUBTREE: _REPLICATE}},
+            inputs=(Port(src=Option("input_layout", _REPLICATE), dst=Option("desired_input_layout", _REPLICATE)),),
+            rest="passed",
+            outputs=(Port(src=_REPLICATE, dst=Option("output_layout", _REPLICATE)),),
+            body="sharded",
+        ),
     )
-
-    def declared_input(self):
-        return self.input_layout, False
-
-    def natural_output(self):
-        return self.output_layout
 
 
 STYLE_SPECS: dict[str, type[StyleSpec]] = {

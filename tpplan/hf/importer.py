@@ -347,7 +347,7 @@ def _tied_embedding_rules(rules: Mapping[str, Any], model) -> dict[str, Any]:
         sharded_as_vocab = any(
             isinstance(model.get_submodule(f), nn.Linear)
             and planned.get(f) is not None
-            and rule_spec(planned[f]).semantics.placement("Linear", "weight") == vocab_parallel
+            and rule_spec(planned[f]).semantics.contract.tp.placement("Linear", "weight") == vocab_parallel
             for f in owners
         )
         for fqn in owners:

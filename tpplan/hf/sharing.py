@@ -27,7 +27,8 @@ def parents_sharing_input(rules: Mapping[str, Any], model) -> dict[str, dict]:
     colwise_children: dict[str, list[str]] = defaultdict(list)
     for pattern, names in matched.items():
         spec = rule_spec(rules[pattern])
-        if spec.semantics.replicated_input and spec.model_fields_set == {"style"}:  # plain colwise: no options
+        inputs = spec.semantics.contract.tp.inputs  # a plain colwise (no options): its input whole, its gradient summed
+        if inputs and inputs[0].grad == "sum" and spec.model_fields_set == {"style"}:
             for name in names:
                 colwise_children[name.rpartition(".")[0]].append(name)
     qualifying = {}

@@ -116,7 +116,7 @@ def features(module: "nn.Module") -> tuple[int, int]:
     from ..sharding.styles import module_kind
 
     kind, shape = module_kind(module), module.weight.shape
-    return shape[RowwiseSpec.semantics.placement(kind, "weight").dim], shape[ColwiseSpec.semantics.placement(kind, "weight").dim]
+    return shape[RowwiseSpec.semantics.contract.tp.placement(kind, "weight").dim], shape[ColwiseSpec.semantics.contract.tp.placement(kind, "weight").dim]
 
 
 def _activation(op: Op, module: "nn.Module") -> int | None:

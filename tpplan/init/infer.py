@@ -66,7 +66,7 @@ class Group:
         gathered = {PlacementSpec("shard", 0): {"output_layouts": "replicate"}, PlacementSpec("shard", 1): {"input_layouts": "replicate"}}
         rules = {}
         for fqn, value in self.rules.items():
-            options = gathered.get(rule_spec(value).semantics.placement("Linear", "weight"))
+            options = gathered.get(rule_spec(value).semantics.contract.tp.placement("Linear", "weight"))
             if options is not None:
                 rules[fqn] = with_options(value, options)
             # sum_output_grad and gathers of a shared input: the whole activations need neither

@@ -146,8 +146,8 @@ def lays_out_own_params(spec) -> bool:
 def _inputs_only(spec) -> bool:
     """Whether the style does nothing but lay out its module's inputs (the table's semantics):
     such a rule can become local_params, its input options kept."""
-    semantics = spec.semantics
-    return semantics.inputs == "layouts" and semantics.outputs == "none" and not semantics.params and not semantics.runs_module
+    contract = spec.semantics.contract.tp
+    return spec.semantics.inputs == "layouts" and not contract.outputs and not contract.state and contract.body == "traced"
 
 
 def _shared_inputs(ctx) -> list[Edit]:

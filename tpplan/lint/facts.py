@@ -86,7 +86,7 @@ def module_kind(module: "nn.Module") -> str | None:
 
 def sharded_weight_dim(module: "nn.Module", rule: Rule) -> int | None:
     """The dim of `module`'s weight that `rule`'s style shards; None when it shards none."""
-    placement = rule.spec.semantics.placement(module_kind(module), "weight")
+    placement = rule.spec.semantics.contract.tp.placement(module_kind(module), "weight")
     if placement is None or placement.kind != "shard" or placement.blocks > 1:
         return None
     return placement.dim
@@ -104,15 +104,15 @@ def parameter_placements(modules: "dict[str, nn.Module]", matched: dict[str, Rul
         rule = matched.get(fqn)
         parent = fqn.rpartition(".")[0] if fqn else None
         inherited = replicated_by.get(parent) if parent is not None else None
-        semantics = rule.spec.semantics if rule else None
-        replicated_by[fqn] = rule if semantics is not None and semantics.replicates else inherited
-        kind = module_kind(module) if semantics is not None and semantics.params else None
+        contract = rule.spec.semantics.contract.tp if rule else None
+        replicated_by[fqn] = rule if contract is not None and contract.subtree == _REPLICATED else inherited
+        kind = module_kind(module) if contract is not None and contract.kinds else None
         own = _own_placements(module, rule) if rule is not None and kind is None else None
         for key, param in module._parameters.items():
             if param is None:
                 continue
             name = f"{fqn}.{key}" if fqn else key
-            placement = semantics.placement(kind, key) if kind is not None else (own or {}).get(key)
+            placement = contract.placement(kind, key) if kind is not None else (own or {}).get(key)
             if placement is not None:
                 out[name] = Placed(placement, fqn, rule)
             elif replicated_by[fqn] is not None:

@@ -153,19 +153,19 @@ class _Interpreter:
             self.report.calls.append(CallSite(
                 event.fqn, rule, len(event.args), tuple(event.kwargs), bool(event.args) and event.args[0] is not None
             ))
-        if semantics is not None and semantics.runs_module:
+        if semantics is not None and semantics.contract.tp.body != "traced":  # the style runs the module
             frame.owned = True
             self.skip = 1
             if not self.applicable(semantics, event.fqn):
                 frame.dead = True  # applying the plan fails here (TP300, TP301): judge nothing after it
                 return
-            if semantics.opaque:
+            if semantics.contract.tp.body == "unknown":
                 return  # a class the plan names without `like:` (TP307): its inputs are not judged
             first = event.args[0] if event.args else None
             if first is None:
                 return
             declared, default = spec.declared_input()
-            if semantics.replicated_input:
+            if spec.contract().inputs[0].grad == "sum":  # backward sums its gradient: siblings sharing it pay (TP340)
                 self.report.colwise_inputs.append(ColwiseInput(
                     event.fqn, rule, first, self.value(first), self.trace.needs_grad[first],
                     tuple((f.fqn, f.call) for f in self.frames[:-1]),
@@ -197,7 +197,7 @@ class _Interpreter:
         module = self.modules.get(fqn)
         if module is None:
             return True
-        if semantics.kinds and module_kind(module) not in semantics.kinds:
+        if semantics.contract.tp.kinds and module_kind(module) not in semantics.contract.tp.kinds:
             return False
         return not (semantics.flat_params and nested_parameters(module))
 
@@ -232,7 +232,7 @@ class _Interpreter:
             self.sums.passed((*frame.call.args, *frame.call.kwargs.values()), event.flat)
         else:
             frame.restore(self)
-            if spec is not None and spec.semantics.outputs == "layouts":
+            if spec is not None and any(port.each for port in spec.semantics.contract.tp.outputs):  # laid out per output
                 self.report.outputs.append(OutputSite(frame.fqn, frame.rule, len(event.outputs) if event.is_tuple else 1))
                 if len(spec.output_layouts) != (len(event.outputs) if event.is_tuple else 1):
                     for node in event.flat:
@@ -241,7 +241,7 @@ class _Interpreter:
                     for i, (node, layout, desired) in enumerate(zip(event.outputs, spec.output_layouts, spec.desired_output_layouts)):
                         if node is not None and layout is not None and self.annotate(node, layout, False, frame, f"output {i}"):
                             self.after(node, desired or layout, spec.use_local_output, frame)
-            if spec is not None and spec.semantics.sums_output_grad:
+            if spec is not None and any(port.grad == "sum" for port in spec.semantics.contract.tp.outputs):
                 self.sums.returned(frame.fqn, frame.rule, event.flat)
         if not self.frames:  # the model's own output
             for node in event.flat:
@@ -258,7 +258,7 @@ class _Interpreter:
         if node is None:
             return
         src = Source(frame.fqn, frame.rule)
-        if spec.semantics.opaque:  # what comes out is unknown: judge nothing that follows
+        if spec.semantics.contract.tp.body == "unknown":  # what comes out is unknown: judge nothing that follows
             for out in event.flat:
                 self.set(out, Lay("?", False, None, src))
             return

@@ -53,7 +53,7 @@ def is_stacked_linears(module: nn.Module) -> bool:
 
 def _table_placements(spec: type, kind: str) -> dict:
     """{parameter name or "*": torch placement} the style table's `spec` gives a module of `kind`."""
-    return {name: placement.to_torch() for name, placement in spec.semantics.params[kind].items()}
+    return {name: placement.to_torch() for name, placement in spec.semantics.contract.tp.state[kind].items()}
 
 
 def _prepare_first(prepare, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:

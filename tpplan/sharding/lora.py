@@ -53,28 +53,30 @@ def adapter_specs(spec: StyleSpec) -> tuple[StyleSpec, StyleSpec] | None:
     (no_parallel, sequence_parallel replicate every parameter, adapters too)."""
     from ..core.style_table import ColwiseSpec, NoParallelSpec, RowwiseSpec
 
-    placement = spec.semantics.placement("Linear", "weight")
+    placement = spec.semantics.contract.tp.placement("Linear", "weight")
+    if placement not in (_COLUMNS, _ROWS):
+        return None
+    # The adapters take the base's input as it arrives and hand on its output as the base
+    # does: the rule's contract, its options or torch's defaults.
+    contract = spec.contract()
+    arrives, leaves = contract.inputs[0].src, contract.outputs[0].dst
     use_local = getattr(spec, "use_local_output", True)
     if placement == _COLUMNS:
         replicated_a = NoParallelSpec.model_construct(
-            style="no_parallel", input_layout=getattr(spec, "input_layouts", None) or _REPLICATE,
-            desired_input_layout=_REPLICATE, output_layout=_REPLICATE, use_local_output=True,
+            style="no_parallel", input_layout=arrives, desired_input_layout=_REPLICATE, output_layout=_REPLICATE, use_local_output=True,
         )
         colwise_b = ColwiseSpec.model_construct(
-            style="colwise", input_layouts=_REPLICATE, output_layouts=getattr(spec, "output_layouts", None),
+            style="colwise", input_layouts=_REPLICATE, output_layouts=leaves,
             use_local_output=use_local, heads=getattr(spec, "heads", None),
         )
         return replicated_a, colwise_b
-    if placement == _ROWS:
-        rowwise_a = RowwiseSpec.model_construct(
-            style="rowwise", input_layouts=getattr(spec, "input_layouts", None), output_layouts=_REPLICATE, use_local_output=True,
-        )
-        replicated_b = NoParallelSpec.model_construct(
-            style="no_parallel", input_layout=_REPLICATE, desired_input_layout=_REPLICATE,
-            output_layout=getattr(spec, "output_layouts", None) or _REPLICATE, use_local_output=use_local,
-        )
-        return rowwise_a, replicated_b
-    return None
+    rowwise_a = RowwiseSpec.model_construct(
+        style="rowwise", input_layouts=arrives, output_layouts=_REPLICATE, use_local_output=True,
+    )
+    replicated_b = NoParallelSpec.model_construct(
+        style="no_parallel", input_layout=_REPLICATE, desired_input_layout=_REPLICATE, output_layout=leaves, use_local_output=use_local,
+    )
+    return rowwise_a, replicated_b
 
 
 class LoraParallel(ParallelStyle):

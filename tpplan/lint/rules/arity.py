@@ -101,7 +101,7 @@ def _observed(ctx):
 
 def _applicable(ctx, call) -> bool:
     """A style on a module of a kind it does not shard is TP300's, whatever its inputs."""
-    kinds = call.rule.spec.semantics.kinds
+    kinds = call.rule.spec.semantics.contract.tp.kinds
     return not kinds or module_kind(ctx.modules.get(call.fqn)) in kinds
 
 

@@ -29,7 +29,7 @@ def _fix(ctx, m, ndim: int) -> str:
         return f"it has {ndim} dims: pick a dim in range"
     spec = m.rule.spec
     if m.declared_default and have.kind == "R" and module_kind(ctx.modules[m.fqn]) == "Embedding":
-        vocab = " (vocabulary-parallel)" if spec.semantics.placement("Embedding", "weight") == _VOCAB_SHARD else ""
+        vocab = " (vocabulary-parallel)" if spec.semantics.contract.tp.placement("Embedding", "weight") == _VOCAB_SHARD else ""
         return (f"a {spec.style} Embedding{vocab} takes token ids whole: give it {spec.semantics.input_option}: replicate "
                 f"(torch's default is {m.declared})")
     if spec.semantics.sequence_shards:

@@ -9,7 +9,7 @@ from ..registry import Finding, LintRule
 def check(ctx):
     counts: dict[str, list] = {}
     for fqn, rule in ctx.matched.items():
-        if rule.spec.semantics.opaque:  # the style table's fact for a class without `like:`
+        if rule.spec.semantics.contract.tp.body == "unknown":  # the style table's fact for a class without `like:`
             counts.setdefault(rule.pattern, [rule, 0])[1] += 1
     for pattern, (rule, count) in counts.items():
         yield Finding(ctx.at(rule), (

@@ -12,7 +12,7 @@ from ..text import article, rule_ref
 
 def check(ctx):
     for fqn, rule in ctx.matched.items():
-        style, kinds = rule.spec.style, rule.spec.semantics.kinds  # the kinds the style table says it shards
+        style, kinds = rule.spec.style, rule.spec.semantics.contract.tp.kinds  # the kinds the style table says it shards
         module = ctx.modules[fqn]
         if not kinds or module_kind(module) in kinds:
             continue
