@@ -197,6 +197,9 @@ class OpSemantics:
         elif name in EXPANDS:
             new = dim + len(out) - len(shape)
             moved = new if out[new] == shape[dim] else None
+        elif name in ("view_as_complex", "view_as_real"):
+            # (..., 2) real pairs <-> complex (rotary embeddings): the last dim goes or comes
+            moved = dim if dim < len(shape) - (name == "view_as_complex") else None
         elif name == "repeat":
             reps = op.args[1:] if len(op.args) > 1 and not isinstance(op.args[1], tuple) else (op.args[1] if len(op.args) > 1 else ())
             new = dim + len(out) - len(shape)
