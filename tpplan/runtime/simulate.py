@@ -132,7 +132,7 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
             yield
             return
         raise RuntimeError(
-            f"cannot simulate rank {rank} of {world_size}: a process group ({dist.get_backend()}, "
+            f"cannot simulate {world_size} ranks{f' (as rank {rank})' if rank else ''}: a process group ({dist.get_backend()}, "
             f"world size {dist.get_world_size()}) is already initialized; destroy it first"
         )
     from torch.testing._internal.distributed.fake_pg import FakeStore
