@@ -20,7 +20,7 @@ target, then renamed into place by rank 0 after every rank's files are synced;
 the previous copy stays beside it as the spare the next save overwrites in
 place (`atomic.py`).
 With `step=N` the target is `ROOT/step-N` of a training root (`steps.py`), with
-the optimizer state and `extra` beside the model (`training.py`), recorded as the
+the optimizer state and `extra` beside the model (`training/state.py`), recorded as the
 latest only then; `async_save=True` writes in the background (`asyncsave.py`).
 """
 
@@ -31,13 +31,13 @@ import shutil
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from . import asyncsave, commit
 from .errors import fail, quiet
 from .experts import checkpoint_view, save_planner
 from .inspect import expected_tensors
 from .mapped import release
-from .steps import step_dir
-from .training import state_for_save
+from .training import asyncsave, commit
+from .training.state import state_for_save
+from .training.steps import step_dir
 
 if TYPE_CHECKING:
     import torch

@@ -26,7 +26,8 @@ from pathlib import Path
 
 from . import atomic, steps
 from .complete import write_manifest
-from .errors import CheckpointError, fail
+from .. import errors
+from ..errors import CheckpointError, fail
 
 
 _SHORT = 255  # bytes of a verdict's text sent in the first broadcast
@@ -135,9 +136,7 @@ class Save:
         if isinstance(exc, OSError):
             reason = exc.strerror or str(exc)
         else:
-            from .load import _reason
-
-            reason = _reason(exc)
+            reason = errors.reason(exc)
         full = _full(str(Path(self.target).parent))  # torch's serializer can hide ENOSPC behind its own error
         if full and "No space left" not in reason:
             reason += f"; {full}"

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from .atomic import OLD, SPARE, STAGING, recyclable, tidy, write_text
 from .complete import MANIFEST, STEP_DIR, manifest_problem
-from .errors import fail
+from ..errors import fail
 
 MARKER = "latest"
 _DROP = ".drop-"
