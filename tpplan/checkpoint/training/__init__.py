@@ -13,6 +13,6 @@ tensors it holds (that is the plan's checkpoint I/O one folder up: `source`,
 - `asyncsave`: `async_save=True`, the write in the background.
 
 None of these knows a model or a plan: they import nothing of the checkpoint
-package but its errors, so `save_checkpoint` and
+package but its errors (tests/test_layout.py checks), so `save_checkpoint` and
 `load_checkpoint` compose them with the tensors, never the reverse.
 """
