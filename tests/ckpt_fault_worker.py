@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import train  # noqa: E402  (the example trainer's model, mesh and data)
 
 import tpplan  # noqa: E402
-from tpplan.checkpoint import atomic  # noqa: E402
+from tpplan.checkpoint.training import atomic  # noqa: E402
 
 
 class Killer:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tpplan import AsyncSave, CheckpointError, load_checkpoint, save_checkpoint
-from tpplan.checkpoint import atomic
+from tpplan.checkpoint.training import atomic
 from tpplan.models import mlp
 
 ROOT = Path(__file__).resolve().parent.parent

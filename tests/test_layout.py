@@ -120,12 +120,17 @@ def test_core_and_cli_modules_import_without_torch():
 
 
 # Which layers each layer may import (docs/layout.md's table, which
-# test_the_layout_table_says_what_this_test_checks holds to this).
+# test_the_layout_table_says_what_this_test_checks holds to this). A layer is a folder
+# of tpplan/ or a sub-package listed here ("checkpoint.training"); what it may import
+# is layers, or single modules ("checkpoint.errors").
 # cli/, docs.py and __main__ sit on top and may import anything.
 MAY_IMPORT = {
     "core": {"core"},
     "sharding": {"core"},
-    "checkpoint": {"core"},  # torch.distributed.checkpoint on any model; its codes' docs need no torch
+    "checkpoint": {"core", "checkpoint.training"},  # torch.distributed.checkpoint on any model; its codes' docs need no torch
+    # The training loop's side (step roots, retention, async saves, the crash-safe commit,
+    # completeness): knows no model or plan, so of the checkpoint package its errors alone.
+    "checkpoint.training": {"checkpoint.errors"},
     "runtime": {"core", "sharding", "checkpoint", "hf"},  # hf.build: `--model hf:SPEC`
     "render": {"core", "runtime", "init"},  # runtime.report, init.Inferred: the reports' data, which render prints
     "lint": {"core", "sharding", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
@@ -141,7 +146,17 @@ ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.apply"), ("tpplan.core.pl
 
 
 def _layer(module: str) -> str:
-    return module.split(".")[1] if module.count(".") else module
+    """The layer of a module: the deepest sub-package of it MAY_IMPORT lists, else its folder."""
+    parts = module.split(".")[1:]
+    for depth in range(len(parts), 1, -1):
+        if ".".join(parts[:depth]) in MAY_IMPORT:
+            return ".".join(parts[:depth])
+    return parts[0] if parts else module
+
+
+def _may_import(module: str, target: str) -> bool:
+    allowed = MAY_IMPORT[_layer(module)] | {_layer(module)}
+    return _layer(target) in allowed or target.partition(".")[2] in allowed
 
 
 def test_each_layer_imports_only_the_layers_below_it():
@@ -150,26 +165,37 @@ def test_each_layer_imports_only_the_layers_below_it():
         for module, targets in import_graph().items()
         for target in targets
         if _layer(module) in MAY_IMPORT
-        and _layer(target) not in MAY_IMPORT[_layer(module)] | {_layer(module)}
+        and not _may_import(module, target)
         and (module, target) not in ALLOWED_EDGES
     )
     assert crossings == []
     assert set(MAY_IMPORT) >= {_layer(m) for m in module_names() if _layer(m) not in ("cli", "docs", "__main__", "__init__", "tpplan")}
 
 
+def test_a_sub_package_listed_is_a_layer_of_its_own():
+    assert _layer("tpplan.checkpoint.training.steps") == "checkpoint.training"
+    assert _layer("tpplan.checkpoint.load") == "checkpoint"
+    assert _may_import("tpplan.checkpoint.load", "tpplan.checkpoint.training.state")
+    assert _may_import("tpplan.checkpoint.training.commit", "tpplan.checkpoint.errors")
+    assert not _may_import("tpplan.checkpoint.training.commit", "tpplan.checkpoint.load")  # upward: the plan's I/O
+    assert not _may_import("tpplan.runtime.dryrun", "tpplan.checkpoint.training.steps")  # through checkpoint's API only
+
+
 def _layout_table() -> dict[str, set[str]]:
     """docs/layout.md's "may import" column: {layer: the layers it names in backticks}."""
     import re
 
+    names = set(MAY_IMPORT).union(*MAY_IMPORT.values())
     table = {}
     for row in (PACKAGE.parent / "docs" / "layout.md").read_text(encoding="utf-8").splitlines():
         cells = [cell.strip() for cell in row.strip().strip("|").split("|")]
         if not row.startswith("| `tpplan/") or len(cells) != 3:
             continue
-        named = set(re.findall(r"`([a-z_]+)`", cells[2]))
-        for folder in re.findall(r"`tpplan/([a-z_]+)(?:/|\.py)`", cells[0]):
-            if folder in MAY_IMPORT:
-                table[folder] = named & set(MAY_IMPORT)
+        named = set(re.findall(r"`([a-z_.]+)`", cells[2]))
+        for folder in re.findall(r"`tpplan/([a-z_/]+?)(?:/|\.py)`", cells[0]):
+            layer = folder.replace("/", ".")
+            if layer in MAY_IMPORT:
+                table[layer] = named & names
     return table
 
 

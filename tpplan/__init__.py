@@ -19,7 +19,7 @@ _EXPORTS = {
     "infer_plan": "init",
     "build_model": "runtime.modelref",
     "CheckpointError": "checkpoint.errors",
-    "AsyncSave": "checkpoint.asyncsave",
+    "AsyncSave": "checkpoint.training.asyncsave",
     "param_groups": "runtime.training",
     **dict.fromkeys(
         [

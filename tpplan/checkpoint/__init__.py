@@ -1,7 +1,9 @@
 """Checkpoints of sharded models with `torch.distributed.checkpoint`:
 `load_checkpoint` (HuggingFace safetensors or DCP, each rank reading its slices),
 `save_checkpoint` (DCP, or consolidated safetensors), `inspect` (metadata
-against a model, for the dry run)."""
+against a model, for the dry run). The training loop's side (step-N roots,
+retention, crash-safe and asynchronous saves, the optimizer state and `extra`
+of a resume) is `training/`, which these compose."""
 
 from .errors import CODE_DOCS, CheckpointError
 

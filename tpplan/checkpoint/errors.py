@@ -113,3 +113,24 @@ def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+def reason(exc: BaseException) -> str:
+    """Why a DCP read or write failed, in one line: every failing rank's first line
+    (DCP's CheckpointException, one entry per rank), else the error's own."""
+    from torch.distributed.checkpoint.api import CheckpointException  # only once something failed: the codes need no torch
+
+    if isinstance(exc, CheckpointException):  # one entry per failing rank
+        failures = getattr(exc, "failures", {}) or {}
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            parts.append(f"rank {rank}: {type(inner).__name__}: {first_line(inner)}")
+        if parts:
+            return "; ".join(parts[:4])
+    return f"{type(exc).__name__}: {first_line(exc)}"
+
+
+def first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__

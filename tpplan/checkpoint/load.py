@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .buffers import init_weights_with_buffers, is_transformers, moved, recompute_buffers, takes_nan
-from .asyncsave import wait_pending
-from .errors import CheckpointError, fail, quiet, some
+from .errors import CheckpointError, fail, quiet, reason, some
 from .experts import checkpoint_view, load_planner, part_targets
 from .inspect import Match, match
 from .source import locate, read_metadata
-from .training import restore, targets_for_load
+from .training.asyncsave import wait_pending
+from .training.state import restore, targets_for_load
 
 if TYPE_CHECKING:
     import torch
@@ -122,7 +122,7 @@ def load_checkpoint(
     except (Exception, CheckpointException) as exc:  # safetensors, pickle, OS errors (DCP's is a BaseException)
         raise fail(
             "TP605",
-            f"reading the tensors of {source.path} failed: {_reason(exc)}; the model is left partly loaded "
+            f"reading the tensors of {source.path} failed: {reason(exc)}; the model is left partly loaded "
             f"(its {len(state)} tensors were allocated, some were not read): build it again before use",
             source.where,
         ) from None
@@ -141,25 +141,6 @@ def load_checkpoint(
         directory=source.directory,
         match=found,
     )
-
-
-def _reason(exc: BaseException) -> str:
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(exc, CheckpointException):  # one entry per failing rank
-        failures = getattr(exc, "failures", {}) or {}
-        parts = []
-        for rank, failure in sorted(failures.items()):
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            parts.append(f"rank {rank}: {type(inner).__name__}: {_first(inner)}")
-        if parts:
-            return "; ".join(parts[:4])
-    return f"{type(exc).__name__}: {_first(exc)}"
-
-
-def _first(exc: BaseException) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(exc).__name__
 
 
 def _no_dist(state: dict) -> bool:

@@ -15,13 +15,16 @@ Tied parameters are saved once, under their first name (transformers' convention
 Saving into the directory a model was loaded from is safe: tensors that are
 still views of files there (`mapped.py`) are copied into memory first.
 
-Saves are atomic (`commit.py`): written into a staging directory beside the
-target, then renamed into place by rank 0 after every rank's files are synced;
-the previous copy stays beside it as the spare the next save overwrites in
-place (`atomic.py`).
-With `step=N` the target is `ROOT/step-N` of a training root (`steps.py`), with
-the optimizer state and `extra` beside the model (`training.py`), recorded as the
-latest only then; `async_save=True` writes in the background (`asyncsave.py`).
+This module says what a save holds and how it is written (the writers, the
+planner); where it lands and when it counts is the training side's
+(`training/`): saves are atomic (`training/commit.py`): written into a staging
+directory beside the target, then renamed into place by rank 0 after every
+rank's files are synced; the previous copy stays beside it as the spare the
+next save overwrites in place (`training/atomic.py`).
+With `step=N` the target is `ROOT/step-N` of a training root
+(`training/steps.py`), with the optimizer state and `extra` beside the model
+(`training/state.py`), recorded as the latest only then; `async_save=True`
+writes in the background (`training/asyncsave.py`).
 """
 
 from __future__ import annotations
@@ -31,13 +34,13 @@ import shutil
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from . import asyncsave, commit
 from .errors import fail, quiet
 from .experts import checkpoint_view, save_planner
 from .inspect import expected_tensors
 from .mapped import release
-from .steps import step_dir
-from .training import state_for_save
+from .training import asyncsave, commit
+from .training.state import state_for_save
+from .training.steps import check_step, step_dir
 
 if TYPE_CHECKING:
     import torch
@@ -91,10 +94,7 @@ def save_checkpoint(
 
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {format!r}")
-    if step is not None and (not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be an integer >= 0, not {step!r}")
-    if keep is not None and (step is None or not isinstance(keep, int) or keep < 1):
-        raise ValueError(f"keep must be an integer >= 1 and needs step= (got keep={keep!r}, step={step!r})")
+    check_step(step, keep)
     if format == "hf" and (optimizer is not None or extra is not None or async_save):
         raise ValueError("optimizer=, extra= and async_save=True need format='dcp' (safetensors hold tensors of the model only)")
     asyncsave.wait_pending()  # one save at a time: the previous asynchronous one is committed first
@@ -110,19 +110,7 @@ def save_checkpoint(
     save = commit.Save(root=root, target=target, step=step, keep=keep, format=format,
                        distributed=real_group and sharded, rank=dist.get_rank() if real_group else 0, real_group=real_group)
     save.prepare()
-    writes = save.distributed or save.rank == 0  # unsharded under a process group: rank 0 writes alone
-    if async_save:
-        return asyncsave.start(target, step, lambda: _write_async(state, save) if writes else None, save.finish_async, save.failed_async)
-    try:
-        metadata = _write(model, state, save) if writes else None
-    except BaseException as exc:  # OS errors, DCP's CheckpointException (a BaseException) with every rank's failure
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        error = save.failed(exc)  # before the staging directory goes: the free space it filled
-        save.abandon()
-        raise error from None
-    save.finish(metadata)
-    return target
+    return save.run(lambda: _write(model, state, save), lambda: _write_async(state, save), async_save=async_save)
 
 
 def _write(model: "nn.Module", state: dict, save: "commit.Save"):

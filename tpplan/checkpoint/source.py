@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .complete import manifest_problem, read_manifest, shard_files, unfinished, verify
-from .errors import fail, some
-from .steps import is_root, latest
-from .training import RESERVED
+from .errors import fail, first_line, some
+from .training.complete import manifest_problem, read_manifest, shard_files, unfinished, verify
+from .training.state import RESERVED
+from .training.steps import is_root, latest
 
 INDEX = "model.safetensors.index.json"
 DCP_METADATA = ".metadata"
@@ -255,7 +255,7 @@ def read_metadata(source: Source):
     source.keys = set(metadata.state_dict_metadata)
     source.tensors = {
         k: v for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata) and not k.startswith(f"{RESERVED}.")  # the optimizer's: training.py
+        if isinstance(v, TensorStorageMetadata) and not k.startswith(f"{RESERVED}.")  # the optimizer's and extra: training/state.py
     }
     if source.format == "hf":
         link_to = {os.path.join(source.directory, os.path.basename(f)): f for f in source.files}
@@ -266,7 +266,7 @@ def read_metadata(source: Source):
 
 def _corrupt(source: Source, exc: BaseException):
     if source.format == "dcp":
-        return fail("TP605", f"the DCP metadata {source.where} cannot be read: {type(exc).__name__}: {_first(exc)}", source.where)
+        return fail("TP605", f"the DCP metadata {source.where} cannot be read: {type(exc).__name__}: {first_line(exc)}", source.where)
     from safetensors import safe_open
 
     for f in source.files:
@@ -274,10 +274,6 @@ def _corrupt(source: Source, exc: BaseException):
             with safe_open(f, framework="pt") as handle:
                 handle.keys()
         except Exception as inner:  # safetensors' SafetensorError and OS errors: this file is the bad one
-            return fail("TP605", f"{f} is not a valid safetensors file (corrupt or truncated): {_first(inner)}", f)
-    return fail("TP605", f"the safetensors headers of {source.path} cannot be read: {type(exc).__name__}: {_first(exc)}", source.where)
+            return fail("TP605", f"{f} is not a valid safetensors file (corrupt or truncated): {first_line(inner)}", f)
+    return fail("TP605", f"the safetensors headers of {source.path} cannot be read: {type(exc).__name__}: {first_line(exc)}", source.where)
 
-
-def _first(exc: BaseException) -> str:
-    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(exc).__name__

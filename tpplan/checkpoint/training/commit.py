@@ -7,7 +7,8 @@ commits it; every rank hears its verdict, so they fail or succeed together.
               file by file, `atomic.py`) or a fresh one; broadcast (its name,
               or why not) to every rank
     (write)   every rank writes its files into staging and fsyncs them (DCP's
-              FileSystemWriter(sync_files=True)), rank 0 the .metadata last
+              FileSystemWriter(sync_files=True)), rank 0 the .metadata last:
+              `run` calls the writer `save_checkpoint` gives, then finish
     finish    rank 0: the spare's files this save did not write
               removed, the manifest, fsync, exchange into place (the previous
               copy becomes the spare), then the `latest` marker and the
@@ -21,12 +22,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from . import atomic, steps
+from . import asyncsave, atomic, steps
 from .complete import write_manifest
-from .errors import CheckpointError, fail
+from .. import errors
+from ..errors import CheckpointError, fail
 
 
 _SHORT = 255  # bytes of a verdict's text sent in the first broadcast
@@ -79,6 +83,26 @@ class Save:
         if kind == "error":
             raise fail("TP608", value, self.target)
         self.staging = value
+
+    def run(self, write: Callable[[], Any], write_async: Callable[[], Any], *, async_save: bool) -> "str | asyncsave.AsyncSave":
+        """Every rank, after `prepare`: fill the staging directory and commit it. `write()`
+        returns DCP's Metadata (None for safetensors), `write_async()` DCP's upload future;
+        only the ranks that write call them (unsharded under a process group: rank 0 alone).
+        Returns the target once committed, or at once (`async_save`) an `AsyncSave` whose
+        `wait()` does. A failed write is TP608 on every rank, its staging directory gone."""
+        writes = self.distributed or self.rank == 0
+        if async_save:
+            return asyncsave.start(self.target, self.step, write_async if writes else (lambda: None), self.finish_async, self.failed_async)
+        try:
+            metadata = write() if writes else None
+        except BaseException as exc:  # OS errors, DCP's CheckpointException (a BaseException) with every rank's failure
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            error = self.failed(exc)  # before the staging directory goes: the free space it filled
+            self.abandon()
+            raise error from None
+        self.finish(metadata)
+        return self.target
 
     def finish(self, metadata) -> None:
         """Every rank, after its write: rank 0 commits; TP608 on all ranks if it could not.
@@ -135,9 +159,7 @@ class Save:
         if isinstance(exc, OSError):
             reason = exc.strerror or str(exc)
         else:
-            from .load import _reason
-
-            reason = _reason(exc)
+            reason = errors.reason(exc)
         full = _full(str(Path(self.target).parent))  # torch's serializer can hide ENOSPC behind its own error
         if full and "No space left" not in reason:
             reason += f"; {full}"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
-from .errors import fail
+from ..errors import fail
 
 if TYPE_CHECKING:
     import torch

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_synced
-from .errors import fail, some
+from ..errors import fail, some
 
 MANIFEST = ".tpplan-checkpoint.json"
 STEP_DIR = re.compile(r"step-(\d+)")

@@ -26,10 +26,18 @@ from pathlib import Path
 
 from .atomic import OLD, SPARE, STAGING, recyclable, tidy, write_text
 from .complete import MANIFEST, STEP_DIR, manifest_problem
-from .errors import fail
+from ..errors import fail
 
 MARKER = "latest"
 _DROP = ".drop-"
+
+
+def check_step(step: int | None, keep: int | None) -> None:
+    """ValueError unless `step` is an integer >= 0 (or None) and `keep` one >= 1 given with a step."""
+    if step is not None and (not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an integer >= 0, not {step!r}")
+    if keep is not None and (step is None or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be an integer >= 1 and needs step= (got keep={keep!r}, step={step!r})")
 
 
 def step_dir(root: str, step: int) -> str:
