@@ -67,9 +67,9 @@ def import_hf(
     except ModuleNotFoundError as exc:
         usage_error(f"import-hf needs transformers ({exc}): pip install 'tpplan[hf]'")
     try:
-        from ..lint.fixes import partial_gradient_rules
+        from ..lint.fixes import added_rules
 
-        imported = run_import(source, minimal=minimal, ep=ep, fix_partial_gradients=partial_gradient_rules, output=output)
+        imported = run_import(source, minimal=minimal, ep=ep, lint_fixes=added_rules, output=output)
     except HfConfigError as exc:  # an unreadable config, or one with no plan to import (HfImportError)
         usage_error(str(exc))
     if output is None:
