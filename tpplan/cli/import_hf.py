@@ -33,9 +33,10 @@ def import_hf(
         bool,
         typer.Option(
             "--minimal",
-            help="Add a prepare_module_input on each parent of column-parallel Linears, so backward all-reduces "
-            "once per parent instead of once per Linear, and local_params on each module whose parameters compute "
-            "on sharded activations (TP325).",
+            help="Add the rules the lint's fixes add on the model: a prepare_module_input on each parent whose "
+            "column-parallel children share one plain input, so backward all-reduces once per parent instead of "
+            "once per child (TP340), and local_params on each module whose parameters compute on sharded "
+            "activations (TP325).",
         ),
     ] = False,
     ep: Annotated[
