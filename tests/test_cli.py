@@ -442,3 +442,23 @@ def test_bad_inputs_in_a_real_process_exit_2_with_json_and_no_traceback(tmp_path
         ("missing.yaml", "TP001"),
     ]
     assert result.stderr == ""
+
+
+def test_json_problems_carry_the_fix_their_rule_is_sure_of(workdir):
+    """TP340's finding carries its edit (a prepare_module_input on the attention, per layer):
+    the same edit init --from applies; problems without a certain fix have no `fixes` key."""
+    from tpplan import load_plan
+    from tpplan.lint.context import LintContext
+    from tpplan.lint.edits import lint_edits
+    from tpplan.models import llama
+
+    text = "version: 1\nrules:\n  layers.*.attention.w{q,k,v}: colwise\n  layers.*.attention.wo: rowwise\n"
+    result = run("validate", workdir("plan.yaml", text), "--model", "tpplan.models.llama:tiny", "--tp", "2", "--format", "json")
+    problems = json.loads(result.stdout)["problems"]
+    shared = [p for p in problems if p["code"] == "TP340"]
+    assert len(shared) == 1 and all("fixes" not in p for p in problems if p["code"] != "TP340")
+    fixes = shared[0]["fixes"]
+    assert [f["key"] for f in fixes] == [f"layers.{i}.attention" for i in range(len(llama.tiny().layers))]
+    assert all(f["add"] and f["options"]["style"] == "prepare_module_input" and f["options"]["use_local_output"] is False for f in fixes)
+    edits = lint_edits(LintContext(load_plan(text=text), llama.tiny(), [2]), ["TP340"])
+    assert [(e.key, e.options, e.add, e.why) for e in edits] == [(f["key"], f["options"], f["add"], f["why"]) for f in fixes]

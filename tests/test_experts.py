@@ -307,9 +307,9 @@ def test_partial_gradients_of_apertus_xielu_are_found_and_fixed_by_import_minima
     # transformers' own plan: outputs match, the xIELU parameters' gradients do not.
     wrong = check_parity(hf_models.apertus, load_plan(text=imported.text), 2)
     assert not wrong.passed and all("act_fn.alpha" in p for p in wrong.problems if "grad" in p)
-    from tpplan.lint.fixes import partial_gradient_rules
+    from tpplan.lint.fixes import added_rules
 
-    minimal = import_hf(apertus_config, minimal=True, fix_partial_gradients=partial_gradient_rules)
+    minimal = import_hf(apertus_config, minimal=True, lint_fixes=added_rules)
     assert "  model.layers.*.mlp.act_fn: local_params\n" in minimal.text
     assert [p for p in lint(minimal.text, "tpplan.hf_models:apertus", tp=[2]) if p.code == "TP325"] == []
     _assert_parity(check_parity(hf_models.apertus, load_plan(text=minimal.text), 2))

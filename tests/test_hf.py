@@ -20,6 +20,7 @@ from tpplan import load_plan  # noqa: E402
 from tpplan import hf_models  # noqa: E402
 from tpplan.core.aliases import TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT  # noqa: E402
 from tpplan.hf.importer import SOUND_STYLES, Skipped, import_hf  # noqa: E402
+from tpplan.lint.fixes import added_rules  # noqa: E402
 from tpplan.hf.transformers_runtime import apply_transformers_plan  # noqa: E402
 from tpplan.runtime.verify import check_parity  # noqa: E402
 
@@ -143,7 +144,7 @@ def config_dirs(tmp_path_factory):
     "family, minimal, tp, counts", IMPORTED, ids=[f"{f}-{'minimal' if m else 'hf'}-tp{tp}" for f, m, tp, _ in IMPORTED]
 )
 def test_imported_transformers_plan_matches_single_device(config_dirs, family, minimal, tp, counts):
-    imported = import_hf(config_dirs[family], minimal=minimal)
+    imported = import_hf(config_dirs[family], minimal=minimal, lint_fixes=added_rules)
     plan = load_plan(text=imported.text)
     assert tp in plan.mesh_sizes
     result = check_parity(functools.partial(hf_models.FACTORIES[family], "eager"), plan, tp)

@@ -22,6 +22,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from families import family_params  # noqa: E402
 from tpplan import load_plan  # noqa: E402
+from tpplan.lint.fixes import added_rules  # noqa: E402
 
 PASS = ("pass", None)
 NO_PLAN = ("no TP plan", None)
@@ -85,7 +86,7 @@ def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
     for minimal in (False, True):
         path = workdir / f"{'minimal' if minimal else 'hf'}.yaml"
         try:
-            imported = import_hf(workdir, minimal=minimal, output=path)
+            imported = import_hf(workdir, minimal=minimal, lint_fixes=added_rules, output=path)
         except ValueError as exc:
             if "defines no TP plan" in str(exc):
                 return NO_PLAN, str(exc)

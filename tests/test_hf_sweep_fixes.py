@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tpplan import load_plan
+from tpplan.lint.fixes import added_rules
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
@@ -61,7 +62,7 @@ def _imported(tmp_path, model_type: str, minimal: bool = False) -> str:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tiny_config(model_type).save_pretrained(tmp_path)
-        return import_hf(tmp_path, minimal=minimal).text
+        return import_hf(tmp_path, minimal=minimal, lint_fixes=added_rules).text
 
 
 def test_attention_sinks_are_sharded_by_local_params_on_the_modules_that_own_them(tmp_path):

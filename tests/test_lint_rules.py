@@ -504,14 +504,14 @@ def test_features_meeting_a_per_feature_parameter_of_their_module_name_local_par
 def test_the_per_head_parameter_edit_turns_the_modules_rule_into_local_params_or_adds_to_it():
     from tpplan import load_plan
     from tpplan.lint.context import LintContext
-    from tpplan.lint.edits import _param_shards, lint_edits
+    from tpplan.lint.edits import lint_edits
 
     def edits(extra: str, found=lint_edits):
         ctx = LintContext(load_plan(text=SINKS_SHARDED_HEADS + extra), meta_model("sink_attention:build"), [2])
         return [(e.code, e.key, e.options, e.add) for e in found(ctx) if e.code in ("TP322", "TP340")]
 
     sinks = {"style": "local_params", "params": {"sinks": "shard(0)"}}
-    assert edits("", _param_shards) == [("TP322", "blocks.0", sinks, True), ("TP322", "blocks.1", sinks, True)]
+    assert edits("", lambda ctx: lint_edits(ctx, ["TP322"])) == [("TP322", "blocks.0", sinks, True), ("TP322", "blocks.1", sinks, True)]
     # one new rule per module a round: TP340's prepare_module_input first, turned into local_params the next round
     assert [(code, key) for code, key, _, _ in edits("")] == [("TP340", "blocks.0"), ("TP340", "blocks.1")]
     prepared = "  blocks.*: {style: prepare_module_input, input_layouts: replicate, desired_input_layouts: replicate}\n"

@@ -84,7 +84,7 @@ def swept(model_type: str, directory: Path) -> list[tuple[str, str, str]] | str:
 
     from tpplan.hf.importer import import_hf
     from tpplan.hf.tiny import build, tiny_config
-    from tpplan.lint.fixes import partial_gradient_rules
+    from tpplan.lint.fixes import added_rules
 
     try:  # transformers' own config checks and constructor on a shrunk config: not tpplan's to judge
         tiny_config(model_type).save_pretrained(directory)
@@ -97,7 +97,7 @@ def swept(model_type: str, directory: Path) -> list[tuple[str, str, str]] | str:
     for minimal in (False, True):
         path = directory / ("minimal.yaml" if minimal else "hf.yaml")
         try:  # the CLI's import-hf [--minimal]
-            text = import_hf(directory, minimal=minimal, fix_partial_gradients=partial_gradient_rules, output=path).text
+            text = import_hf(directory, minimal=minimal, lint_fixes=added_rules, output=path).text
         except ValueError as exc:  # no TP plan, or one import-hf cannot read (the sweep's "no TP plan" / "import")
             return f"no plan: {exc}"
         body = text.split("\nrules:\n", 1)[1]

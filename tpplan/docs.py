@@ -32,7 +32,10 @@ JSON_OUTPUT = """\
 
 `--format json` prints one JSON object.
 
-- `validate`: `{"ok": bool, "problems": [{"code", "severity": "error"|"warning", "message", "file", "line", "column"}]}`.
+- `validate`: `{"ok": bool, "problems": [{"code", "severity": "error"|"warning", "message", "file", "line", "column"}]}`;
+  a lint problem whose rule is sure of its fix also has `"fixes": [{"key", "options", "add": bool, "why"}]`, the
+  edits to the plan's rules that fix it (what `tpplan init --from` applies): `add` true, `key` is a module that
+  gets the rule `options`; false, `key` is the pattern of the rule that gets the options `options`.
 - `apply` adds `"world_size": int`, `"modules": {fqn: style}`,
   `"params": {"total_bytes": int, "per_rank_bytes": int}`,
   `"comms": {"forward": {op: count}, "backward": {op: count}}` (op: `all_reduce`, `all_gather`,

@@ -33,9 +33,10 @@ def import_hf(
         bool,
         typer.Option(
             "--minimal",
-            help="Add a prepare_module_input on each parent of column-parallel Linears, so backward all-reduces "
-            "once per parent instead of once per Linear, and local_params on each module whose parameters compute "
-            "on sharded activations (TP325).",
+            help="Add the rules the lint's fixes add on the model: a prepare_module_input on each parent whose "
+            "column-parallel children share one plain input, so backward all-reduces once per parent instead of "
+            "once per child (TP340), and local_params on each module whose parameters compute on sharded "
+            "activations (TP325).",
         ),
     ] = False,
     ep: Annotated[
@@ -67,9 +68,9 @@ def import_hf(
     except ModuleNotFoundError as exc:
         usage_error(f"import-hf needs transformers ({exc}): pip install 'tpplan[hf]'")
     try:
-        from ..lint.fixes import partial_gradient_rules
+        from ..lint.fixes import added_rules
 
-        imported = run_import(source, minimal=minimal, ep=ep, fix_partial_gradients=partial_gradient_rules, output=output)
+        imported = run_import(source, minimal=minimal, ep=ep, lint_fixes=added_rules, output=output)
     except HfConfigError as exc:  # an unreadable config, or one with no plan to import (HfImportError)
         usage_error(str(exc))
     if output is None:

@@ -3,10 +3,25 @@ until the edge (CLI, exception message) prints it."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Fix:
+    """An edit to a plan's rules that fixes what a finding says, carried by the finding (as
+    ruff's `Diagnostic.fix`): the rule that finds the problem decides its fix, and the tools
+    that write plans (`tpplan init`, `init --from`, `import-hf --minimal`) apply it as given.
+
+    `add`: `key` is a module's fqn and `options` the whole value of the rule it gets;
+    else `key` is the pattern of an existing rule and `options` the options set on it."""
+
+    key: str
+    options: Any
+    add: bool
+    why: str
 
 
 @dataclass(frozen=True)
@@ -17,12 +32,17 @@ class Problem:
     file: str
     line: int  # 1-based
     column: int  # 1-based
+    # the edits that fix it, where the rule is sure of them; not part of a problem's identity
+    fixes: tuple[Fix, ...] = field(default=(), compare=False)
 
     def __str__(self) -> str:
         return f"{self.file}:{self.line}:{self.column}: {self.code} {self.message}"
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not self.fixes:
+            del out["fixes"]  # SPEC §4's six keys, `fixes` only where a rule knows one
+        return out
 
 
 def error(code: str, message: str, file: str, line: int = 1, column: int = 1) -> Problem:

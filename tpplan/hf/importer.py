@@ -27,7 +27,7 @@ The YAML is written by `core.yamltext.plan_yaml`, as every plan tpplan writes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG, TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT
@@ -35,7 +35,6 @@ from .config import HfConfigError, load_config
 from .local_params import NAMES_A_PARAMETER, local_params_rules
 from ..core.yamltext import group_siblings, plan_fields, plan_yaml
 from .plans import EXPERT_MODULE_STYLES, experts_only_in_ep_plan, hf_ep_plan, hf_tp_plan
-from .sharing import parents_sharing_input
 
 if TYPE_CHECKING:
     from torch import nn
@@ -146,7 +145,7 @@ def import_hf(
     ep: bool = False,
     check_model: bool = True,
     output: str | os.PathLike | None = None,
-    fix_partial_gradients: "Callable[[str, nn.Module], dict[str, Any]] | None" = None,
+    lint_fixes: "Callable[[str, nn.Module, Sequence[str]], dict[str, Any]] | None" = None,
 ) -> ImportedPlan:
     """transformers' TP plan for a causal LM, as tpplan YAML, and what it leaves out.
 
@@ -155,14 +154,12 @@ def import_hf(
     on the meta device and every key must name a module: keys naming a parameter
     (transformers shards those directly) or nothing in this config (transformers
     only warns; tpplan's strict matching would reject the plan) are skipped and
-    reported. `minimal` adds a `prepare_module_input` on each parent with two
-    or more colwise children and no unplanned child holding parameters, so
-    backward costs one all-reduce per parent instead of one per colwise child,
-    and, given `fix_partial_gradients` (the lint's
-    `tpplan.lint.fixes.partial_gradient_rules`, which the CLI passes: this layer
-    does not import the lint), the rules it returns for the plan so far:
-    `local_params` on each module whose parameters compute on sharded activations
-    (TP325). `ep` imports
+    reported. `minimal` adds the rules the lint's fixes add to the plan on the model
+    (`lint_fixes`, required then: `tpplan.lint.fixes.added_rules`, which the CLI passes;
+    this layer does not import the lint): TP340's `prepare_module_input` on each parent
+    whose colwise children share one plain input, so backward costs one all-reduce per
+    parent instead of one per child, then TP325's `local_params` on each module whose
+    parameters compute on sharded activations. `ep` imports
     `base_model_ep_plan` (experts whole per rank) over the TP plan.
     `output`: where the plan will be written (None: standard output, i.e. the
     current directory), so that its `$schema` pointer resolves from there.
@@ -185,6 +182,8 @@ def import_hf(
             f"transformers {transformers.__version__} defines no TP plan for {model_cls.__name__} "
             f"(model type {outer.model_type!r}): nothing to import; write the plan by hand"
         )
+    if minimal and lint_fixes is None:
+        raise ValueError("import_hf(minimal=True) adds the lint's fixes: pass lint_fixes=tpplan.lint.fixes.added_rules")
     model, prefix = None, None
     if check_model or minimal:
         try:
@@ -233,10 +232,12 @@ def import_hf(
             rules = {key: value, **rules}
             added.append((key, "vocab-parallel, as the lm_head it is tied to (tie_word_embeddings): both shard(0)"))
         if minimal:
-            sharing = parents_sharing_input(rules, model)
+            # the shared inputs first, before the rules they feed; then the partial gradients
+            # the plan so far leaves (each from the lint's findings on the model: one truth)
+            sharing = lint_fixes(plan_yaml(plan_fields("probe", "", [2]), rules), model, ["TP340"])
             rules = {**sharing, **rules}
             added += [(key, "one shared replicated input for its column-parallel children") for key in sharing]
-            summed = fix_partial_gradients(plan_yaml(plan_fields("probe", "", [2]), rules), model) if fix_partial_gradients else {}
+            summed = lint_fixes(plan_yaml(plan_fields("probe", "", [2]), rules), model, ["TP325"])
             rules = {**rules, **summed}
             added += [
                 (key, "local_params: its parameters compute on sharded activations, their gradients are summed (TP325)")

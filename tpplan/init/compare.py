@@ -59,7 +59,7 @@ def transformers_plan(model) -> str | None:
 
     from ..hf.config import HfConfigError
     from ..hf.importer import import_hf
-    from ..lint.fixes import partial_gradient_rules
+    from ..lint.fixes import added_rules
 
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
@@ -67,6 +67,6 @@ def transformers_plan(model) -> str | None:
     with tempfile.TemporaryDirectory() as directory:
         config.save_pretrained(directory)
         try:
-            return import_hf(directory, fix_partial_gradients=partial_gradient_rules).text
+            return import_hf(directory, lint_fixes=added_rules).text
         except HfConfigError:  # no plan to import (HfImportError), or a config it cannot read back
             return None

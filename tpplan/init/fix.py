@@ -1,5 +1,5 @@
 """`tpplan init --from plan.yaml`: a plan written by hand, with the fixes the lint is
-sure of applied (lint/edits.py), then dry-run with `--check` at its degrees.
+sure of applied (the fixes its findings carry: lint/edits.py), then dry-run with `--check` at its degrees.
 
 The user's rules stay as written (never dropped): an edit sets options on a rule or
 adds a rule for a module; a rule that still fails is reported (exit 1), not removed.
@@ -23,11 +23,10 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
              inputs: str | None = None, output: str | None = None, compare: dict | None = None) -> "Inferred":
     import yaml
 
-    from ..core.globs import ModuleTree, compile_glob, generalize
     from ..core.loader import load_plan, read_plan_text
     from ..core.schema_file import schema_comment
     from ..lint.context import LintContext
-    from ..lint.edits import lint_edits, with_options
+    from ..lint.edits import apply_edits, lint_edits
     from ..runtime.ladder import values_allowed
     from ..runtime.modelref import build_model
     from . import Inferred
@@ -46,25 +45,14 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
     degrees = tp_degrees(sorted(set(tp)) if tp else None, plan.mesh_sizes,
                          lambda: default_degrees(proposal_for(model, ref, inputs).groups))
     rules: dict[str, Any] = dict(data.get("rules") or {})
-    tree = ModuleTree([n for n, _ in model.named_modules()])
+    names = [n for n, _ in model.named_modules()]
     applied = []
     for _ in range(_ROUNDS):
         ctx = LintContext(load_plan(text=_with_rules(data, rules), file=str(path)), model, degrees, inputs=inputs)
         edits = [e for e in lint_edits(ctx) if e not in applied]
         if not edits:
             break
-        added: dict[str, list] = {}
-        for edit in edits:
-            if edit.add:
-                added.setdefault(generalize(edit.key), []).append(edit)
-            elif edit.key in rules:
-                rules[edit.key] = with_options(rules[edit.key], edit.options)
-        for glob, group in added.items():
-            matched = set(tree.match(compile_glob(glob)))
-            if matched == {e.key for e in group} and len({repr(e.options) for e in group}) == 1:
-                rules[glob] = group[0].options
-            else:
-                rules.update({e.key: e.options for e in group})
+        rules = apply_edits(rules, edits, names)
         applied += edits
     lines = [schema_comment(output), f"# Fixed by tpplan init --from {os.fspath(path)}:"]
     lines += [f"#   {e.code} {e.key}: {e.why}" for e in applied] or ["#   nothing to fix: the lint knows no certain edit"]

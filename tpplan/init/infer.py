@@ -245,7 +245,7 @@ def _gather_once(flow: Dataflow, prods: list[str]) -> dict[str, Any]:
     where = flow.argument(parent, node)
     if not parent or where is None:
         return {}
-    from ..lint.edits import replicating_input
+    from ..lint.rules.shared_input_comms import replicating_input
 
     return {parent: replicating_input(*where, "shard(1)")}
 

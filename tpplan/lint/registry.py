@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..core.problems import Problem, Severity
+from ..core.problems import Fix, Problem, Severity
 
 if TYPE_CHECKING:
     from .context import LintContext
@@ -36,6 +36,7 @@ class Finding:
     at: Location
     message: str
     severity: Severity | None = None  # None: the rule's; a rule that could not run says so as a warning
+    fixes: tuple[Fix, ...] = ()  # the edits to the plan that fix it, where the rule is sure of them
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,13 @@ class LintRule:
             key = (finding.at, _shape_of(finding.message))
             if key in groups:
                 groups[key][1] += 1
+                groups[key][2] += [f for f in finding.fixes if f not in groups[key][2]]  # every layer's fix
             else:
-                groups[key] = [finding, 1]
+                groups[key] = [finding, 1, list(finding.fixes)]
         return [
-            Problem(self.code, finding.severity or self.severity, finding.message + (f" (and {count - 1} more like it)" if count > 1 else ""), *finding.at)
-            for finding, count in groups.values()
+            Problem(self.code, finding.severity or self.severity, finding.message + (f" (and {count - 1} more like it)" if count > 1 else ""),
+                    *finding.at, fixes=tuple(fixes))
+            for finding, count, fixes in groups.values()
         ]
 
     def doc(self) -> str:

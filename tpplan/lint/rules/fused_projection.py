@@ -3,8 +3,9 @@ as one plain colwise, then cut into its kinds."""
 
 from __future__ import annotations
 
+from ...core.problems import Fix
 from ..registry import Finding, LintRule
-from ..text import styled
+from ..text import generalize, styled
 
 
 def _packed_fix(fused) -> str:
@@ -74,7 +75,18 @@ def check(ctx):
         if ctx.at(fused.value.src.rule) in misfits:
             continue  # its blocks are wrong already
         what, fix = message(fused)
-        yield Finding(ctx.at(fused.value.src.rule), f"{what}; {fix}")
+        yield Finding(ctx.at(fused.value.src.rule), f"{what}; {fix}", fixes=packed_fix(fused))
+
+
+def packed_fix(fused) -> tuple[Fix, ...]:
+    """`packed` on the colwise rule whose output a split cuts into two or more kinds: each
+    rank then takes its slice of every block."""
+    if fused.where != "split" or not fused.pieces or len(fused.pieces) < 2:
+        return ()
+    pieces = list(fused.pieces)
+    packed = len(pieces) if len(set(pieces)) == 1 else pieces
+    return (Fix(fused.value.src.rule.pattern, {"packed": packed}, False,
+                f"its output is cut into {len(pieces)} kinds by '{fused.detail}' in '{generalize(fused.fqn)}': each rank takes its slice of every block"),)
 
 
 RULE = LintRule(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...core.problems import Fix
 from ...core.head_counts import HEAD_ATTRS, HEAD_DIM_ATTRS, KV_HEAD_ATTRS, is_kv_count
 from ..registry import Finding, LintRule
 from ..text import degrees_that_work, rule_ref
@@ -28,9 +29,14 @@ def check(ctx):
         shown = ", ".join(f"'{m}'" for m in modules)
         all_counts = dict(heads.counts)
         replicates = getattr(rule.spec, "heads", None) is not None
+        fixes = ()
         if not replicates and heads_auto_fixes(tp, names.items(), heads.counts):
             fix = (f"replicate the KV heads instead: give '{rule.pattern}' {{style: colwise, heads: auto}} (rank r then "
                    f"holds KV head r // (tp / heads), whole, and their gradients are summed)")
+            if "heads" in type(rule.spec).model_fields:  # the styles that can replicate heads
+                kv = next(count for _, count in names.items())
+                fixes = (Fix(rule.pattern, {"heads": "auto"}, False,
+                             f"TP {tp} is a multiple of the {kv} KV heads of '{heads.owner}': each is replicated on {tp // kv} ranks"),)
         else:
             fix = f"degrees that work: {degrees_that_work(*all_counts.values())}"
             if replicates:
@@ -38,7 +44,7 @@ def check(ctx):
         yield Finding(ctx.at(rule), (
             f"tp ({tp}) must divide {what} of '{heads.owner or '<root>'}' ({rule_ref(rule)}): {rule.spec.style} splits "
             f"{shown} into heads of {heads.head_dim} and each rank needs whole heads; {fix}"
-        ))
+        ), fixes=fixes)
 
 
 def failing_counts(counts, tp: int, replicates: bool) -> list[tuple[str, int]]:
@@ -51,8 +57,7 @@ def failing_counts(counts, tp: int, replicates: bool) -> list[tuple[str, int]]:
 def heads_auto_fixes(tp: int, failing, all_counts) -> bool:
     """Whether `heads: auto` makes `tp` work for a rule whose `failing` counts (failing_counts,
     without heads) it does not divide: only KV heads fail, `tp` is a multiple of each, and it
-    divides the query heads of `all_counts` (which stay split). The rule's fix and the edit
-    init applies (lint/edits.py) both ask this."""
+    divides the query heads of `all_counts` (which stay split): then the finding carries that fix."""
     failing = list(failing)
     query = [count for name, count in all_counts if not is_kv_count(name)]
     return bool(failing) and all(is_kv_count(name) and tp % count == 0 for name, count in failing) and all(q % tp == 0 for q in query)

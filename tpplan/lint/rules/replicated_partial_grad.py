@@ -4,6 +4,7 @@ each rank is that rank's share only (partial)."""
 
 from __future__ import annotations
 
+from ...core.problems import Fix
 from ..registry import Finding, LintRule
 from ..text import generalize, shard_text, styled
 
@@ -60,7 +61,9 @@ def check(ctx):
             f"every rank but compute on this rank's slice only, so each rank's gradient of them is its share (partial) and "
             f"the ranks' copies drift apart in training; add the rule '{generalize(leak.fqn)}: local_params' (replicated "
             f"parameters whose gradients are summed over the mesh)"
-        ))
+        ), fixes=() if leak.fqn in ctx.matched else (
+            Fix(leak.fqn, "local_params", True,
+                f"replicated parameters ({', '.join(names)}) computing on sharded activations: their gradients are summed"),))
     if ctx.flow is None or not ctx.splits:
         return
     for found in ctx.flow.shared_operands:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ..registry import Finding, LintRule
 from ..text import generalize, shard_text
 from .replicated_partial_grad import claims
-from .shard_leak import leak_message, own_param_fix
+from .shard_leak import leak_message, own_param_fix, own_param_fixes
 
 
 def check(ctx):
@@ -30,7 +30,7 @@ def check(ctx):
                 f"the last rule input_layouts: {shard} and output_layouts: replicate"
             ))
         elif leak.param is not None:
-            yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {own_param_fix(ctx, leak)}")
+            yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {own_param_fix(ctx, leak)}", fixes=own_param_fixes(ctx, leak))
         else:
             yield Finding(ctx.at(src.rule), (
                 f"{leak_message(leak)}; close the sequence-parallel region before it (input_layouts: {shard}, "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ...core.problems import Fix
 from .replicated_partial_grad import claims
 from ..registry import Finding, LintRule
 from ..text import generalize, shard_text, styled
@@ -23,8 +24,6 @@ def leak_message(leak) -> str:
 def own_param_fix(ctx, leak) -> str | None:
     """The fix of a leak into a module's own parameter (per-head sinks) that, sharded as the
     activation is, fits it: that parameter laid out by local_params on its module."""
-    from ..edits import lays_out_own_params
-
     found = leak.param
     if found is None:
         return None
@@ -39,6 +38,41 @@ def own_param_fix(ctx, leak) -> str | None:
     return (f"that tensor comes straight from the parameter '{generalize(found.fqn)}.{found.name}' of the module it "
             f"runs in, whose dim {found.dim} is as long as the sharded dim ({size}): shard it the same way, {how} "
             "(each rank holds the entries of its own part)")
+
+
+def own_param_fixes(ctx, leak) -> tuple[Fix, ...]:
+    """The edit own_param_fix says, where it is sure: the parameter in the `params` of a
+    local_params rule on its module (a new rule, or the module's local_params or
+    prepare_module_input rule turned into one). Only where no parameter of the module turns
+    from a plain tensor into a replicated one with a summed gradient (local_params' default),
+    which would be wrong for one used whole."""
+    found = leak.param
+    if found is None:
+        return ()
+    rule = ctx.matched.get(found.fqn)
+    if rule is not None and not _inputs_only(rule.spec):
+        return ()
+    holds = rule is not None and lays_out_own_params(rule.spec)
+    params = {k: str(v) for k, v in ((rule.spec.params or {}) if holds else {}).items()}
+    params[found.name] = f"shard({found.dim})"
+    own = {k for k, p in ctx.modules[found.fqn]._parameters.items() if p is not None}
+    if not holds and own - set(params):
+        return ()
+    why = (f"{found.name} sharded on dim {found.dim}, as the local shard of '{generalize(leak.value.src.fqn)}' it meets: "
+           "each rank holds its own part")
+    return (Fix(found.fqn if rule is None else rule.pattern, {"style": "local_params", "params": params}, rule is None, why),)
+
+
+def lays_out_own_params(spec) -> bool:
+    """Whether the style lays out its module's own parameters by an option (local_params' `params`)."""
+    return "params" in type(spec).model_fields
+
+
+def _inputs_only(spec) -> bool:
+    """Whether the style does nothing but lay out its module's inputs (the table's semantics):
+    such a rule can become local_params, its input options kept."""
+    contract = spec.semantics.contract.tp
+    return spec.semantics.inputs == "layouts" and not contract.outputs and not contract.state and contract.body == "traced"
 
 
 def check(ctx):
@@ -58,7 +92,8 @@ def check(ctx):
             fix = (f"give '{src.rule.pattern}' output_layouts: replicate, or use_local_output: false to return a "
                    "DTensor (with loss_parallel)")
         elif leak.param is not None:
-            fix = own_param_fix(ctx, leak)
+            yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {own_param_fix(ctx, leak)}", fixes=own_param_fixes(ctx, leak))
+            continue
         else:
             fix = (f"give '{src.rule.pattern}' output_layouts: replicate, or shard what it meets with a rule of its own")
         yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {fix}")

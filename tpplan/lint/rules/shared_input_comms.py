@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ...core.problems import Fix
 from ..registry import Finding, LintRule
 from ..text import generalize, plural, rule_ref, shard_text
 
@@ -42,6 +43,49 @@ def _fix(ctx, siblings, node, layout: str) -> str:
     else:
         options = f"input_kwarg_layouts: {{{where}: {layout}}}, desired_input_kwarg_layouts: {{{where}: replicate}}"
     return f"add '{generalize(fqn)}: {{style: prepare_module_input, {options}, use_local_output: false}}'"
+
+
+def shared_input_fix(ctx, siblings, node) -> tuple[Fix, ...]:
+    """The rule _fix proposes, where it is sure of it: a prepare_module_input for the
+    innermost module that receives the shared input as an argument, when no rule plans that
+    module yet and no child of it holding parameters is left unplanned (it would receive
+    the input as a DTensor it cannot take: a MoE router, a norm)."""
+    lay = siblings[0].value
+    found = _receiver(siblings, node)
+    if found is None or not siblings[0].needs_grad:
+        return ()
+    fqn, where, call = found
+    if fqn in ctx.matched or _has_unplanned_params(ctx, fqn, {s.fqn for s in siblings}):
+        return ()
+    layout = "replicate" if lay.kind == "R" else f"shard({lay.dim})"
+    value = {**replicating_input(where, len(call.args), layout), "use_local_output": False}
+    return (Fix(fqn, value, True,
+                f"{', '.join(s.fqn.rpartition('.')[2] for s in siblings)} share one {layout} DTensor input: one backward all-reduce, not {len(siblings)}"),)
+
+
+def replicating_input(where: int | str, positional: int, layout: str) -> dict:
+    """A prepare_module_input that takes the argument at `where` (a position among
+    `positional` arguments, or a keyword) as `layout` and hands it on replicated."""
+    if isinstance(where, str):
+        return {"style": "prepare_module_input", "input_kwarg_layouts": {where: layout},
+                "desired_input_kwarg_layouts": {where: "replicate"}}
+    if positional == 1:
+        return {"style": "prepare_module_input", "input_layouts": layout, "desired_input_layouts": "replicate"}
+    return {"style": "prepare_module_input",
+            "input_layouts": [layout if i == where else None for i in range(positional)],
+            "desired_input_layouts": ["replicate" if i == where else None for i in range(positional)]}
+
+
+def _has_unplanned_params(ctx, parent: str, siblings: set[str]) -> bool:
+    """Whether a child of `parent` holding parameters has no rule, nor any module inside it."""
+    module = ctx.modules[parent]
+    for name, child in module.named_children():
+        fqn = f"{parent}.{name}" if parent else name
+        if fqn in siblings or fqn in ctx.matched or not any(True for _ in child.parameters()):
+            continue
+        if not any(m == fqn or m.startswith(fqn + ".") for m in ctx.matched):
+            return True
+    return False
 
 
 def check(ctx):
@@ -86,7 +130,7 @@ def check(ctx):
             "input into a DTensor of their own, "
             f"so each one {pays}: {len(siblings)} times where one would do; {_fix(ctx, siblings, node, layout)} "
             f"to save {per_call} per call ({total} per forward-backward, over {plural(len(found), 'call')})"
-        ))
+        ), fixes=tuple(fix for node, siblings in found for fix in shared_input_fix(ctx, siblings, node)))
 
 
 RULE = LintRule(
