@@ -38,12 +38,13 @@ from ..core.plan import Plan
 from ..core.problems import PlanError, error, first_line, raised_by_tpplan
 from ..core.quiet import simulation_remarks_off
 from ..core.degrees import tp_degrees
-from .report import ApplyReport, human_bytes
-from .check_problems import check_problems
-from .layouts import param_layouts
-from .locate import FailureLocator, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import ModelRefError, build_model, load_callable, make_inputs
-from .one_device import one_device_failure, unsharded_failure
+from ..core.units import human_bytes
+from .report import ApplyReport
+from ..check.check_problems import check_problems
+from ..simulation.layouts import param_layouts
+from ..simulation.locate import FailureLocator, run_located, shard_with_progress, unpromised_tp_note
+from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
+from ..simulation.one_device import one_device_failure, unsharded_failure
 from .options import ApplyOptions, ApplyOptionsError
 
 
@@ -136,7 +137,7 @@ class _Built:
 
 
 def _build(options: ApplyOptions, factory, event, mode: str) -> _Built:
-    from .simulate import fake_tensors
+    from ..simulation.simulate import fake_tensors
 
     if mode == "meta":
         event("building the model on the meta device")
@@ -170,7 +171,7 @@ class _ValuesFailed(Exception):
 
 
 def _passes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, source) -> None:
-    from .ladder import values_allowed, values_short_of_memory
+    from ..simulation.ladder import values_allowed, values_short_of_memory
 
     loaded = bool(options.check and options.checkpoint)
     built = _build(options, factory, event, "meta" if loaded else "fake")
@@ -222,7 +223,7 @@ def _fill(report: ApplyReport, plan: Plan, model, mesh, event, source, allow_mis
     entry from it. The failure locator of its run."""
     tp = report.tp
     sharded = shard_with_progress(plan, model, mesh, event)
-    sharded.fill(report)
+    report.add_sharding(sharded)
     report.params = param_layouts(model, tp)
     if source is not None:  # the checkpoint's metadata against the sharded model
         from ..checkpoint.run import inspect_into
@@ -233,8 +234,8 @@ def _fill(report: ApplyReport, plan: Plan, model, mesh, event, source, allow_mis
 
 
 def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, built: _Built, source=None) -> None:
-    from .ladder import running, values_allowed
-    from .simulate import forward_backward, simulated_world, tp_mesh
+    from ..simulation.ladder import running, values_allowed
+    from ..simulation.simulate import forward_backward, simulated_world, tp_mesh
 
     tp = report.tp
     if built.mode == "meta":  # fake tensors could not build it: the ladder's next rung
@@ -294,7 +295,7 @@ def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport
     the sharded forward failed."""
     import torch
 
-    from .simulate import forward_backward, simulated_world, tp_mesh
+    from ..simulation.simulate import forward_backward, simulated_world, tp_mesh
 
     tp = report.tp
     with simulated_world(tp):
@@ -329,8 +330,8 @@ def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, e
     come from it); False when an earlier pass did."""
     import torch
 
-    from .simulate import NoDefaultInputs
-    from .verify import check_parity
+    from ..simulation.simulate import NoDefaultInputs
+    from ..check.verify import check_parity
 
     tp = report.tp
     event(f"checking {tp} ranks with real values against a single device")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-from .memory import plan_memory
-from .reuse import block_reuse
+from ..memory.memory import plan_memory
+from ..memory.reuse import block_reuse
 
 
 def dry_run_memory(options, plan, factory, report, event: Callable[[str], None]) -> None:
@@ -17,10 +17,10 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     degree that fits, else the largest, and the table of all)."""
     from ..core.degrees import tp_degrees
     from ..core.problems import PlanError, first_line, raised_by_tpplan
-    from .layouts import param_layouts
-    from .locate import FailureLocator, shard_with_progress, unpromised_tp_note
-    from .memory_report import DegreeFit
-    from .modelref import build_model, make_inputs
+    from ..simulation.layouts import param_layouts
+    from ..simulation.locate import FailureLocator, shard_with_progress, unpromised_tp_note
+    from ..memory.memory_report import DegreeFit
+    from ..simulation.modelref import build_model, make_inputs
     from .report import ApplyReport
 
     train = options.train
@@ -35,8 +35,8 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
     def blame_model() -> PlanError | None:
         """The model's own TP500 when it fails without the plan on one device too (in
         the planned dtype)."""
-        from .one_device import one_device_failure
-        from .training import torch_dtype
+        from ..simulation.one_device import one_device_failure
+        from ..simulation.training import torch_dtype
 
         event("forward and backward without the plan")
         return one_device_failure(options, factory, torch_dtype(train.dtype), batch, seq)
@@ -49,7 +49,7 @@ def dry_run_memory(options, plan, factory, report, event: Callable[[str], None])
 
         def shard(model, mesh):
             sharded = shard_with_progress(plan, model, mesh, event)
-            sharded.fill(scratch)
+            scratch.add_sharding(sharded)
             scratch.params = param_layouts(model, tp)
             located["locator"] = FailureLocator(plan, model, sharded.rules, tp)
 

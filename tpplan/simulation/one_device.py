@@ -7,7 +7,7 @@ the dry run (`dryrun.py`) and its memory planning (`memory_dryrun.py`)."""
 from __future__ import annotations
 
 from ..core.problems import PlanError, raised_by_tpplan
-from .modelref import build_model, make_inputs, model_failure
+from .modelref import build_model, default_dtype, make_inputs, model_failure
 
 
 def one_device_failure(options, factory, dtype=None, batch: int = 2, seq: int = 8) -> PlanError | None:
@@ -21,7 +21,6 @@ def one_device_failure(options, factory, dtype=None, batch: int = 2, seq: int = 
     import torch
 
     from .ladder import values_allowed
-    from .memory import default_dtype
     from .simulate import fake_tensors
 
     with default_dtype(dtype):
