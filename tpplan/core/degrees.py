@@ -6,7 +6,7 @@ genuinely differ (each caller says why it passes what it passes):
 
 - `validate --model` (lint/checks.py): DEFAULT_TP_SIZES, the common degrees;
 - `apply --dry-run` and its memory planning (runtime/dryrun.py,
-  runtime/memory_dryrun.py): none, a missing degree is an error: a simulation
+  memory/memory_dryrun.py): none, a missing degree is an error: a simulation
   at a degree nobody named would prove nothing anyone asked;
 - `tpplan init --from` (init/fix.py): the degrees that shard the most of the
   model (init/infer.py's default_degrees), computed only when needed;
