@@ -29,8 +29,8 @@ import spmd_types as spmd
 import spmd_types.checker  # noqa: F401  (registers the DTensor boundary checks)
 from spmd_types import _checker
 
-from tpplan.runtime.modelref import build_model, make_inputs
-from tpplan.runtime.simulate import scalar_loss, simulated_world, tp_mesh
+from tpplan.simulation.modelref import build_model, make_inputs
+from tpplan.simulation.simulate import scalar_loss, simulated_world, tp_mesh
 
 # the local ops spmd_types types by a rule of its own; any other gets its default
 # (non-linear: R, I, V pass through, a partial sum is refused)

@@ -74,8 +74,8 @@ def worker(steps: int) -> None:
 
     from tpplan import load_plan
     from tpplan.models.llama import LlamaConfig, Transformer
-    from tpplan.runtime.locate import apply_plan
-    from tpplan.runtime.simulate import default_inputs
+    from tpplan.simulation.locate import apply_plan
+    from tpplan.simulation.simulate import default_inputs
 
     dist.init_process_group("gloo")
     try:

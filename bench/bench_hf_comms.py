@@ -31,7 +31,7 @@ def step_collectives(family: str, tp: int, apply) -> tuple[dict, dict]:
     """(forward, backward) collectives of one step of `family` parallelized by `apply(model, mesh)`."""
     import torch
 
-    from tpplan.runtime.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
+    from tpplan.simulation.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
 
     torch.manual_seed(0)
     with simulated_world(tp):

@@ -11,7 +11,7 @@ heads, FFN 2816, vocab 32000), batch 1, fp32, AdamW, 4 ranks (`one`: 1):
   one      plans/llama_tp.yaml on one rank (TP 1), for a machine with one GPU
 Measured: each config runs under `torchrun --nproc-per-node 4` (gloo on CPU);
 every rank builds the model on real tensors and runs the same
-`tpplan.runtime.memory.measure_training_step` with torch's MemTracker /
+`tpplan.memory.memory.measure_training_step` with torch's MemTracker /
 FSDPMemTracker on real storages. With `--device cuda` (nccl, one GPU per
 rank) each rank also reports `torch.cuda.max_memory_allocated()` over the
 measured step, the allocator's own figure. Prints predicted / measured per
@@ -40,7 +40,7 @@ GOAL = 0.10
 def predicted(config: str, seq: int) -> dict:
     from tpplan.runtime.dryrun import dry_run
     from tpplan.runtime.torchrun import ApplyOptions
-    from tpplan.runtime.training import TrainOptions
+    from tpplan.simulation.training import TrainOptions
 
     plan, tp, dp = CONFIGS[config]
     train = TrainOptions(batch=1, seq=seq, optimizer="adamw", fsdp=dp if dp > 1 else None)
@@ -56,9 +56,9 @@ def worker(config: str, seq: int, device_type: str) -> None:
 
     from tpplan import load_plan
     from tpplan.models.llama import bench_1024
-    from tpplan.runtime.fsdp import shard_data_parallel, train_mesh
-    from tpplan.runtime.memory import measure_training_step
-    from tpplan.runtime.simulate import default_inputs
+    from tpplan.simulation.fsdp import shard_data_parallel, train_mesh
+    from tpplan.memory.memory import measure_training_step
+    from tpplan.simulation.simulate import default_inputs
 
     plan_file, tp, dp = CONFIGS[config]
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -30,7 +30,7 @@ def main() -> int:
     parser.add_argument("--fsdp", type=int)
     parser.add_argument("--limit", default="80GiB")
     args = parser.parse_args()
-    from tpplan.runtime.memory import parse_size
+    from tpplan.memory.memory import parse_size
 
     limit = parse_size(args.limit)
     for name in args.models:

@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from grouped_experts import GroupedExperts, tiny_moe
 from tpplan import load_plan
 from tpplan.cli.app import app
-from tpplan.runtime.simulate import simulated_world, tp_mesh
-from tpplan.runtime.verify import check_parity
+from tpplan.simulation.simulate import simulated_world, tp_mesh
+from tpplan.check.verify import check_parity
 from tpplan.sharding.expert_parallel import AllReduceExpertParallel, AllToAllExpertParallel
 from tpplan.sharding.experts import ExpertTensorParallel
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tpplan.runtime.dryrun import dry_run
-from tpplan.runtime.first_difference import owning_rule
+from tpplan.check.first_difference import owning_rule
 from tpplan.runtime.torchrun import ApplyOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +122,7 @@ def test_replicas_are_compared_after_each_step():
     import torch
 
     from tpplan import load_plan
-    from tpplan.runtime.verify import check_parity
+    from tpplan.check.verify import check_parity
 
     inputs = torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(0))
     result = check_parity(scaled_mlp, load_plan(text=SCALED_PLAN), 2, inputs, steps=2)
@@ -218,7 +218,7 @@ def test_replica_digests_are_compared_within_each_tp_group_of_a_dp_x_tp_world():
 
     import torch
 
-    from tpplan.runtime.replicas import differences_across_ranks
+    from tpplan.check.replicas import differences_across_ranks
 
     world, tp = 4, 2
     models = [torch.nn.Linear(3, 2) for _ in range(world)]
@@ -257,7 +257,7 @@ def test_replica_digests_are_compared_within_each_tp_group_of_a_dp_x_tp_world():
 def test_train_steps_hands_each_steps_gradients_to_after_step_then_clears_them():
     import torch
 
-    from tpplan.runtime.training import train_steps
+    from tpplan.simulation.training import train_steps
 
     model = torch.nn.Linear(4, 4)
     seen = []

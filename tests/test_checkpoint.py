@@ -21,10 +21,10 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from tpplan import CheckpointError, PlanError, hf_models, load_checkpoint, load_plan, save_checkpoint  # noqa: E402
-from tpplan.runtime.simulated_load import simulated_load  # noqa: E402
+from tpplan.simulation.simulated_load import simulated_load  # noqa: E402
 from tpplan.cli.app import app  # noqa: E402
-from tpplan.runtime.modelref import ModelRefError, build_model  # noqa: E402
-from tpplan.runtime.simulate import allowed_diff, max_abs_diff, tolerance  # noqa: E402
+from tpplan.simulation.modelref import ModelRefError, build_model  # noqa: E402
+from tpplan.simulation.simulate import allowed_diff, max_abs_diff, tolerance  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 

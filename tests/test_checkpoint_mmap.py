@@ -22,7 +22,7 @@ from tpplan import hf_models, load_checkpoint, load_plan, save_checkpoint  # noq
 from tpplan.checkpoint.training import asyncsave  # noqa: E402
 from tpplan.checkpoint.mapped import backing_file  # noqa: E402
 from tpplan.checkpoint.save import state_to_save  # noqa: E402
-from tpplan.runtime.simulate import simulated_world  # noqa: E402
+from tpplan.simulation.simulate import simulated_world  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 

@@ -20,9 +20,9 @@ from safetensors import safe_open  # noqa: E402
 
 from tpplan import hf_models, load_plan  # noqa: E402
 from tpplan.checkpoint.inspect import match  # noqa: E402
-from tpplan.runtime.simulated_load import simulated_load  # noqa: E402
+from tpplan.simulation.simulated_load import simulated_load  # noqa: E402
 from tpplan.checkpoint.source import locate, read_metadata  # noqa: E402
-from tpplan.runtime.simulate import allowed_diff, max_abs_diff, tolerance  # noqa: E402
+from tpplan.simulation.simulate import allowed_diff, max_abs_diff, tolerance  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
@@ -88,7 +88,7 @@ def test_dry_run_read_bytes_give_each_rank_its_expert_share(saved, family, style
     """The bytes each rank reads: experts 1/TP, the rest per the plan, all ranks alike."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from tpplan.runtime.simulate import simulated_world
+    from tpplan.simulation.simulate import simulated_world
 
     source = locate(saved[family])
     read_metadata(source)

@@ -2,7 +2,7 @@
 uneven shards: rank r holds chunk r of `torch.chunk`, 130 features are 44 + 44 + 42
 at TP 3, 33 + 33 + 33 + 31 at TP 4): `apply --dry-run --check --checkpoint` reports
 for each rank the bytes that loading at that degree reads, in one process
-(`runtime.simulated_load`, each simulated rank its own chunk) and on real gloo ranks
+(`simulation.simulated_load`, each simulated rank its own chunk) and on real gloo ranks
 (uneven_load_worker.py), and every rank's values are its slice of the checkpoint.
 """
 
@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from uneven_load_worker import DIM, HIDDEN, PLAN, odd, rank_reads
 
 from tpplan import load_checkpoint, load_plan, save_checkpoint
-from tpplan.runtime.simulated_load import simulated_load
+from tpplan.simulation.simulated_load import simulated_load
 from tpplan.cli.app import app
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")

@@ -374,7 +374,7 @@ def test_a_factory_that_raises_is_reported_at_the_raising_line(workdir, factorie
 @pytest.mark.parametrize("factory, returned", [("not_a_module", "a dict"), ("a_number", "an int")])
 def test_a_factory_that_returns_no_module_is_an_error(workdir, factories, factory, returned):
     result = run("validate", workdir("plan.yaml", GOOD), "--model", f"cli_test_factories:{factory}")
-    assert result.exit_code == 1  # tpplan.runtime.modelref: a factory that runs is a model problem (TP500)
+    assert result.exit_code == 1  # tpplan.simulation.modelref: a factory that runs is a model problem (TP500)
     assert f"TP500 --model cli_test_factories:{factory} returned {returned}, not a torch.nn.Module" in result.stdout
 
 

@@ -58,7 +58,7 @@ def test_user_errors_are_still_not_bugs(tmp_path):
 
 def test_a_plan_error_or_bad_reference_a_command_lets_through_is_still_the_users(monkeypatch):
     from tpplan.core.problems import PlanError, error
-    from tpplan.runtime.modelref import ModelRefError
+    from tpplan.simulation.modelref import ModelRefError
 
     def raises(exc):
         def find(code):

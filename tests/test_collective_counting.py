@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 from tpplan import load_plan
-from tpplan.runtime.simulate import collective_name, count_collectives, scalar_loss, simulated_world, tp_mesh
+from tpplan.simulation.simulate import collective_name, count_collectives, scalar_loss, simulated_world, tp_mesh
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tpplan import load_plan
-from tpplan.runtime.modelref import load_callable
+from tpplan.simulation.modelref import load_callable
 from tpplan.sharding.compile import style_class
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,10 +11,10 @@ from torch import nn
 
 from tpplan import load_plan
 from tpplan.lint import lint_model
-from tpplan.runtime.device_rules import cuda_rules, faithful_ops
+from tpplan.simulation.device_rules import cuda_rules, faithful_ops
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.options import ApplyOptions
-from tpplan.runtime.simulate import simulated_world, tp_mesh
+from tpplan.simulation.simulate import simulated_world, tp_mesh
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 

@@ -244,7 +244,7 @@ def test_a_small_model_that_needs_values_is_counted_with_real_ones(gated):
 
 
 def test_a_big_model_that_needs_values_is_not_materialized(gated, monkeypatch):
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     report = dry_run(ApplyOptions(plan=str(gated), model="gated:build", tp=2))
@@ -357,7 +357,7 @@ def mixed(tmp_path, monkeypatch):
 
 
 def _bf16(**options):
-    from tpplan.runtime.training import TrainOptions
+    from tpplan.simulation.training import TrainOptions
 
     return TrainOptions(dtype="bf16", **options)
 
@@ -368,7 +368,7 @@ def test_a_model_failing_on_one_device_too_is_its_own_problem_at_any_size(mixed,
     # a float32 table multiplied into bf16 activations: the sharded forward fails, and so
     # does the unsharded one. Above the values limit the one-device run is shape-only
     # (fake tensors check dtypes too); under it, it has real values.
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
 
     if big:
         monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
@@ -384,7 +384,7 @@ def test_a_model_failing_on_one_device_too_is_its_own_problem_at_any_size(mixed,
 
 
 def test_the_cli_exits_1_for_a_big_model_failing_in_bf16_on_one_device(mixed, monkeypatch):
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     result = run("--plan", str(mixed / "mixed.yaml"), "--model", "mixed:rotary", "--dry-run", "--tp", "2", "--dtype", "bf16")
@@ -395,7 +395,7 @@ def test_the_cli_exits_1_for_a_big_model_failing_in_bf16_on_one_device(mixed, mo
 
 @pytest.mark.parametrize("train", [None, _bf16()], ids=["fake-pass", "memory-planning"])
 def test_a_big_model_failing_only_sharded_is_still_the_plans_problem_at_its_rule(mixed, monkeypatch, train):
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     extra = {"train": train} if train else {}
@@ -408,7 +408,7 @@ def test_a_big_model_failing_only_sharded_is_still_the_plans_problem_at_its_rule
 
 def test_the_lint_does_not_blame_the_plan_for_a_model_failing_on_one_device(mixed, monkeypatch):
     # validate --model: the unsharded trace fails first (TP329), so TP330 is skipped, a warning
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     result = CliRunner().invoke(app, ["validate", str(mixed / "mixed.yaml"), "--model", "mixed:rotary_bf16", "--tp", "2"])
@@ -446,7 +446,7 @@ def test_a_check_that_would_not_fit_in_memory_is_not_run_and_says_so(monkeypatch
     """Above the values limit --check runs with real values after the fake pass; where the
     two models' parameters and gradients exceed the free memory it would be killed: the
     report keeps the fake pass, the check is null (not passed) and a note says why."""
-    from tpplan.runtime import ladder, simulate
+    from tpplan.simulation import ladder, simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     monkeypatch.setattr(ladder, "available_memory", lambda: 1 << 16)  # the tiny MLP's check needs 16 B x 16.7 k elements

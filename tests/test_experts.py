@@ -19,8 +19,8 @@ from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
 from tpplan import hf_models  # noqa: E402
 from tpplan.models import llama  # noqa: E402
-from tpplan.runtime.simulate import simulated_world, tp_mesh  # noqa: E402
-from tpplan.runtime.verify import check_parity  # noqa: E402
+from tpplan.simulation.simulate import simulated_world, tp_mesh  # noqa: E402
+from tpplan.check.verify import check_parity  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans" / "hf"

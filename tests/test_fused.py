@@ -12,10 +12,10 @@ from lint_helpers import found, lint, only
 from safetensors.torch import save_file
 
 from tpplan import PlanError, load_plan
-from tpplan.runtime.simulated_load import simulated_load
+from tpplan.simulation.simulated_load import simulated_load
 from tpplan.models import fused
-from tpplan.runtime.simulate import allowed_diff, max_abs_diff, tolerance
-from tpplan.runtime.verify import check_parity
+from tpplan.simulation.simulate import allowed_diff, max_abs_diff, tolerance
+from tpplan.check.verify import check_parity
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 
@@ -52,8 +52,8 @@ def test_packed_colwise_matches_one_device(factory, rules, tp):
 
 
 def test_equal_blocks_are_packed_shards_and_unequal_ones_replicated_with_local_rows():
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
-    from tpplan.runtime.verify import _apply
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
+    from tpplan.check.verify import _apply
     from torch.distributed._local_tensor import LocalTensorMode
 
     for factory, rules, placement in [(fused.tiny, PACKED, "packed_shard(0, 3)"), (fused.tiny_gqa, GQA_PACKED, "replicate")]:

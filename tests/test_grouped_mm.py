@@ -76,7 +76,7 @@ OLMOE_COMMS = {"forward": {"all_gather": 7, "all_reduce": 4}, "backward": {"all_
 
 
 def _olmoe_dry_run(tmp_path, monkeypatch):
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
     from tpplan.runtime.dryrun import dry_run
     from tpplan.runtime.options import ApplyOptions
 
@@ -103,7 +103,7 @@ def test_the_fake_run_counts_the_collectives_of_real_values(tmp_path, monkeypatc
     pytest.importorskip("transformers")
     from tpplan.core.loader import load_plan
     from tpplan.hf.tiny import olmoe
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
 
     report = _olmoe_dry_run(tmp_path, monkeypatch)
     with simulate.simulated_world(2):
@@ -120,7 +120,7 @@ def test_init_infers_a_float32_moe_above_the_values_limit(monkeypatch):
     pytest.importorskip("transformers")
     from tpplan.hf.tiny import olmoe
     from tpplan.init import run_init
-    from tpplan.runtime import simulate
+    from tpplan.simulation import simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
     inferred = run_init(olmoe, ref="tpplan.hf.tiny:olmoe", tp=[2])

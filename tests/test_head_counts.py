@@ -61,7 +61,7 @@ def test_the_lint_finding_and_its_edit_agree_on_heads_auto(tmp_path):
     from tpplan.core.loader import load_plan
     from tpplan.lint.context import LintContext
     from tpplan.lint.edits import lint_edits
-    from tpplan.runtime.modelref import build_model
+    from tpplan.simulation.modelref import build_model
 
     plan = _plan(tmp_path, WITHOUT_HEADS)
     model = build_model(MODEL, "meta")

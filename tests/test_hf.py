@@ -22,7 +22,7 @@ from tpplan.core.aliases import TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIV
 from tpplan.hf.importer import SOUND_STYLES, Skipped, import_hf  # noqa: E402
 from tpplan.lint.fixes import added_rules  # noqa: E402
 from tpplan.hf.transformers_runtime import apply_transformers_plan  # noqa: E402
-from tpplan.runtime.verify import check_parity  # noqa: E402
+from tpplan.check.verify import check_parity  # noqa: E402
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "hf"
 L = hf_models.TINY["num_hidden_layers"]  # 2
@@ -253,7 +253,7 @@ def test_unknown_model_type_is_a_value_error():
 
 
 def test_tied_weights_stay_one_parameter_through_apply():
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
 
     model = hf_models.llama_tied()
     with simulated_world(2):
@@ -263,7 +263,7 @@ def test_tied_weights_stay_one_parameter_through_apply():
 
 def test_tied_parameters_laid_out_differently_are_a_located_plan_error():
     from tpplan import PlanError
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
 
     plan = load_plan(
         text="version: 1\nrules:\n  model.embed_tokens: {style: colwise, output_layouts: replicate}\n"

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from tpplan.cli.app import app  # noqa: E402
 from tpplan.hf.config import HfConfigError, load_config  # noqa: E402
-from tpplan.runtime.modelref import ModelRefError, build_model  # noqa: E402
+from tpplan.simulation.modelref import ModelRefError, build_model  # noqa: E402
 
 
 def _import_hf_error(source: str) -> str:

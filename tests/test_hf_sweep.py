@@ -72,7 +72,7 @@ def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
     from tpplan.hf.tiny import build, tiny_config
     from tpplan.lint.checks import check_model
     from tpplan.runtime.dryrun import dry_run
-    from tpplan.runtime.modelref import ModelRefError
+    from tpplan.simulation.modelref import ModelRefError
     from tpplan.runtime.torchrun import ApplyOptions
 
     try:  # transformers' own config checks and constructor on a shrunk config: not tpplan's to judge

@@ -33,7 +33,7 @@ class _SharedActivation(nn.Module):
 
 def test_collectives_are_counted_on_a_module_called_twice_in_one_forward():
     # torch's CommDebugMode tracker raised IndexError at the second call, and left hooks behind
-    from tpplan.runtime.simulate import count_collectives
+    from tpplan.simulation.simulate import count_collectives
 
     model = _SharedActivation()
     for _ in range(2):  # a second forward on the same model: no hook left from the first
@@ -43,8 +43,8 @@ def test_collectives_are_counted_on_a_module_called_twice_in_one_forward():
 
 def test_local_params_naming_a_parameter_its_module_lacks_is_tp501_at_its_rule(tmp_path):
     from tpplan.core.problems import PlanError
-    from tpplan.runtime.locate import apply_located
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.locate import apply_located
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
 
     path = tmp_path / "plan.yaml"
     path.write_text("version: 1\nrules:\n  lin: colwise\n  act: {style: local_params, params: {sinks: shard(0)}}\n")
@@ -92,7 +92,7 @@ def test_mla_rotary_key_gradient_is_summed_as_transformers_does(tmp_path):
     from tpplan.hf.transformers_runtime import apply_transformers_plan
     from tpplan.runtime.dryrun import dry_run
     from tpplan.runtime.torchrun import ApplyOptions
-    from tpplan.runtime.verify import check_parity
+    from tpplan.check.verify import check_parity
 
     from tpplan.hf.config import load_config
     from tpplan.hf.importer import causal_lm_class, experts_only_in_ep_plan
@@ -122,7 +122,7 @@ def test_mla_rotary_key_gradient_is_summed_as_transformers_does(tmp_path):
 def test_sum_output_grad_sums_only_the_last_features_gradient():
     from torch.distributed.tensor import DTensor
 
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
     from tpplan.core.problems import StyleInputError
     from tpplan.sharding.grad_sum import SumOutputGrad
 
@@ -134,7 +134,7 @@ def test_sum_output_grad_sums_only_the_last_features_gradient():
         out = model(x)
         assert not isinstance(out, DTensor) and torch.equal(out, nn.functional.linear(x, model.weight, model.bias))
         counts = Counter()
-        from tpplan.runtime.simulate import _counting
+        from tpplan.simulation.simulate import _counting
 
         with _counting(counts):
             out.sum().backward()

@@ -74,7 +74,7 @@ def sweep(model_type: str) -> Row:
     from tpplan.core.problems import PlanError
     from tpplan.hf.tiny import build, tiny_config
     from tpplan.init import run_init
-    from tpplan.runtime.modelref import ModelRefError
+    from tpplan.simulation.modelref import ModelRefError
 
     row = Row(model_type)
     start = time.perf_counter()

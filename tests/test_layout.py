@@ -131,11 +131,16 @@ MAY_IMPORT = {
     # The training loop's side (step roots, retention, async saves, the crash-safe commit,
     # completeness): knows no model or plan, so of the checkpoint package its errors alone.
     "checkpoint.training": {"checkpoint.errors"},
-    "runtime": {"core", "sharding", "checkpoint", "hf"},  # hf.build: `--model hf:SPEC`
-    "render": {"core", "runtime", "init"},  # runtime.report, init.Inferred: the reports' data, which render prints
-    "lint": {"core", "sharding", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
+    # The substrate the dry run, the lint, init and checkpoint simulation share: the fake
+    # world, the ladder, model building (hf.build: `--model hf:SPEC`), located runs.
+    "simulation": {"core", "sharding", "checkpoint", "hf"},
+    "check": {"core", "checkpoint", "simulation"},  # the --check engine: a run against one device
+    "memory": {"core", "simulation"},  # memory planning: one step under MemTracker, blocks once
+    "runtime": {"core", "checkpoint", "simulation", "check", "memory"},  # orchestration: the dry run, torchrun
+    "render": {"core", "simulation", "memory", "runtime", "init"},  # the reports' data, which render prints
+    "lint": {"core", "sharding", "simulation", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},
-    "init": {"core", "sharding", "runtime", "lint", "hf"},  # tpplan init: infers, lints, dry-runs, compares with transformers' plan
+    "init": {"core", "sharding", "simulation", "runtime", "lint", "hf"},  # tpplan init: infers, lints, dry-runs, compares with transformers' plan
     "models": set(),
     "hf_models": set(),
     "titan_models": set(),
@@ -179,6 +184,16 @@ def test_a_sub_package_listed_is_a_layer_of_its_own():
     assert _may_import("tpplan.checkpoint.training.commit", "tpplan.checkpoint.errors")
     assert not _may_import("tpplan.checkpoint.training.commit", "tpplan.checkpoint.load")  # upward: the plan's I/O
     assert not _may_import("tpplan.runtime.dryrun", "tpplan.checkpoint.training.steps")  # through checkpoint's API only
+
+
+def test_the_substrate_sits_below_what_uses_it():
+    # the lint and init run models through the substrate; it knows none of them, nor the dry run
+    assert _may_import("tpplan.lint.context", "tpplan.simulation.ladder")
+    assert _may_import("tpplan.init.prove", "tpplan.simulation.modelref")
+    for above in ("tpplan.lint.checks", "tpplan.init.prove", "tpplan.runtime.dryrun", "tpplan.check.verify", "tpplan.memory.memory"):
+        assert not _may_import("tpplan.simulation.simulate", above)
+    assert not _may_import("tpplan.check.verify", "tpplan.runtime.report")
+    assert not _may_import("tpplan.memory.memory", "tpplan.runtime.dryrun")
 
 
 def _layout_table() -> dict[str, set[str]]:

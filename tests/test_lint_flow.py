@@ -14,7 +14,7 @@ from tpplan.lint.context import LintContext
 from tpplan.lint.ops import _index_dim, _view_dim
 from tpplan.lint.trace import Call, Op, Return, TraceError, _Tracer, trace_model
 from tpplan.models.mlp import MLP
-from tpplan.runtime.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
+from tpplan.simulation.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
 
 
 @pytest.mark.parametrize("src, dst, dim, moved", [

@@ -185,7 +185,7 @@ def test_the_table_gives_torchs_parameter_placements():
     """What the lint believes each style does to parameters is what torch does."""
     from torch.distributed.tensor import DTensor
 
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
     from tpplan.sharding.compile import compile_style
     from tpplan.sharding.styles import module_kind
 

@@ -20,7 +20,7 @@ from typer.testing import CliRunner  # noqa: E402
 from tpplan import PlanError, hf_models, load_plan  # noqa: E402
 from tpplan.cli.app import app  # noqa: E402
 from tpplan.lint.checks import check_model  # noqa: E402
-from tpplan.runtime.simulate import simulated_world, tp_mesh  # noqa: E402
+from tpplan.simulation.simulate import simulated_world, tp_mesh  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 

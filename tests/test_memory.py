@@ -20,9 +20,10 @@ from expected import FP32, llama_bytes
 from tpplan.cli.app import app
 from tpplan.models import llama, mlp
 from tpplan.runtime.dryrun import dry_run
-from tpplan.runtime.memory import collective_bytes, measure_training_step, parse_size
+from tpplan.memory.memory import collective_bytes, measure_training_step, parse_size
 from tpplan.runtime.torchrun import ApplyOptions
-from tpplan.runtime.training import TrainOptions, compare_training, train_steps
+from tpplan.check.training import compare_training
+from tpplan.simulation.training import TrainOptions, train_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"
@@ -181,7 +182,7 @@ def test_training_comparison_catches_a_run_that_trained_differently():
 
 
 def test_under_torchrun_fsdp_takes_the_world_that_tp_leaves():
-    from tpplan.runtime.fsdp import fsdp_tp
+    from tpplan.runtime.devices import fsdp_tp
     from tpplan.runtime.options import ApplyOptionsError
 
     assert fsdp_tp(8, None, 2) == 4

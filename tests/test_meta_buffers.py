@@ -11,10 +11,10 @@ import titan_style
 from typer.testing import CliRunner
 
 from tpplan import CheckpointError, load_checkpoint, load_plan, meta_parameters, save_checkpoint
-from tpplan.runtime.simulated_load import simulated_load
+from tpplan.simulation.simulated_load import simulated_load
 from tpplan.cli.app import app
 from tpplan.core.globs import ModuleTree, compile_glob
-from tpplan.runtime.modelref import build_model
+from tpplan.simulation.modelref import build_model
 
 pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 

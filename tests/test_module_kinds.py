@@ -42,7 +42,7 @@ def _stacked():
 ])
 def test_the_tables_placements_of_each_kind_are_what_the_compiled_style_does(style, make, kind, expected):
     from tpplan.core.schema import rule_spec
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
     from tpplan.sharding.compile import compile_for
     from tpplan.sharding.styles import module_kind
 

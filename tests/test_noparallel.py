@@ -15,7 +15,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from tpplan import NoParallel, load_plan
-from tpplan.runtime.simulate import collective_name, simulated_world, tp_mesh
+from tpplan.simulation.simulate import collective_name, simulated_world, tp_mesh
 
 TP = 4
 

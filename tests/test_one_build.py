@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from tpplan.models import llama, mlp
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.options import ApplyOptions
-from tpplan.runtime.training import TrainOptions
+from tpplan.simulation.training import TrainOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"

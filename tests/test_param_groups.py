@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from tpplan import load_plan, param_groups
 from tpplan.models import llama
-from tpplan.runtime.simulate import default_inputs, local_ranks, simulated_world, tp_mesh
+from tpplan.simulation.simulate import default_inputs, local_ranks, simulated_world, tp_mesh
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from expected import llama_comms, mlp_comms
 from tpplan import load_plan
 from tpplan.models import llama, mlp
-from tpplan.runtime.verify import check_parity
-from tpplan.runtime.simulate import (
+from tpplan.check.verify import check_parity
+from tpplan.simulation.simulate import (
     collective_name,
     count_collectives,
     default_inputs,

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from tpplan import PlanError, load_plan
-from tpplan.runtime.simulate import simulated_world, tp_mesh
+from tpplan.simulation.simulate import simulated_world, tp_mesh
 
 
 class TwoLinear(nn.Module):

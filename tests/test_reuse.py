@@ -1,4 +1,4 @@
-"""Memory planning simulates identical repeated blocks once (runtime/reuse.py): the
+"""Memory planning simulates identical repeated blocks once (memory/reuse.py): the
 composed step equals the whole simulation
 (`--no-reuse`) in every figure the report gives, and blocks that differ, or a
 model that cannot run truncated, are simulated whole with a note."""
@@ -20,8 +20,8 @@ from tpplan.cli.app import app
 from tpplan.models import llama, mlp
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.options import ApplyOptions
-from tpplan.runtime.reuse import BlockReuse, find_run
-from tpplan.runtime.training import TrainOptions
+from tpplan.memory.reuse import BlockReuse, find_run
+from tpplan.simulation.training import TrainOptions
 
 PLANS = Path(__file__).resolve().parent.parent / "plans"
 

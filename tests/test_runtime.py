@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from tpplan import load_plan
-from tpplan.runtime.modelref import ModelRefError, build_model, load_callable, make_inputs, module_structure
+from tpplan.simulation.modelref import ModelRefError, build_model, load_callable, make_inputs, module_structure
 from tpplan.models import llama, mlp
 from tpplan.core.problems import PlanError
 from tpplan.runtime.consensus import disagreements, rank_state
 from tpplan.runtime.devices import BACKENDS, mesh_shape, pick_device, torchrun_env
-from tpplan.runtime.layouts import param_layouts
-from tpplan.runtime.locate import apply_located
+from tpplan.simulation.layouts import param_layouts
+from tpplan.simulation.locate import apply_located
 from tpplan.cli.apply import worded
 from tpplan.runtime.options import UsageError
 from tpplan.runtime.steps import sgd_steps
-from tpplan.runtime.verify import compare_with_reference
-from tpplan.runtime.simulate import simulated_world, tp_mesh
+from tpplan.check.verify import compare_with_reference
+from tpplan.simulation.simulate import simulated_world, tp_mesh
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = ROOT / "plans"

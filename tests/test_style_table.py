@@ -121,7 +121,7 @@ def _experts(transposed: bool = False, bias: bool = True) -> torch.nn.Module:
 @pytest.mark.parametrize("transposed", [False, True])
 def test_the_tables_per_module_placements_are_what_the_compiled_style_does(rule, transposed):
     from tpplan.core.schema import rule_spec
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
     from tpplan.sharding.compile import compile_style
 
     spec, module = rule_spec(rule), _experts(transposed)
@@ -185,7 +185,7 @@ def test_local_shapes_are_what_each_rank_of_a_real_dtensor_holds(shape, placemen
 
     from tpplan.core.local_shapes import local_shapes
     from tpplan.core.placements import parse_placement
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
     from tpplan.sharding.experts import distribute_param
 
     with simulated_world(world), LocalTensorMode(world):
@@ -200,7 +200,7 @@ def test_local_shapes_of_a_2d_mesh_list_its_ranks_in_order():
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from tpplan.core.local_shapes import local_shapes
-    from tpplan.runtime.simulate import simulated_world
+    from tpplan.simulation.simulate import simulated_world
 
     with simulated_world(4), LocalTensorMode(4):
         dtensor = distribute_tensor(torch.randn(5, 3), init_device_mesh("cpu", (2, 2)), [Shard(0), Shard(1)])
@@ -211,7 +211,7 @@ def test_the_report_the_checkpoint_inspector_and_the_lint_use_the_one_local_shap
     from tpplan.checkpoint import inspect
     from tpplan.core import local_shapes
     from tpplan.lint import text
-    from tpplan.runtime import layouts
+    from tpplan.simulation import layouts
 
     assert inspect.local_shapes is local_shapes.local_shapes
     assert layouts.mesh_local_shapes is local_shapes.local_shapes

@@ -29,8 +29,8 @@ from tpplan.core.plan import Plan  # noqa: E402
 from tpplan.lint import lint_model  # noqa: E402
 from tpplan.runtime.dryrun import dry_run  # noqa: E402
 from tpplan.runtime.options import ApplyOptions  # noqa: E402
-from tpplan.runtime.verify import check_parity  # noqa: E402
-from tpplan.runtime.simulate import count_collectives, default_inputs, simulated_world, tp_mesh  # noqa: E402
+from tpplan.check.verify import check_parity  # noqa: E402
+from tpplan.simulation.simulate import count_collectives, default_inputs, simulated_world, tp_mesh  # noqa: E402
 from tpplan.titan_models import titan  # noqa: E402
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "titan"

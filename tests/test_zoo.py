@@ -9,9 +9,9 @@ from torch import nn
 
 from tpplan.lint.trace import Call, trace_model
 from tpplan.models import zoo
-from tpplan.runtime.ladder import running
-from tpplan.runtime.modelref import load_callable, make_inputs
-from tpplan.runtime.simulate import NoDefaultInputs, default_inputs
+from tpplan.simulation.ladder import running
+from tpplan.simulation.modelref import load_callable, make_inputs
+from tpplan.simulation.simulate import NoDefaultInputs, default_inputs
 
 # name -> (output shape for the default inputs, the inputs reference or None for the default)
 MODELS = {

@@ -8,7 +8,7 @@ import sys
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tpplan.runtime.simulate import collective_name
+from tpplan.simulation.simulate import collective_name
 
 
 def grad_diffs(sharded, reference) -> dict[str, float]:

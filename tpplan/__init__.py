@@ -17,10 +17,10 @@ _EXPORTS = {
     "save_checkpoint": "checkpoint.save",
     "meta_parameters": "checkpoint.meta",
     "infer_plan": "init",
-    "build_model": "runtime.modelref",
+    "build_model": "simulation.modelref",
     "CheckpointError": "checkpoint.errors",
     "AsyncSave": "checkpoint.training.asyncsave",
-    "param_groups": "runtime.training",
+    "param_groups": "simulation.training",
     **dict.fromkeys(
         [
             "NoParallel",

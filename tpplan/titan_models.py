@@ -21,7 +21,7 @@ import sys
 import types
 from typing import Any
 
-MODEL_CODE = True  # models like the user's: their errors are the model's (runtime/locate.py)
+MODEL_CODE = True  # models like the user's: their errors are the model's (simulation/locate.py)
 
 _KERNELS = "torchtitan.models.moe.kernels"
 

@@ -54,7 +54,7 @@ def _user_error(exc: Exception) -> "int | None":
     """The exit code of a user-facing error that a command let through, printed as
     commands print it (problems; a usage error for a bad MOD:FN); None for a bug."""
     from ..core.problems import PlanError
-    from ..runtime.modelref import ModelRefError  # no torch at import
+    from ..simulation.modelref import ModelRefError  # no torch at import
 
     if isinstance(exc, PlanError):
         from ..render.problems import Outcome

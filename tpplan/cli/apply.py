@@ -181,10 +181,10 @@ def apply(
     ] = 300.0,
 ) -> None:
     """Apply a plan under torchrun (or simulate it with --dry-run): shard, run a forward and backward, report."""
-    from ..runtime.modelref import ModelRefError
-    from ..runtime.memory import parse_size
+    from ..simulation.modelref import ModelRefError
+    from ..memory.memory import parse_size
     from ..runtime.options import ApplyOptions, UsageError
-    from ..runtime.training import TrainOptions
+    from ..simulation.training import TrainOptions
 
     try:
         limit = parse_size(memory_limit) if memory_limit is not None else None

@@ -65,7 +65,7 @@ def init(
     1 when the model cannot be built or traced.
     """
     from ..core.problems import PlanError
-    from ..runtime.modelref import load_callable
+    from ..simulation.modelref import load_callable
 
     degrees = _degrees(tp)
     factory = load_callable(model, "--model")

@@ -87,7 +87,7 @@ def validate(
         usage_error("--inputs needs --model: the inputs are traced through that model's forward")
     factory = None
     if model is not None:
-        from ..runtime.modelref import ModelRefError, load_callable
+        from ..simulation.modelref import ModelRefError, load_callable
 
         try:
             factory = load_callable(model, "--model")
@@ -122,7 +122,7 @@ def _check_against_model(
     """Build the model once, on the meta device, and check every loaded plan against it."""
     from ..core.problems import PlanError
     from ..lint.checks import check_model, tp_sizes_for
-    from ..runtime.modelref import build_model
+    from ..simulation.modelref import build_model
 
     try:
         built = build_model(ref, "meta", factory)

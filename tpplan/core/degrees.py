@@ -6,7 +6,7 @@ genuinely differ (each caller says why it passes what it passes):
 
 - `validate --model` (lint/checks.py): DEFAULT_TP_SIZES, the common degrees;
 - `apply --dry-run` and its memory planning (runtime/dryrun.py,
-  runtime/memory_dryrun.py): none, a missing degree is an error: a simulation
+  memory/memory_dryrun.py): none, a missing degree is an error: a simulation
   at a degree nobody named would prove nothing anyone asked;
 - `tpplan init --from` (init/fix.py): the degrees that shard the most of the
   model (init/infer.py's default_degrees), computed only when needed;
@@ -15,7 +15,7 @@ genuinely differ (each caller says why it passes what it passes):
   (`dividing`), so the plan it writes promises only degrees that can work.
 
 Under torchrun the degree is not chosen: the launched world (and --fsdp)
-fixes it (runtime/fsdp.py), and the plan's mesh.sizes is checked against it.
+fixes it (simulation/fsdp.py), and the plan's mesh.sizes is checked against it.
 """
 
 from __future__ import annotations

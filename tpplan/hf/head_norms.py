@@ -28,7 +28,7 @@ def heads_dims(config, model_cls, fqns: list[str]) -> dict[str, int]:
 
     accept_real_dtypes()  # MoE experts' float32 grouped_mm on fake tensors
     shapes: dict[str, tuple[int, ...]] = {}
-    # as runtime.simulate.fake_tensors (hf sits below runtime)
+    # as simulation.simulate.fake_tensors (hf sits below the simulation)
     with _fake_kernel_logs_off(), FakeTensorMode(allow_non_fake_inputs=True):
         model = model_cls(config)
         modules = dict(model.named_modules())

@@ -78,8 +78,8 @@ def run_init(model: "nn.Module | Callable[[], nn.Module]", *, ref: str | None = 
     from torch import nn
 
     from ..core.schema_file import schema_comment
-    from ..runtime.ladder import values_allowed
-    from ..runtime.modelref import build_model
+    from ..simulation.ladder import values_allowed
+    from ..simulation.modelref import build_model
     from .compare import TRANSFORMERS, figures, plan_file
     from .prove import Target, plan_text, prove
 

@@ -27,8 +27,8 @@ def fix_plan(path: str | os.PathLike, factory: Callable[[], "nn.Module"], *, ref
     from ..core.schema_file import schema_comment
     from ..lint.context import LintContext
     from ..lint.edits import apply_edits, lint_edits
-    from ..runtime.ladder import values_allowed
-    from ..runtime.modelref import build_model
+    from ..simulation.ladder import values_allowed
+    from ..simulation.modelref import build_model
     from . import Inferred
     from .prove import Proven, Target, dry_runs
 

@@ -142,7 +142,7 @@ _RUNTIME_CODES = {
               "CPU: e.g. `aten.renorm` on the output of a rule with use_local_output: false. This is a limit of torch, not a mistake of the plan, "
               "and the plan fails on the cluster too; located at the rule whose DTensor output reached the op. Hand the module plain tensors "
               "before the op (use_local_output: true). Ops whose CUDA form has a rule but whose CPU form has none get the CUDA rule in every "
-              "simulation (runtime/device_rules.py: `aten._scaled_dot_product_flash_attention_for_cpu` and its backward, as the flash / "
+              "simulation (simulation/device_rules.py: `aten._scaled_dot_product_flash_attention_for_cpu` and its backward, as the flash / "
               "efficient attention rules), so they never report TP507."),
 }
 

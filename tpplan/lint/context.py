@@ -139,7 +139,7 @@ class LintContext:
 
     @property
     def trace_mode(self) -> str | None:
-        """How the model ran ('meta', 'fake' or 'values', see runtime/ladder.py)."""
+        """How the model ran ('meta', 'fake' or 'values', see simulation/ladder.py)."""
         return self._traced[1] if self.trace is not None else None
 
     @property
@@ -190,8 +190,8 @@ def resolve(plan: Plan, modules: dict[str, "nn.Module"]) -> tuple[dict[str, Rule
 
 
 def _trace(model: "nn.Module", inputs_ref: str | None = None) -> "tuple[Trace | None, str]":
-    from ..runtime.simulate import default_inputs
-    from ..runtime.ladder import available, prepared, running
+    from ..simulation.simulate import default_inputs
+    from ..simulation.ladder import available, prepared, running
     from .trace import TraceError, trace_model
 
     failures = []
@@ -202,7 +202,7 @@ def _trace(model: "nn.Module", inputs_ref: str | None = None) -> "tuple[Trace | 
                 if inputs_ref is None:
                     inputs = (default_inputs(runnable),)  # on the model's device: meta for `validate --model`
                 else:
-                    from ..runtime.modelref import make_inputs
+                    from ..simulation.modelref import make_inputs
 
                     device = next((t.device for t in runnable.parameters()), "cpu")
                     inputs = make_inputs(inputs_ref, runnable, device)

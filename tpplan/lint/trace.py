@@ -7,7 +7,7 @@ forward under a `TorchFunctionMode` and keep a flat list of events: `Call` and
 and `Op` for every torch function applied to tensors in between. The forward
 runs however the caller set it up: the lint (context.py) tries the meta
 device, then FakeTensorMode, then, for a small model, random values on the CPU
-(runtime/ladder.py); this module only records. A node id names one tensor; its full shape is in `Trace.shapes`.
+(simulation/ladder.py); this module only records. A node id names one tensor; its full shape is in `Trace.shapes`.
 
 The trace does not depend on the plan or the TP degree, so one trace serves
 every check, rule and degree.

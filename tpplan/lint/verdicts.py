@@ -78,7 +78,7 @@ def _meta_model(ref: str):
     """The model `ref` names, built once on the meta device (the lint's trace of it is cached with it)."""
     import torch
 
-    from ..runtime.modelref import load_callable
+    from ..simulation.modelref import load_callable
 
     factory = load_callable(ref, "--model")
     with torch.device("meta"):
@@ -90,7 +90,7 @@ def judge(plan_path: str | Path, model: str, tp: int) -> Verdict:
     on the plan file `plan_path` and the model factory `model` (MOD:FN)."""
     from ..core.loader import load_plan
     from ..runtime.dryrun import dry_run
-    from ..runtime.modelref import ModelRefError
+    from ..simulation.modelref import ModelRefError
     from ..runtime.options import ApplyOptions, UsageError
     from .checks import check_model
 

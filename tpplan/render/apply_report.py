@@ -4,7 +4,9 @@ tables of modules and styles, parameters, memory and collectives."""
 from __future__ import annotations
 
 from ..core.globs import generalize
-from ..runtime.report import ApplyReport, ParamLayout, human_bytes
+from ..core.units import human_bytes
+from ..runtime.report import ApplyReport
+from ..simulation.layouts import ParamLayout
 
 
 def _shape(shape: tuple[int, ...]) -> str:

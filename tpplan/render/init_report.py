@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..runtime.report import human_bytes
+from ..core.units import human_bytes
 
 if TYPE_CHECKING:
     from ..init import Inferred

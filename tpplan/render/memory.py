@@ -3,7 +3,7 @@ the verdict against --memory-limit, and the table of TP degrees that fit."""
 
 from __future__ import annotations
 
-from ..runtime.memory_report import CATEGORIES, DegreeFit, MemoryReport
+from ..memory.memory_report import CATEGORIES, DegreeFit, MemoryReport
 
 _COLORS = {"parameters": "blue", "gradients": "magenta", "optimizer": "yellow", "activations": "green", "temporaries": "red"}
 
@@ -17,7 +17,7 @@ def render_memory(memory: MemoryReport, sweep: list[DegreeFit], console) -> None
     from rich.table import Table
     from rich.text import Text
 
-    from ..runtime.report import human_bytes
+    from ..core.units import human_bytes
 
     where = f"TP {memory.tp}" + (f" x FSDP {memory.dp}" if memory.dp > 1 else "")
     title = (

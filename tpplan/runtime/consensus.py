@@ -12,8 +12,8 @@ from typing import Any
 from ..core.plan import Plan
 from ..core.problems import Problem, error, first_line
 from ..core.yamltext import yaml_flow
-from .comm import CommFailure
-from .modelref import structure_hash
+from ..simulation.comm import CommFailure
+from ..simulation.modelref import structure_hash
 
 
 def plan_summary(plan: Plan) -> dict:

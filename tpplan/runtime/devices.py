@@ -84,6 +84,19 @@ def mesh_shape(world_size: int, tp: int | None, axis: str) -> tuple[tuple[int, .
     return (world_size // tp, tp), ("dp", axis)
 
 
+def fsdp_tp(world_size: int, tp: int | None, fsdp: int | None) -> int | None:
+    """The TP degree under torchrun with FSDP2 on N = `fsdp`: world / N unless `tp`
+    is given (and agrees); without `fsdp`, `tp` as given."""
+    if fsdp is None:
+        return tp
+    if tp is None and world_size % fsdp:
+        raise ApplyOptionsError("fsdp", "not-a-divisor", f"{fsdp} does not divide the world size {world_size}", fsdp=fsdp, world=world_size)
+    tp = world_size // fsdp if tp is None else tp
+    if fsdp * tp != world_size:
+        raise ApplyOptionsError("fsdp", "world-mismatch", f"{fsdp} x tp {tp} is not the world size {world_size}", fsdp=fsdp, tp=tp, world=world_size)
+    return tp
+
+
 def synchronize(device: "torch.device") -> None:
     import torch
 

@@ -29,22 +29,28 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..check.check_problems import check_problems
+from ..check.result import CheckResult
+from ..core.degrees import tp_degrees
 from ..core.loader import load_plan
 from ..core.plan import Plan
-from ..core.problems import PlanError, error, first_line, raised_by_tpplan
+from ..core.problems import PlanError, Problem, error, first_line, raised_by_tpplan
 from ..core.quiet import simulation_remarks_off
-from ..core.degrees import tp_degrees
-from .report import ApplyReport, human_bytes
-from .check_problems import check_problems
-from .layouts import param_layouts
-from .locate import FailureLocator, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import ModelRefError, build_model, load_callable, make_inputs
-from .one_device import one_device_failure, unsharded_failure
+from ..core.units import human_bytes
+from ..simulation.layouts import ParamLayout, param_layouts
+from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
+from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
+from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
 from .options import ApplyOptions, ApplyOptionsError
+from .report import ApplyReport
+
+if TYPE_CHECKING:
+    from ..memory.memory_dryrun import MemoryPlan
 
 
 def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
@@ -61,6 +67,72 @@ def dry_run_tp(options: ApplyOptions, plan: Plan) -> tuple[int, str | None]:
     return tp, f"--tp not given: simulating TP {tp}, the largest of the plan's mesh.sizes {list(plan.mesh_sizes)}"
 
 
+# -- what each pass returns ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Applied:
+    """The plan applied to one build: which rule styled each module, what each rank
+    holds of each parameter, and with --checkpoint the checkpoint's entry for the
+    sharded model and the problems of loading it."""
+
+    sharded: Sharded
+    params: tuple[ParamLayout, ...]
+    checkpoint: dict | None = None
+    load_problems: tuple[Problem, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What one pass gives the report. `applied`: each application of the plan, in
+    order (the last one's modules and parameters are reported); `failure`: why the
+    pass stopped (the dry run stops with it), None when it ran through."""
+
+    applied: tuple[_Applied, ...] = ()
+    comms: dict[str, dict[str, int]] | None = None
+    device: str | None = None  # "cpu" when the shapes and collectives came from real values
+    notes: tuple[str, ...] = ()
+    check: CheckResult | None = None
+    problems: tuple[Problem, ...] = ()  # a failed check's
+    failure: PlanError | None = None
+
+
+class _Shapes(enum.Enum):
+    """Where a `--check` pass stands to the report's shapes, parameters and collectives."""
+
+    GIVEN = "an earlier pass gave them: the check only checks"
+    HERE = "this pass gives them (with --checkpoint, after the checkpoint is matched against the sharded model)"
+
+
+class _Verdict(enum.Enum):
+    """How a `--check` pass ended."""
+
+    RAN = "it ran: its check (passed or not) or its plan error stands"
+    MISMATCH = "the checkpoint does not fit the sharded model: nothing to load, so nothing to check"
+    VALUES_FAILED = "the run with real values raised where no plan error was found"
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A `--check` pass: what it gives the report, how it ended, and for VALUES_FAILED why."""
+
+    run: _Run
+    verdict: _Verdict = _Verdict.RAN
+    cause: str = ""
+
+    def values_failure(self, plan: Plan, tp: int) -> _Run:
+        """The TP502 of a run with real values that failed where no plan error was found."""
+        return _Run(failure=PlanError([error("TP502", f"the --check run with real values fails at TP {tp}: {self.cause}", plan.file)]))
+
+
+class _Mismatch(Exception):
+    """Raised by the check's `shard` callback to stop `check_parity` when the checkpoint
+    does not fit the sharded model; it never leaves `_check_pass`, which returns MISMATCH."""
+
+
+# -- the dry run ---------------------------------------------------------------------
+
+
 @simulation_remarks_off()
 def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
     """Simulate `options.tp` ranks in this process; the report (with problems, if
@@ -69,22 +141,21 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     if options.steps and not options.check:
         raise ApplyOptionsError("steps", "needs-ranks", "training steps need real ranks (torchrun), or real per-rank values "
                                 "(--check); a dry run runs on fake tensors without values")
-    report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
     try:
         plan = load_plan(options.plan)
     except PlanError as exc:
-        report.problems = exc.problems
-        return report
+        return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
     tp, note = dry_run_tp(options, plan)
-    report.plan_name, report.world_size, report.tp = plan.name, tp, tp
     planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
-    report.notes += [note] if note and not (planning and plan.mesh_sizes) else []
-    report.notes += unpromised_tp_note(plan, tp) if not (planning and options.tp is None) else []
+    notes = [note] if note and not (planning and plan.mesh_sizes) else []
+    notes += unpromised_tp_note(plan, tp) if not (planning and options.tp is None) else []
     if options.device not in ("auto", "cpu"):
-        report.notes.append(f"--device {options.device} is not used: a dry run needs no device")
+        notes.append(f"--device {options.device} is not used: a dry run needs no device")
     factory = load_callable(options.model, "--model")  # a usage error before any work
     if options.save:
         raise ApplyOptionsError("save", "needs-ranks", "saving writes real weights: it needs real ranks (torchrun)")
+    memory: MemoryPlan | None = None
+    runs: list[_Run] = []
     try:
         source = None
         if options.checkpoint:  # headers / metadata only, before building anything
@@ -92,21 +163,22 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
 
             source = open_checkpoint(options.checkpoint)
         if planning:
-            from .memory_dryrun import dry_run_memory
+            from ..memory.memory_dryrun import dry_run_memory, unused_size_note
 
-            dry_run_memory(options, plan, factory, report, event)
+            notes += unused_size_note(options)
+            memory = dry_run_memory(options, plan, factory, event)
             if source is not None:
-                report.notes.append("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options")
+                runs.append(_Run(notes=("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options",)))
             if options.check:
-                try:
-                    _check_pass(options, plan, _reference(options, factory), report, event)
-                except _ValuesFailed as exc:
-                    raise exc.problem(plan, tp) from None
+                checked = _check_pass(options, plan, _reference(options, factory), memory.chosen.tp, event, _Shapes.GIVEN)
+                runs.append(checked.run)
+                if checked.verdict is _Verdict.VALUES_FAILED:
+                    runs.append(checked.values_failure(plan, tp))
         else:
-            _passes(options, plan, factory, report, event, source)
+            runs = _passes(options, plan, tp, factory, event, source)
     except PlanError as exc:
-        report.problems += exc.problems
-    return report
+        runs.append(_Run(failure=exc))
+    return _assembled(options, plan, tp, notes, runs, memory)
 
 
 @simulation_remarks_off()
@@ -115,13 +187,56 @@ def dry_run_with(options: ApplyOptions, plan: Plan, factory: Callable[[], Any],
     """The dry run of a plan already loaded, with the model's factory already loaded, at
     `options.tp` (no memory planning, no checkpoint): what `tpplan init` proves its plans
     with, the same passes as `dry_run`."""
-    report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake")
-    report.plan_name, report.world_size, report.tp = plan.name, options.tp, options.tp
-    try:
-        _passes(options, plan, factory, report, on_event or (lambda text: None), None)
-    except PlanError as exc:
-        report.problems += exc.problems
-    return report
+    return _assembled(options, plan, options.tp, [], _passes(options, plan, options.tp, factory, on_event or (lambda text: None), None))
+
+
+def _assembled(options: ApplyOptions, plan: Plan, tp: int, notes: list[str], runs: Sequence[_Run],
+               memory: MemoryPlan | None = None) -> ApplyReport:
+    """The report, built once from what the memory plan and each pass returned, in the
+    order they ran: the last application of the plan gives the modules and parameters
+    (the peft note once, where it first arose), the last one that matched a checkpoint
+    its entry; notes and problems come in the order they arose, a failure last."""
+    chosen = memory.chosen if memory is not None else None
+    notes = [*notes, *(memory.notes if memory is not None else ())]
+    applied = None
+    checkpoint, comms, device, check = None, chosen.comms if chosen else None, "fake", None
+    problems: list[Problem] = []
+    for run in runs:
+        for application in run.applied:
+            applied = application
+            note = application.sharded.note
+            notes += [note] if note and note not in notes else []  # the dry run may shard twice (fake tensors, then values)
+            checkpoint = application.checkpoint if application.checkpoint is not None else checkpoint
+            problems += application.load_problems
+        notes += run.notes
+        comms = run.comms if run.comms is not None else comms
+        device = run.device or device
+        check = run.check or check
+        problems += [*run.problems, *(run.failure.problems if run.failure else ())]
+    return ApplyReport(
+        mode="dry-run",
+        plan_file=options.plan,
+        model=options.model,
+        world_size=chosen.tp * chosen.dp if chosen else tp,
+        tp=chosen.tp if chosen else tp,
+        dp=chosen.dp if chosen else 1,
+        plan_name=plan.name,
+        device=device,
+        backend="fake",
+        modules=applied.sharded.modules if applied else chosen.modules if chosen else {},
+        rule_of=applied.sharded.rule_of if applied else chosen.rule_of if chosen else {},
+        rule_where=applied.sharded.rule_where if applied else chosen.rule_where if chosen else {},
+        params=list(applied.params if applied else chosen.params if chosen else ()),
+        comms=comms,
+        check=check,
+        problems=problems,
+        memory=chosen.memory if chosen else None,
+        comm_bytes=chosen.comm_bytes if chosen else None,
+        optimizer_comms=chosen.optimizer_comms if chosen else None,
+        memory_sweep=list(memory.sweep) if memory is not None else [],
+        notes=notes,
+        checkpoint=checkpoint,
+    )
 
 
 @dataclass
@@ -136,7 +251,7 @@ class _Built:
 
 
 def _build(options: ApplyOptions, factory, event, mode: str) -> _Built:
-    from .simulate import fake_tensors
+    from ..simulation.simulate import fake_tensors
 
     if mode == "meta":
         event("building the model on the meta device")
@@ -158,48 +273,52 @@ def _build(options: ApplyOptions, factory, event, mode: str) -> _Built:
         raise failure from None  # the factory fails anyway: its own problem stands
 
 
-class _Mismatch(Exception):
-    """The checkpoint does not fit the sharded model: nothing to load, so nothing to check."""
-
-
-class _ValuesFailed(Exception):
-    """The run with real values raised where no plan error was found (its cause)."""
-
-    def problem(self, plan: Plan, tp: int) -> PlanError:
-        return PlanError([error("TP502", f"the --check run with real values fails at TP {tp}: {self}", plan.file)])
-
-
-def _passes(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, source) -> None:
-    from .ladder import values_allowed, values_short_of_memory
+def _passes(options: ApplyOptions, plan: Plan, tp: int, factory, event, source) -> list[_Run]:
+    """The passes of one degree, in the order they ran, each with its result; a pass
+    that failed is the last."""
+    from ..simulation.ladder import values_allowed, values_short_of_memory
 
     loaded = bool(options.check and options.checkpoint)
-    built = _build(options, factory, event, "meta" if loaded else "fake")
+    try:
+        built = _build(options, factory, event, "meta" if loaded else "fake")
+    except PlanError as exc:
+        return [_Run(failure=exc)]
     if options.check and built.mode == ("meta" if loaded else "fake") and values_allowed(built.model):
-        try:
-            if loaded and _load_problems(built.model, source, options.allow_missing):
-                raise _Mismatch()  # both sides would fail to load it: the fake pass reports why
-            _check_pass(options, plan, _reference(options, factory, built), report, event, source)
-            return
-        except (_Mismatch, _ValuesFailed) as exc:
-            failed = exc  # the fake pass tells what is wrong, or that only the values run fails
+        if loaded and _load_problems(built.model, source, options.allow_missing):
+            checked = _Checked(_Run(), _Verdict.MISMATCH)  # both sides would fail to load it: the fake pass reports why
+        else:
+            checked = _check_pass(options, plan, _reference(options, factory, built), tp, event, _Shapes.HERE, source)
+        if checked.verdict is _Verdict.RAN:
+            return [checked.run]
+        runs = [checked.run]  # the fake pass tells what is wrong, or that only the values run fails
         if loaded:
-            built = _build(options, factory, event, "fake")
-        _fake_pass(options, plan, factory, report, event, built, source)
-        if isinstance(failed, _ValuesFailed):
-            raise failed.problem(plan, report.tp) from None
-        return
-    fake = built if built.mode == "fake" or not loaded else _build(options, factory, event, "fake")
-    _fake_pass(options, plan, factory, report, event, fake, source)
-    if options.check and not report.problems:  # above the values limit, or not buildable on fake tensors: a second pass (none when the checkpoint does not fit)
+            try:
+                built = _build(options, factory, event, "fake")
+            except PlanError as exc:
+                return [*runs, _Run(failure=exc)]
+        shapes = _fake_pass(options, plan, tp, factory, event, built, source)
+        runs.append(shapes)
+        if checked.verdict is _Verdict.VALUES_FAILED and shapes.failure is None:
+            runs.append(checked.values_failure(plan, tp))
+        return runs
+    try:
+        fake = built if built.mode == "fake" or not loaded else _build(options, factory, event, "fake")
+    except PlanError as exc:
+        return [_Run(failure=exc)]
+    shapes = _fake_pass(options, plan, tp, factory, event, fake, source)
+    runs = [shapes]
+    # above the values limit, or not buildable on fake tensors: a second pass (none when the checkpoint does not fit)
+    if options.check and shapes.failure is None and not any(a.load_problems for a in shapes.applied):
         short = values_short_of_memory(built.model)
         if short is not None:  # the pass would be killed for memory: said, and the check is null, not passed
-            report.notes.append(f"--check was not run: {short}; the shapes and collectives above are from fake tensors "
-                                "(check a smaller configuration, or under torchrun)")
-            return
-        try:
-            _check_pass(options, plan, _reference(options, factory, built), report, event)
-        except _ValuesFailed as exc:
-            raise exc.problem(plan, report.tp) from None
+            runs.append(_Run(notes=(f"--check was not run: {short}; the shapes and collectives above are from fake tensors "
+                                    "(check a smaller configuration, or under torchrun)",)))
+            return runs
+        checked = _check_pass(options, plan, _reference(options, factory, built), tp, event, _Shapes.GIVEN)
+        runs.append(checked.run)
+        if checked.verdict is _Verdict.VALUES_FAILED:
+            runs.append(checked.values_failure(plan, tp))
+    return runs
 
 
 def _load_problems(model, source, allow_missing) -> list:
@@ -217,49 +336,50 @@ def _reference(options: ApplyOptions, factory, built: _Built | None = None) -> C
     return lambda: build_model(options.model, "cpu", factory)
 
 
-def _fill(report: ApplyReport, plan: Plan, model, mesh, event, source, allow_missing) -> FailureLocator:
-    """Apply the plan to `model`; the report's modules, rules, parameters and checkpoint
-    entry from it. The failure locator of its run."""
-    tp = report.tp
+def _apply(plan: Plan, model, mesh, tp: int, event, source, allow_missing) -> tuple[_Applied, FailureLocator]:
+    """Apply the plan to `model`: what it gives the report (modules, rules, parameters,
+    the checkpoint matched against the sharded model), and the failure locator of its run."""
     sharded = shard_with_progress(plan, model, mesh, event)
-    sharded.fill(report)
-    report.params = param_layouts(model, tp)
+    params = tuple(param_layouts(model, tp))
+    checkpoint, found = None, []
     if source is not None:  # the checkpoint's metadata against the sharded model
         from ..checkpoint.run import inspect_into
 
-        report.checkpoint, found = inspect_into(model, source, allow_missing, tp)
-        report.problems += found
-    return FailureLocator(plan, model, sharded.rules, tp)
+        checkpoint, found = inspect_into(model, source, allow_missing, tp)
+    return _Applied(sharded, params, checkpoint, tuple(found)), FailureLocator(plan, model, sharded.rules, tp)
 
 
-def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, built: _Built, source=None) -> None:
-    from .ladder import running, values_allowed
-    from .simulate import forward_backward, simulated_world, tp_mesh
+def _fake_pass(options: ApplyOptions, plan: Plan, tp: int, factory, event, built: _Built, source=None) -> _Run:
+    from ..simulation.ladder import running, values_allowed
+    from ..simulation.simulate import forward_backward, simulated_world, tp_mesh
 
-    tp = report.tp
     if built.mode == "meta":  # fake tensors could not build it: the ladder's next rung
         assert built.failure is not None
         size = sum(p.numel() * p.element_size() for p in built.model.parameters())
         if not values_allowed(built.model):
-            raise built.failure
+            return _Run(failure=built.failure)
         event("building the model with real values (fake tensors cannot build it)")
-        _values_pass(options, plan, factory, report, event, unsharded_first=False)
-        report.notes.append(
+        values = _values_pass(options, plan, tp, factory, event, unsharded_first=False)
+        if values.failure is not None:
+            return values
+        return dataclasses.replace(values, notes=(*values.notes, (
             f"fake tensors could not build the model ({built.failure.problems[0].message}); the shapes and collectives "
             f"come from real values of rank 0 ({human_bytes(size)} model)"
-        )
-        return
+        )))
     with simulated_world(tp):
         mesh = tp_mesh(tp, plan.mesh_axis)  # outside fake mode: the mesh needs real rank lists
         model = built.model
         with running("fake", model, built.fake_mode):
-            inputs = make_inputs(options.inputs, model, "cpu")
-            locator = _fill(report, plan, model, mesh, event, source, options.allow_missing)
+            try:
+                inputs = make_inputs(options.inputs, model, "cpu")
+                applied, locator = _apply(plan, model, mesh, tp, event, source, options.allow_missing)
+            except PlanError as exc:
+                return _Run(failure=exc)
             event("forward and backward on fake tensors")
             with locator.tracking():
                 try:
-                    _, report.comms = forward_backward(model, inputs)
-                    return
+                    _, comms = forward_backward(model, inputs)
+                    return _Run(applied=(applied,), comms=comms)
                 except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
                     if raised_by_tpplan(exc):
                         raise  # tpplan's own code: a bug, shown as one
@@ -268,23 +388,23 @@ def _fake_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, 
     # values: the retry would hold the whole model in memory. Whether it fails
     # without the plan too is decided shape-only, on fake tensors.
     if not values_allowed(model):
-        blame = one_device_failure(options, factory)
-        if blame is not None:
-            raise blame
-        raise PlanError([dataclasses.replace(problem, message=problem.message + (
-            f" (on fake tensors; a run with real values would need {human_bytes(report.total_bytes)}: "
+        located = PlanError([dataclasses.replace(problem, message=problem.message + (
+            f" (on fake tensors; a run with real values would need {human_bytes(sum(p.global_bytes for p in applied.params))}: "
             "try --check on a smaller configuration, or torchrun)"
         ))])
+        return _Run(applied=(applied,), failure=blamed(located, lambda: one_device_failure(options, factory)))
     # Some kernels have no fake implementation, or a stricter one than the real
     # kernel: a small model is run again on one rank's real values instead.
-    _values_pass(options, plan, factory, report, event, unsharded_first=True)
-    report.notes.append(
-        f"fake tensors could not run the forward and backward ({first_line(failure)}); "
-        f"the collectives were counted with real values of rank 0 ({human_bytes(report.total_bytes)} model)"
-    )
+    values = _values_pass(options, plan, tp, factory, event, unsharded_first=True)
+    notes = values.notes
+    if values.failure is None:
+        total = sum(p.global_bytes for p in values.applied[-1].params)
+        notes += (f"fake tensors could not run the forward and backward ({first_line(failure)}); "
+                  f"the collectives were counted with real values of rank 0 ({human_bytes(total)} model)",)
+    return dataclasses.replace(values, applied=(applied, *values.applied), notes=notes)
 
 
-def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport, event, unsharded_first: bool) -> None:
+def _values_pass(options: ApplyOptions, plan: Plan, tp: int, factory, event, unsharded_first: bool) -> _Run:
     """The ladder's last rung: one build with real CPU values under the fake process
     group (collectives are no-ops: values are wrong, control flow is real) gives the
     shapes and collectives. A forward that fails sharded is the plan's only if the
@@ -294,73 +414,77 @@ def _values_pass(options: ApplyOptions, plan: Plan, factory, report: ApplyReport
     the sharded forward failed."""
     import torch
 
-    from .simulate import forward_backward, simulated_world, tp_mesh
+    from ..simulation.simulate import forward_backward, simulated_world, tp_mesh
 
-    tp = report.tp
+    def fresh_unsharded() -> PlanError | None:  # not looked at yet: a fresh build, the same seed, without the plan
+        torch.manual_seed(options.seed)
+        return unsharded_failure(options, build_model(options.model, "cpu", factory), inputs)
+
     with simulated_world(tp):
         torch.manual_seed(options.seed)
-        model = build_model(options.model, "cpu", factory)
-        inputs = make_inputs(options.inputs, model, "cpu")
-        if unsharded_first:
-            event("forward and backward without the plan")
-            _raise_if_unsharded_fails(options, copy.deepcopy(model), inputs)
-        event("forward and backward with real values")
-        locator = _fill(report, plan, model, tp_mesh(tp, plan.mesh_axis), event, None, ())
         try:
-            _, report.comms = run_located(locator, lambda: forward_backward(model, inputs))
-        except PlanError:
-            if not unsharded_first:  # not looked at yet: a fresh build, the same seed, without the plan
-                torch.manual_seed(options.seed)
-                _raise_if_unsharded_fails(options, build_model(options.model, "cpu", factory), inputs)
-            raise
-    report.device = "cpu"
+            model = build_model(options.model, "cpu", factory)
+            inputs = make_inputs(options.inputs, model, "cpu")
+            if unsharded_first:
+                event("forward and backward without the plan")
+                own = unsharded_failure(options, copy.deepcopy(model), inputs)
+                if own is not None:
+                    return _Run(failure=own)
+            event("forward and backward with real values")
+            applied, locator = _apply(plan, model, tp_mesh(tp, plan.mesh_axis), tp, event, None, ())
+        except PlanError as exc:
+            return _Run(failure=exc)
+        try:
+            _, comms = run_located(locator, lambda: forward_backward(model, inputs))
+        except PlanError as exc:
+            return _Run(applied=(applied,), failure=exc if unsharded_first else blamed(exc, fresh_unsharded))
+    return _Run(applied=(applied,), comms=comms, device="cpu")
 
 
-def _raise_if_unsharded_fails(options: ApplyOptions, model, inputs: tuple) -> None:
-    failure = unsharded_failure(options, model, inputs)
-    if failure is not None:
-        raise failure
-
-
-def _check_pass(options: ApplyOptions, plan: Plan, build, report: ApplyReport, event, source: Any = False) -> None:
+def _check_pass(options: ApplyOptions, plan: Plan, build, tp: int, event, shapes: _Shapes, source=None) -> _Checked:
     """`--check` with real per-rank values against one device (`check_parity`, the one
-    engine; with `--checkpoint`, both sides load it). `source`: a checkpoint source or
-    None when this pass also fills the report (the shapes, parameters and collectives
-    come from it); False when an earlier pass did."""
+    engine; with `--checkpoint`, both sides load it). `shapes`: whether this pass also
+    gives the report the shapes, parameters and collectives (`source`: the checkpoint
+    to match against the sharded model first, or None)."""
     import torch
 
-    from .simulate import NoDefaultInputs
-    from .verify import check_parity
+    from ..check.verify import check_parity
+    from ..simulation.simulate import NoDefaultInputs
 
-    tp = report.tp
     event(f"checking {tp} ranks with real values against a single device")
-    inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
+    try:
+        inputs = make_inputs(options.inputs, None, "cpu") if options.inputs else None
+    except PlanError as exc:
+        return _Checked(_Run(failure=exc))
+    applied: list[_Applied] = []
 
     def shard(model, mesh) -> None:
-        if source is False:
+        if shapes is _Shapes.GIVEN:
             shard_with_progress(plan, model, mesh, event)
             return
-        before = len(report.problems)
-        _fill(report, plan, model, mesh, event, source, options.allow_missing)
-        if len(report.problems) > before:  # the load would fail on what inspect found
-            del report.problems[before:]
+        applied.append(_apply(plan, model, mesh, tp, event, source, options.allow_missing)[0])
+        if applied[-1].load_problems:  # the load would fail on what inspect found
             raise _Mismatch()
 
     try:
         result = check_parity(build, plan, tp, inputs, seed=options.seed, steps=options.steps, shard=shard,
                               dtype=None if options.checkpoint else torch.float32,
                               checkpoint=options.checkpoint, allow_missing=options.allow_missing)
-    except (PlanError, _Mismatch):
-        raise
+    except _Mismatch:  # its problems are the fake pass's to report
+        return _Checked(_Run(applied=(dataclasses.replace(applied[-1], load_problems=()),)), _Verdict.MISMATCH)
+    except PlanError as exc:
+        return _Checked(_Run(applied=tuple(applied), failure=exc))
     except NoDefaultInputs as exc:  # the reference's inputs, made inside check_parity: a usage error, as without --check
         raise ModelRefError(str(exc)) from None
     except Exception as exc:  # value-dependent code in the model, or a run only real values cannot simulate
         if raised_by_tpplan(exc):
             raise  # tpplan's own code: a bug, shown as one
-        raise _ValuesFailed(first_line(exc)) from None
-    if source is not False:
-        report.comms = result.comms
-    report.check = dataclasses.replace(result, problems=result.problems[:10], comms=None)
-    report.notes += result.notes
-    if not result.passed:
-        report.problems += check_problems(result, plan, report.tp, f"--check failed at TP {report.tp}: {result.problems[0]}")
+        return _Checked(_Run(applied=tuple(applied)), _Verdict.VALUES_FAILED, first_line(exc))
+    problems = check_problems(result, plan, tp, f"--check failed at TP {tp}: {result.problems[0]}") if not result.passed else []
+    return _Checked(_Run(
+        applied=tuple(applied),
+        comms=result.comms if shapes is _Shapes.HERE else None,
+        notes=tuple(result.notes),
+        check=dataclasses.replace(result, problems=result.problems[:10], comms=None),
+        problems=tuple(problems),
+    ))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .training import TrainOptions
+from ..simulation.training import TrainOptions
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -63,4 +63,4 @@ class ApplyOptions:
     save_format: str = "dcp"
     allow_missing: tuple[str, ...] = ()
     train: TrainOptions = TrainOptions()  # memory planning (dry run), FSDP2 and the optimizer of --steps
-    reuse_blocks: bool = True  # memory planning: simulate identical repeated blocks once (runtime/reuse.py)
+    reuse_blocks: bool = True  # memory planning: simulate identical repeated blocks once (memory/reuse.py)

@@ -9,75 +9,16 @@ SPEC leaves open (`mode`, `tp`, `dp`, `parameters`, `step_time_s`, `steps`,
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ..check.result import CheckResult
 from ..core.problems import Problem
+from ..simulation.layouts import ParamLayout
 
-
-@dataclass(frozen=True)
-class ParamLayout:
-    """One parameter: its full shape and what each TP rank holds of it."""
-
-    name: str
-    dtype: str
-    global_shape: tuple[int, ...]
-    local_shapes: tuple[tuple[int, ...], ...]  # one per TP rank
-    placements: str  # in the plan's spelling: "shard(0)", "replicate"; "-" for a plain (unsharded) tensor
-    element_size: int
-
-    @property
-    def global_bytes(self) -> int:
-        return math.prod(self.global_shape) * self.element_size
-
-    def rank_bytes(self, rank: int) -> int:
-        return math.prod(self.local_shapes[rank]) * self.element_size
-
-    @property
-    def uneven(self) -> bool:
-        return len(set(self.local_shapes)) > 1
-
-    def to_json(self) -> dict:
-        return {
-            "dtype": self.dtype,
-            "global_shape": list(self.global_shape),
-            "local_shapes": [list(s) for s in self.local_shapes],
-            "placements": self.placements,
-        }
-
-
-@dataclass
-class CheckResult:
-    """How a tensor-parallel run compares with its single-device reference
-    (`runtime.verify`): the verdict, the worst difference, why it did not pass
-    (the first difference first) and each compared tensor's difference."""
-
-    passed: bool
-    max_abs_diff: float  # over the outputs and every parameter gradient
-    problems: list[str] = field(default_factory=list)  # why it did not pass, in comparison order
-    diffs: dict[str, float] = field(default_factory=dict)  # compared tensor -> max abs diff
-    comms: dict[str, dict[str, int]] | None = None  # collectives of the compared run, when counted
-    notes: list[str] = field(default_factory=list)  # what the check did to make the runs comparable (dropout off)
-    located: Any = None  # first_difference.Located of a failed check: the first differing tensor and its rule
-    replicas: list = field(default_factory=list)  # replicas.ReplicaDifference: replicated values that differ by rank
-
-    @property
-    def first_difference(self) -> str | None:
-        return self.problems[0] if self.problems else None
-
-    @property
-    def out_diff(self) -> float:
-        return max((d for name, d in self.diffs.items() if name.startswith("output")), default=0.0)
-
-    @property
-    def grad_diffs(self) -> dict[str, float]:
-        """Parameter fqn -> max abs diff of its gradient."""
-        return {name.removesuffix(" grad"): d for name, d in self.diffs.items() if name.endswith(" grad")}
-
-    def to_json(self) -> dict:
-        return {"passed": self.passed, "max_abs_diff": self.max_abs_diff}
+if TYPE_CHECKING:
+    from ..simulation.locate import Sharded
 
 
 @dataclass
@@ -115,7 +56,7 @@ class ApplyReport:
     step_time_s: float | None = None
     steps: StepsResult | None = None
     problems: list[Problem] = field(default_factory=list)
-    # Memory planning (runtime/memory.py): per-rank peak, bytes per collective, the degrees tried.
+    # Memory planning (memory/memory.py): per-rank peak, bytes per collective, the degrees tried.
     memory: Any = None  # memory_report.MemoryReport
     comm_bytes: dict[str, dict[str, int]] | None = None
     optimizer_comms: dict | None = None
@@ -123,6 +64,13 @@ class ApplyReport:
     notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
     checkpoint: dict | None = None  # --checkpoint: what was (or would be) loaded, see tpplan.checkpoint.inspect
     saved: dict | None = None  # --save: {"path", "format"}
+
+    def add_sharding(self, sharded: "Sharded") -> None:
+        """The modules, rules and where they are; once, the note of rules applied under
+        peft's wrapper (the dry run may shard twice: fake tensors, then values)."""
+        self.modules, self.rule_of, self.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
+        if sharded.note and sharded.note not in self.notes:
+            self.notes.append(sharded.note)
 
     @property
     def ok(self) -> bool:
@@ -180,10 +128,3 @@ class ApplyReport:
             found["memory_by_tp"] = [row.to_json() for row in self.memory_sweep]
         return found
 
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")

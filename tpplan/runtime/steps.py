@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def sgd_steps(model: "nn.Module", inputs: tuple, steps: int, device: "torch.device", seed: int) -> StepsResult:
     """`steps` SGD steps (lr 1e-2) towards fixed random targets (`training.train_steps`)."""
-    from .training import train_steps
+    from ..simulation.training import train_steps
 
     losses, times = train_steps(model, inputs, steps, "sgd", seed=seed, synchronize=lambda: synchronize(device), lr=1e-2)
     return StepsResult(losses=losses, step_times_s=times)

@@ -22,15 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.plan import Plan
 from ..core.problems import PlanError, Problem, error, first_line, raised_by_tpplan
-from .report import ApplyReport, CheckResult, ParamLayout, StepsResult
-from .comm import CommFailure, comm_problem, is_comm_failure
+from ..check.result import CheckResult
+from ..simulation.layouts import ParamLayout
+from .report import ApplyReport, StepsResult
+from ..simulation.comm import CommFailure, comm_problem, is_comm_failure
 from .consensus import disagreements, gather_states, rank_state, usage_errors
-from .check_problems import check_problems
-from .fsdp import fsdp_tp
-from .devices import init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env
-from .layouts import param_layouts
-from .locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
-from .modelref import ModelRefError, build_model, make_inputs, module_structure
+from ..check.check_problems import check_problems
+from .devices import fsdp_tp, init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env
+from ..simulation.layouts import param_layouts
+from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
+from ..simulation.modelref import ModelRefError, build_model, make_inputs, module_structure
 from .options import ApplyOptions, RanksUsageError, UsageError
 
 if TYPE_CHECKING:
@@ -119,7 +120,7 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     report.notes += unpromised_tp_note(loaded.plan, ran.tp)
     report.notes += ran.notes
     if ran.sharded is not None:
-        ran.sharded.fill(report)
+        report.add_sharding(ran.sharded)
     report.params, report.comms, report.step_time_s = ran.params, ran.comms, ran.step_time_s
     report.check, report.steps = ran.check, ran.steps
     report.checkpoint, report.saved = ran.checkpoint, ran.saved
@@ -173,14 +174,14 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from .simulate import forward_backward
+    from ..simulation.simulate import forward_backward
 
     shape, names = mesh_spec
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     ran = _Ran(tp=shape[-1], dp=shape[0] if len(shape) == 2 else 1)
     try:
         if options.check:  # both sides in eval mode: dropout would draw different masks on each
-            from .dropout import for_check
+            from ..check.dropout import for_check
 
             ran.notes += [note] if (note := for_check(model)) else []
         reference = copy.deepcopy(model) if options.check and not options.checkpoint else None
@@ -192,7 +193,7 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
                 reference.eval()  # as the sharded side (for_check above)
         ran.params = param_layouts(model, ran.tp)  # after a load: the checkpoint's dtypes
         if _data_parallel(options, ran):  # FSDP2 after the plan (and a load)
-            from .fsdp import shard_data_parallel
+            from ..simulation.fsdp import shard_data_parallel
 
             event(f"FSDP2 over dp {ran.dp}")
             shard_data_parallel(model, mesh)
@@ -201,7 +202,7 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
         locator = FailureLocator(plan, model, ran.sharded.rules, ran.tp)
 
         event("forward and backward")
-        from .first_difference import recording
+        from ..check.first_difference import recording
 
         with recording(model, tensors=False) as order:  # the call order, for the rule to blame
             output, ran.comms = run_located(locator, lambda: forward_backward(model, inputs))
@@ -217,7 +218,7 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
             if trained is not None:
                 # The verdict covers the steps; max_abs_diff stays the forward and backward's (SPEC §4).
                 ran.check = dataclasses.replace(ran.check, passed=ran.check.passed and trained.passed, problems=ran.check.problems + trained.problems)
-                from .replicas import add_to
+                from ..check.replicas import add_to
 
                 ran.check = add_to(ran.check, replicas, plan, model, order)
                 ran.steps = dataclasses.replace(ran.steps, max_abs_diff=trained.max_abs_diff)
@@ -241,8 +242,9 @@ def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocato
     """--steps: train (AdamW unless --optimizer says), inside loss_parallel() when the
     plan asks; with --check, the same steps on one device compared (merged over ranks),
     and the replicas compared across ranks after each step."""
-    from .replicas import differences_across_ranks
-    from .training import OPTIMIZER_NAMES, compare_training, train_steps
+    from ..check.replicas import differences_across_ranks
+    from ..check.training import compare_training
+    from ..simulation.training import OPTIMIZER_NAMES, train_steps
 
     name = options.train.optimizer_name
     event(f"{options.steps} {OPTIMIZER_NAMES[name]} steps")
@@ -258,7 +260,7 @@ def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocato
     if reference is None:
         return StepsResult(losses, times, OPTIMIZER_NAMES[name]), None, replicas
     event(f"checking {options.steps} steps against a single device")
-    from .verify import merge_ranks
+    from ..check.verify import merge_ranks
 
     trained = merge_ranks(_gather(ctx, compare_training(model, reference, inputs, losses, name, options.seed), plan, "comparing the training"))
     return StepsResult(losses, times, OPTIMIZER_NAMES[name]), trained, replicas
@@ -282,7 +284,7 @@ def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran:
 
 def _timed_step(ctx: _Rank, locator: FailureLocator, model: "nn.Module", inputs: tuple) -> float:
     """One clean forward and backward, timed (the counted pass before is the warm-up)."""
-    from .simulate import scalar_loss
+    from ..simulation.simulate import scalar_loss
 
     synchronize(ctx.device)
     start = time.perf_counter()
@@ -298,10 +300,10 @@ def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", i
     goes wrong (`local_culprit`: each rank reruns a module on its own chunk, that of
     its TP coordinate `rank % tp`, tp being the mesh's fastest dim), and the replicas compared across ranks (`order`: the module
     calls of the run, for the rule to blame)."""
-    from .first_difference import default_allowed, full_size, locate_across_ranks, record_across_ranks
-    from .local_culprit import real, refine
-    from .replicas import add_to, differences_across_ranks
-    from .verify import compare_with_reference, merge_ranks
+    from ..check.first_difference import default_allowed, full_size, locate_across_ranks, record_across_ranks
+    from ..check.local_culprit import real, refine
+    from ..check.replicas import add_to, differences_across_ranks
+    from ..check.verify import compare_with_reference, merge_ranks
 
     try:
         local = compare_with_reference(model, reference, inputs, output, grads, copy_weights)

@@ -32,7 +32,7 @@ def check(ctx, earlier):
             "would need to replace it; run `tpplan validate --model` outside torchrun"
         ), severity="warning")
         return
-    from ...runtime.ladder import available
+    from ...simulation.ladder import available
 
     modes = available(ctx.model, start=ctx.trace_mode)
     for tp in ctx.tp_sizes:
@@ -53,10 +53,10 @@ def check(ctx, earlier):
 def _simulate(ctx, tp: int, mode: str):
     """None when the plan applies and a forward and backward run at `tp`; else the problems."""
     from ...core.problems import PlanError
-    from ...runtime.locate import FailureLocator, apply_located, run_located
-    from ...runtime.simulate import scalar_loss, simulated_world, tp_mesh
+    from ...simulation.locate import FailureLocator, apply_located, run_located
+    from ...simulation.simulate import scalar_loss, simulated_world, tp_mesh
     from ..collapse import collapsed_copy, plan_for
-    from ...runtime.ladder import prepared, running
+    from ...simulation.ladder import prepared, running
 
     model = prepared(collapsed_copy(ctx.model, ctx.kept_blocks), mode, owned=True)
     plan = plan_for(ctx.plan, model)
@@ -74,8 +74,8 @@ def _simulate(ctx, tp: int, mode: str):
 
 def _inputs(ctx, model, tp: int) -> tuple:
     """The user's example inputs (`--inputs`), else the default ones with a sequence the degree divides."""
-    from ...runtime.modelref import make_inputs
-    from ...runtime.simulate import default_inputs
+    from ...simulation.modelref import make_inputs
+    from ...simulation.simulate import default_inputs
 
     if ctx.inputs is None:
         return (default_inputs(model, seq=_sequence_length(tp)),)

@@ -2,12 +2,27 @@
 plan is at fault only if the model runs without it. Under the values limit the
 unsharded model runs with real values; above it, shape-only on fake tensors
 (shapes and dtypes, no storage), so the blame is decided at any size. Shared by
-the dry run (`dryrun.py`) and its memory planning (`memory_dryrun.py`)."""
+the dry run (`runtime/dryrun.py`) and its memory planning (`memory/memory_dryrun.py`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..core.problems import PlanError, raised_by_tpplan
-from .modelref import build_model, make_inputs, model_failure
+from .modelref import build_model, default_dtype, make_inputs, model_failure
+
+
+def blamed(failure: PlanError, blame: Callable[[], PlanError | None]) -> PlanError:
+    """What a sharded run that failed with `failure` (located at its rule) reports: the
+    model's own failure when `blame()` (a run without the plan on one device) finds it
+    fails there too, else `failure`. The one rule of blame for the dry run's passes and
+    its memory planning. A PlanError of the one-device run itself (the model cannot be
+    built again) is the model's too."""
+    try:
+        own = blame()
+    except PlanError as exc:
+        return exc
+    return failure if own is None else own
 
 
 def one_device_failure(options, factory, dtype=None, batch: int = 2, seq: int = 8) -> PlanError | None:
@@ -21,7 +36,6 @@ def one_device_failure(options, factory, dtype=None, batch: int = 2, seq: int = 
     import torch
 
     from .ladder import values_allowed
-    from .memory import default_dtype
     from .simulate import fake_tensors
 
     with default_dtype(dtype):

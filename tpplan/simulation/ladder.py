@@ -58,7 +58,7 @@ def values_short_of_memory(model: "nn.Module") -> str | None:
     """Why a `--check` with real values cannot run here (None when it can, or when the
     free memory is unknown): the sharded copy and the one-device reference each hold the
     parameters and their gradients, in float32."""
-    from .report import human_bytes
+    from ..core.units import human_bytes
 
     needed = 4 * 4 * sum(t.numel() for t in _tensors(model))
     free = available_memory()

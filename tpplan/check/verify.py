@@ -26,9 +26,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..checkpoint.meta import meta_parameters
-from .report import CheckResult
-from .training import param_groups
-from .simulate import (
+from .result import CheckResult
+from ..simulation.training import param_groups
+from ..simulation.simulate import (
     allowed_diff,
     default_inputs,
     forward_backward,
@@ -191,7 +191,7 @@ def check_parity(
 
     `checkpoint`: both sides load it instead (`build_model` then builds on the meta
     device): the reference on one device, and each simulated rank its own slices
-    (`runtime.simulated_load.load_ranks`); `dtype=None` keeps the checkpoint's.
+    (`simulation.simulated_load.load_ranks`); `dtype=None` keeps the checkpoint's.
     `shard(model, mesh)` applies the plan instead of `plan.apply` (the dry run's,
     which also fills its report from the sharded model).
     """
@@ -234,7 +234,7 @@ def check_parity(
     with simulated_world(tp), local_ranks(tp):
         (shard or functools.partial(_apply, plan))(model, tp_mesh(tp, getattr(plan, "mesh_axis", None) or "tp"))
         if checkpoint:
-            from .simulated_load import load_ranks
+            from ..simulation.simulated_load import load_ranks
 
             load_ranks(model, checkpoint, tp, dtype=dtype, allow_missing=allow_missing)
         got_inputs: list = []

@@ -1,5 +1,5 @@
 """The modules a model's modules hold outside their children, for torch's module tracker
-(runtime/memory.py names them)."""
+(memory/memory.py names them)."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .memory_report import CATEGORIES, MemoryReport
-from .training import TrainOptions, make_optimizer, make_targets, torch_dtype
+from ..simulation.training import TrainOptions, make_optimizer, make_targets, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +91,7 @@ def counting(counts: Counter, sizes: Counter) -> Iterator[None]:
     """Collectives (counts and bytes, SPEC names) of the body. Not CommDebugMode: its
     module tracker and per-op log cost more than the model at 126 layers; the counts
     are the same (tests compare them)."""
-    from .simulate import _COLLECTIVE_NAMES, collective_counter
+    from ..simulation.simulate import _COLLECTIVE_NAMES, collective_counter
 
     spec_names = set(_COLLECTIVE_NAMES.values())
 
@@ -138,7 +138,7 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool, recorder=
     else:
         tracker = PeakSite()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []), *inputs)
-    from .held import held_modules
+    from ..simulation.held import held_modules
 
     root = type(model).__name__  # the tracker's name for the model; its children's are under it
     for path, held in held_modules(model):
@@ -252,8 +252,8 @@ def measure_training_step(
     forward, backward and optimizer step begin and end."""
     import torch
 
-    from .fsdp import fake_friendly_meshes
-    from .training import loss_context, loss_value, training_loss
+    from ..simulation.fsdp import fake_friendly_meshes
+    from ..simulation.training import loss_context, loss_value, training_loss
 
     optimizer = make_optimizer(optimizer_name, model)
     targets = make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
@@ -304,23 +304,6 @@ def measure_training_step(
 # -- the dry run's memory planning ---------------------------------------------------
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
-    """Build the model in `dtype`: parameters are born in it (`Module.to` cannot
-    swap fake parameters in place)."""
-    import torch
-
-    if dtype is None:
-        yield
-        return
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 @dataclass
 class PlannedStep:
     memory: MemoryReport
@@ -350,8 +333,9 @@ def plan_memory(
     step (the dry run's failure locator). `strategy(model, simulate)` decides how
     the built model is simulated (reuse.block_reuse: repeated blocks once);
     without one, it is simulated whole."""
-    from .fsdp import train_mesh
-    from .simulate import fake_tensors, simulated_world
+    from ..simulation.fsdp import train_mesh
+    from ..simulation.modelref import default_dtype
+    from ..simulation.simulate import fake_tensors, simulated_world
 
     dp = train.dp
     with simulated_world(dp * tp):
@@ -368,7 +352,7 @@ def plan_memory(
 
 def _simulate(model, inputs, shard, mesh, tp: int, train: TrainOptions, loss_parallel: bool, run, recorder, wrap) -> PlannedStep:
     """The plan, FSDP2 (on `wrap`, default: the model's blocks) and one measured step of a built model."""
-    from .fsdp import fake_friendly_meshes, shard_data_parallel
+    from ..simulation.fsdp import fake_friendly_meshes, shard_data_parallel
 
     dp = train.dp
     with fake_friendly_meshes():

@@ -147,7 +147,7 @@ def find_run(model: "nn.Module", plan: "Plan") -> BlockReuse | str | None:
     a note when the list is long enough but its blocks differ; None when there is
     nothing to reuse (no such list, a short one, or a plan that does not resolve:
     the whole simulation reports its problems)."""
-    from .fsdp import blocks
+    from ..simulation.fsdp import blocks
 
     fqns = blocks(model)
     if len(fqns) < MIN_RUN:

@@ -3,15 +3,47 @@ shards, placements in the plan's spelling)."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core.local_shapes import local_shapes as mesh_local_shapes
 from ..core.placements import placements_text
-from .report import ParamLayout
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter: its full shape and what each TP rank holds of it."""
+
+    name: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    local_shapes: tuple[tuple[int, ...], ...]  # one per TP rank
+    placements: str  # in the plan's spelling: "shard(0)", "replicate"; "-" for a plain (unsharded) tensor
+    element_size: int
+
+    @property
+    def global_bytes(self) -> int:
+        return math.prod(self.global_shape) * self.element_size
+
+    def rank_bytes(self, rank: int) -> int:
+        return math.prod(self.local_shapes[rank]) * self.element_size
+
+    @property
+    def uneven(self) -> bool:
+        return len(set(self.local_shapes)) > 1
+
+    def to_json(self) -> dict:
+        return {
+            "dtype": self.dtype,
+            "global_shape": list(self.global_shape),
+            "local_shapes": [list(s) for s in self.local_shapes],
+            "placements": self.placements,
+        }
 
 
 def local_shapes(param: "torch.Tensor", tp: int) -> tuple[tuple[int, ...], ...]:

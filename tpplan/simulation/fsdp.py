@@ -19,21 +19,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def fsdp_tp(world_size: int, tp: int | None, fsdp: int | None) -> int | None:
-    """The TP degree under torchrun with FSDP2 on N = `fsdp`: world / N unless `tp`
-    is given (and agrees); without `fsdp`, `tp` as given."""
-    from .options import ApplyOptionsError
-
-    if fsdp is None:
-        return tp
-    if tp is None and world_size % fsdp:
-        raise ApplyOptionsError("fsdp", "not-a-divisor", f"{fsdp} does not divide the world size {world_size}", fsdp=fsdp, world=world_size)
-    tp = world_size // fsdp if tp is None else tp
-    if fsdp * tp != world_size:
-        raise ApplyOptionsError("fsdp", "world-mismatch", f"{fsdp} x tp {tp} is not the world size {world_size}", fsdp=fsdp, tp=tp, world=world_size)
-    return tp
-
-
 def blocks(model: "nn.Module") -> list[str]:
     """The repeated blocks FSDP wraps one by one: the children of the largest ModuleList."""
     from torch import nn

@@ -9,13 +9,14 @@ located at the line of the user's code that raised, exit 1).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..core.imports import import_module
@@ -28,6 +29,23 @@ if TYPE_CHECKING:
 
 class ModelRefError(ValueError):
     """A `--model` / `--inputs` reference that does not name a callable."""
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: "torch.dtype | None") -> Iterator[None]:
+    """Build the model in `dtype`: parameters are born in it (`Module.to` cannot
+    swap fake parameters in place)."""
+    import torch
+
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def load_callable(ref: str, option: str = "--model") -> Callable[..., Any]:

@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from .report import ApplyReport
 
 
 @dataclass(frozen=True)
@@ -36,13 +35,10 @@ class Sharded:
     rules: dict[str, Rule]
     under: str = ""
 
-    def fill(self, report: "ApplyReport") -> None:
-        """The report's modules, rules and where they are; once, a note when the rules
-        applied under peft's wrapper."""
-        report.modules, report.rule_of, report.rule_where = self.modules, self.rule_of, self.rule_where
-        note = f"the model is peft's PeftModel: the plan's rules apply to the model it wraps, at '{self.under}'"
-        if self.under and note not in report.notes:  # the dry run may shard twice (fake tensors, then values)
-            report.notes.append(note)
+    @property
+    def note(self) -> str | None:
+        """What the report says when the rules applied under peft's wrapper."""
+        return f"the model is peft's PeftModel: the plan's rules apply to the model it wraps, at '{self.under}'" if self.under else None
 
     @property
     def modules(self) -> dict[str, str]:

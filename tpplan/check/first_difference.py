@@ -203,7 +203,7 @@ def full_size(t: Any) -> Any:
 
 
 def default_allowed(want: torch.Tensor) -> float:
-    from .simulate import allowed_diff, tolerance
+    from ..simulation.simulate import allowed_diff, tolerance
 
     return allowed_diff(want, *tolerance(want.dtype))
 
