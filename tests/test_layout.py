@@ -131,9 +131,10 @@ MAY_IMPORT = {
     # The training loop's side (step roots, retention, async saves, the crash-safe commit,
     # completeness): knows no model or plan, so of the checkpoint package its errors alone.
     "checkpoint.training": {"checkpoint.errors"},
-    "runtime": {"core", "sharding", "checkpoint", "hf"},  # hf.build: `--model hf:SPEC`
+    "simulation": {"core", "sharding"},  # the substrate the dry run, the lint, init and checkpoints simulate on
+    "runtime": {"core", "sharding", "simulation", "checkpoint", "hf"},  # hf.build: `--model hf:SPEC`
     "render": {"core", "runtime", "init"},  # runtime.report, init.Inferred: the reports' data, which render prints
-    "lint": {"core", "sharding", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
+    "lint": {"core", "sharding", "simulation", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},
     "init": {"core", "sharding", "runtime", "lint", "hf"},  # tpplan init: infers, lints, dry-runs, compares with transformers' plan
     "models": set(),
