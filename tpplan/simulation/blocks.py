@@ -12,25 +12,26 @@ Two callers ask "are these blocks identical?", and both ask it here:
   `Structures` (`exact=False`), interned once per module while tracing.
 
 What a module is, apart from its submodules, is `aspects(module, exact)`, in one
-place: its class, its parameters' and buffers' shapes, dtypes and whether they
-train, and its attributes. The two strengths differ only in how far they look:
+place: its class; its parameters' and buffers' shapes, dtypes, tensor classes,
+whether they train and whether a buffer is saved; the hooks registered on it;
+and its attributes. The two strengths differ only in the attributes they read
+and in how they tell an attribute that numbers a block (`layer_idx`, which must
+not make the layers of a decoder differ):
 
-- `exact=False` (the lint's): public attributes of plain types only (`int`,
-  `str`, a dtype...), and an attribute named as a block's number (`layer_idx`)
-  left out by its name. The trace interns it for every module it calls, at every
-  depth, where no run of siblings says what a block's index is; and an object
-  compared by identity would make every layer's call run again, so that a deep
-  model's trace would cost its depth again (the lint's verdicts follow the
-  layouts through the ops, which the class, the tensors' shapes and plain
-  settings decide).
+- `exact=False` (the lint's): public attributes of plain types (`int`, `str`,
+  a dtype...), a block's number told by its name. The trace interns it for every
+  module it calls, at every depth, where no run of siblings says what a block's
+  index is; and it patches each module's `forward` as an attribute, which an
+  exact reading would count as each module's own object: every layer's call
+  would run again, and a deep model's trace would cost its depth again.
 - `exact=True` (memory's): every attribute the module holds, private ones too,
   containers by their items, tensors by shape, a module by its class and
   tensors (the kernels package's per-attention copy of one function module,
   `_kernel_funcs` in transformers 5.25, is no difference), any other object by
-  identity (unknown state is never merged: the plan's bytes must be those of the
-  whole model), the tensors' subclass, a buffer's persistence and the hooks
-  registered. An attribute is a block's number when it equals its block's index
-  in every block of the list that has it (`signatures`), whatever its name.
+  identity: unknown state is never merged, since the plan's bytes must be those
+  of the whole model. A block's number is told by its value, whatever its name:
+  an attribute that equals its block's index in every block of the list that
+  has it (`signatures`).
 
 `runs` groups a list of such keys into runs of identical consecutive blocks.
 """
@@ -72,23 +73,25 @@ def _internals() -> frozenset:
 
 def aspects(module: "nn.Module", exact: bool) -> list[tuple[str, Any]]:
     """What of `module`, apart from its submodules, decides what it computes from its
-    inputs: (aspect, value) pairs, its class first (see the module docstring for `exact`)."""
+    inputs: (aspect, value) pairs, its class first. Both strengths read its tensors and
+    hooks alike; `exact` reads every attribute, else the plain public ones that do not
+    number a block (see the module docstring)."""
     out: list[tuple[str, Any]] = [("type", type(module))]
-    if not exact:
-        plain = _plain_types()
-        out += [(f"parameter {k}", (tuple(p.shape), p.dtype, p.requires_grad)) for k, p in module._parameters.items() if p is not None]
-        out += [(f"buffer {k}", (tuple(b.shape), b.dtype)) for k, b in module._buffers.items() if b is not None]
-        out += [(f"attribute {k}", v) for k, v in sorted(vars(module).items())
-                if k[0] != "_" and type(v) in plain and not INDEX_NAME.search(k)]
-        return out
-    for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
+    not_saved = module._non_persistent_buffers_set
+    for kind, tensors in (("parameter ", module._parameters), ("buffer ", module._buffers)):
         for name, t in tensors.items():
             shape = None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, type(t))
-            out.append((f"{kind} {name}", (shape, name in module._non_persistent_buffers_set)))
-    internals = _internals()
-    out += [(f"attribute {name}", attribute_value(v)) for name, v in vars(module).items() if name not in internals]
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    out.append(("hooks", tuple(len(h) for h in hooks)))
+            out.append((kind + name, (shape, name in not_saved)))
+    if exact:
+        internals = _internals()
+        out += [(f"attribute {name}", attribute_value(v)) for name, v in vars(module).items() if name not in internals]
+    else:
+        plain = _plain_types()
+        index = INDEX_NAME.search
+        out += [("attribute " + k, v) for k, v in sorted((k, v) for k, v in vars(module).items()
+                                                         if k[0] != "_" and type(v) in plain and not index(k))]
+    out.append(("hooks", (len(module._forward_hooks), len(module._forward_pre_hooks),
+                          len(module._backward_hooks), len(module._backward_pre_hooks))))
     return out
 
 
