@@ -63,10 +63,15 @@ def _relu(block: nn.Module) -> None:
     block.act = nn.ReLU()  # another class
 
 
+def _hooked(block: nn.Module) -> None:
+    block.register_forward_hook(lambda module, args, output: output * 2)  # what the block returns, changed
+
+
 @pytest.mark.parametrize("change, where", [
     (_tanh_gelu, "the attribute approximate of 'act'"),
     (_narrower, "the parameter weight of 'in_proj'"),
     (_relu, "the type of 'act'"),
+    (_hooked, "the hooks of '<block>'"),
 ])
 def test_a_block_that_computes_otherwise_is_kept_apart_by_both(change, where):
     model = six_blocks()
