@@ -34,6 +34,10 @@ not make the layers of a decoder differ):
   has it (`signatures`).
 
 `runs` groups a list of such keys into runs of identical consecutive blocks.
+
+lint/context.py's `fingerprint` answers another question: whether one model is
+still the model it traced (identities, devices, names), not whether two blocks
+compute alike.
 """
 
 from __future__ import annotations
@@ -146,7 +150,7 @@ def shared(model: "nn.Module") -> set[int]:
 
 
 def signature(block: "nn.Module", fqn: str, *, exact: bool = True, rule: Callable[[str], Hashable] | None = None,
-              held_twice: set[int] = frozenset()) -> Signature:
+              held_twice: "set[int] | frozenset[int]" = frozenset()) -> Signature:
     """What makes a block behave as it does, relative to the block: (module path, aspect, value)
     for it and each submodule. `rule(fqn)` names what the plan does to a module (None: nothing
     asked); a module holding something in `held_twice` (`shared(model)`: one module in every block,
@@ -165,7 +169,7 @@ def signature(block: "nn.Module", fqn: str, *, exact: bool = True, rule: Callabl
 
 
 def signatures(blocks: Sequence[tuple[str, "nn.Module"]], *, exact: bool = True, rule: Callable[[str], Hashable] | None = None,
-               held_twice: set[int] = frozenset()) -> list[Signature]:
+               held_twice: "set[int] | frozenset[int]" = frozenset()) -> list[Signature]:
     """`signature` of each (fqn, block) of one list, in order. With `exact`, an attribute that is
     its block's own index (the fqn's last key) in every block that has it (`layer_idx`, whatever
     its name) does not make blocks differ: it reads "index"."""
