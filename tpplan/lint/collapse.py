@@ -4,10 +4,11 @@ A 1,000-layer model costs as much to simulate as its layers; the plan treats
 them all alike, so two consecutive ones show every layout a layer receives and
 hands on. A ModuleList (or ModuleDict) is cut only when the traced forward
 called each of its children once, in order (layers, not experts picked by a
-router), and blocks count as identical when their structure and the rules
-that match inside them do (two rules with the same style and options count
-as one). The kept blocks keep their names, so problems name real modules;
-rules that match only in cut blocks are left out of the simulated plan.
+router), and blocks count as identical when their structure (block identity:
+simulation/blocks.py, the trace's `Structures`) and the rules that match inside
+them do (two rules with the same style and options count as one). The kept
+blocks keep their names, so problems name real modules; rules that match only
+in cut blocks are left out of the simulated plan.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from typing import TYPE_CHECKING
+
+from ..simulation.blocks import runs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -71,14 +74,10 @@ def kept_blocks(trace: "Trace | None", matched: "dict[str, Rule]", modules: "dic
     structures = trace.structures
     cuts = []
     for fqn, module in containers.items():
-        kept, run, last = {}, 0, None
-        for key, child in module._modules.items():
-            signature = (structures.of(child), tuple(rules[fqn].get(key, ())))
-            run = run + 1 if signature == last else 1
-            last = signature
-            if run <= 2:
-                kept[key] = child
-        if len(kept) < len(module._modules):
+        children = list(module._modules.items())
+        identities = [(structures.of(child), tuple(rules[fqn].get(key, ()))) for key, child in children]
+        kept = {key: child for run in runs(identities) for key, child in children[run.start:run.start + 2]}
+        if len(kept) < len(children):
             cuts.append((module, kept))
     return cuts
 

@@ -38,7 +38,12 @@ _PLAIN_ATTRS = (int, float, bool, str, type(None))
 def fingerprint(model: "nn.Module") -> tuple:
     """What a trace of `model` depends on, short of its forward's code: every module
     (identity, class, a patched forward), its plain attributes, and its parameters'
-    and buffers' identity, shape, dtype and device."""
+    and buffers' identity, shape, dtype and device.
+
+    Not block identity (simulation/blocks.py): that asks whether two blocks compute
+    alike, so that one stands for the other; this asks whether one model is still the
+    model it was when traced, so it keeps what identity leaves out on purpose: the
+    objects' own identity, devices, a patched forward, the config, and names."""
     parts: list[Any] = []
     for fqn, module in model.named_modules():
         state = module.__dict__

@@ -17,21 +17,23 @@ Meta and fake kernels are slow (hundreds of microseconds per op), so a
 structure (class, parameters, submodules, plain attributes) and inputs
 (shapes, dtypes, plain arguments) equal those of an earlier call is not run
 again. Its recorded events are replayed under the new path with fresh node
-ids, and empty outputs of the recorded shapes are returned. Attributes that
-only number a block (`layer_idx`, `layer_id`, ...) are left out of the
-structure, so the layers of a decoder share one recording.
+ids, and empty outputs of the recorded shapes are returned. The structure is
+block identity's (simulation/blocks.py, `Structures`), which the lint's collapse
+reads too: attributes that only number a block (`layer_idx`, `layer_id`, ...) are
+left out of it, so the layers of a decoder share one recording.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from ..simulation.blocks import Structures
 
 
 @dataclass(slots=True)
@@ -60,9 +62,6 @@ class Op:
 
 TENSOR = "<tensor>"
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
-_PLAIN_TYPES = frozenset(_PLAIN)
-# Attributes that number a block rather than shape its computation.
-_INDEX_ATTR = re.compile(r"(^|_)(idx|index|id|layer_id|layer_idx|layer_number|layer_num|block_idx)$")
 
 
 @dataclass
@@ -72,7 +71,7 @@ class Trace:
     needs_grad: list = field(default_factory=list)  # node id -> derived from a trainable parameter
     inputs: tuple = ()  # node ids of the model's positional inputs
     params: dict = field(default_factory=dict)  # node id -> (module fqn, name) of a parameter
-    structures: Any = None  # the _Structures of the traced modules (by module identity)
+    structures: Any = None  # the blocks.Structures of the traced modules (by module identity)
 
     def new_node(self, shape: tuple, needs_grad: bool) -> int:
         self.shapes.append(shape)
@@ -144,30 +143,6 @@ def _input_key(value: Any, seen: dict, depth: int = 0) -> Any:
     raise TypeError("opaque argument")
 
 
-class _Structures:
-    """Interned structure ids: what decides a module's computation apart from its
-    inputs (class, parameter and buffer shapes, plain attributes other than a block
-    index, and the same of its submodules). Computed bottom-up, once per module."""
-
-    def __init__(self):
-        self.ids: dict[int, int] = {}  # id(module) -> structure id
-        self.interned: dict[tuple, int] = {}
-
-    def of(self, module: nn.Module) -> int:
-        sid = self.ids.get(id(module))
-        if sid is None:
-            attrs = tuple(sorted(
-                (k, v) for k, v in vars(module).items()
-                if k[0] != "_" and type(v) in _PLAIN_TYPES and not _INDEX_ATTR.search(k)
-            ))
-            params = tuple((k, tuple(p.shape), p.dtype, p.requires_grad) for k, p in module._parameters.items() if p is not None)
-            buffers = tuple((k, tuple(b.shape), b.dtype) for k, b in module._buffers.items() if b is not None)
-            children = tuple((k, self.of(c)) for k, c in module._modules.items() if c is not None)
-            key = (type(module), attrs, params, buffers, children)
-            sid = self.ids[id(module)] = self.interned.setdefault(key, len(self.interned))
-        return sid
-
-
 @dataclass
 class _Recording:
     fqn: str
@@ -185,7 +160,7 @@ class _Tracer(TorchFunctionMode):
         self.keep: list = []  # tensors we gave ids to stay alive, so no id() is reused
         self.replaying = False
         self.memo: dict = {}
-        self.structures = _Structures()
+        self.structures = Structures()
         self.param_nodes: dict[tuple[str, str], int] = {}  # (module fqn, name) -> node id
 
     def parameters(self, model: nn.Module) -> None:

@@ -1,7 +1,8 @@
 """Cost by what differs, not by depth: repeated blocks are simulated once.
 
 The memory plan of a decoder whose blocks are identical (the same modules,
-parameter and buffer shapes, attributes, and the same plan rules) costs the
+parameter and buffer shapes, attributes, and the same plan rules: block identity
+is simulation/blocks.py's, at its `exact` strength) costs the
 same at 4 blocks and at 126 when the repeated blocks are not all simulated:
 `block_reuse(plan)` finds the longest run of identical blocks in the list FSDP
 wraps (the largest `ModuleList`, e.g. `layers`), simulates the model truncated
@@ -45,11 +46,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..simulation.blocks import attribute_value, first_difference, runs, shared, signatures
 from .memory import PlannedStep, StepMemory, _categories, _peak_module
 from .memory_report import CATEGORIES
 
@@ -158,18 +159,13 @@ def find_run(model: "nn.Module", plan: "Plan") -> BlockReuse | str | None:
         return None
     if container in claimed:
         return f"the plan's rule '{claimed[container].pattern}' shards '{container}' itself: all {len(fqns)} blocks simulated"
-    shared = _shared(model)
-    signatures = _indices_as_such([_signature(model.get_submodule(fqn), fqn, claimed, shared) for fqn in fqns], fqns)
-    start, length, best = 0, 1, (0, 1)
-    for i in range(1, len(fqns)):
-        length = length + 1 if signatures[i] == signatures[i - 1] else 1
-        start = start if length > 1 else i
-        if length > best[1]:
-            best = (start, length)
-    if best[1] < MIN_RUN:
-        return f"no {MIN_RUN} consecutive blocks of '{container}' are identical ({_first_difference(fqns, signatures)}): all {len(fqns)} simulated"
+    found_signatures = signatures([(fqn, model.get_submodule(fqn)) for fqn in fqns], exact=True, held_twice=shared(model),
+                                  rule=lambda fqn: getattr(claimed.get(fqn), "pattern", None))
+    best = max(runs(found_signatures), key=len)  # the first of the longest
+    if len(best) < MIN_RUN:
+        return f"no {MIN_RUN} consecutive blocks of '{container}' are identical ({first_difference(fqns, found_signatures)}): all {len(fqns)} simulated"
     keys = tuple(fqn.rpartition(".")[2] for fqn in fqns)
-    found = BlockReuse(container, keys, best[0], best[0] + best[1])
+    found = BlockReuse(container, keys, best.start, best.stop)
     moved = _positional_setting(model, found)
     if moved:
         return f"{moved} gives the blocks of '{container}' settings by position that a shorter list would move: all {len(fqns)} simulated"
@@ -194,88 +190,9 @@ def _positional_setting(model: "nn.Module", reuse: BlockReuse) -> str | None:
                 continue
             for blocks in (2, 3):
                 kept = [reuse.keys.index(k) for k in reuse.kept(blocks)]
-                if any(_value(value[position]) != _value(value[index]) for position, index in enumerate(kept)):
+                if any(attribute_value(value[position]) != attribute_value(value[index]) for position, index in enumerate(kept)):
                     return f"'{owner}.{attribute}'" if owner else f"'{attribute}'"
     return None
-
-
-def _shared(model: "nn.Module") -> set[int]:
-    """Ids of the modules, parameters and buffers the model holds more than once (tied, or one block twice)."""
-    seen = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
-    seen.update(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    seen.update(id(b) for _, b in model.named_buffers(remove_duplicate=False))
-    return {key for key, n in seen.items() if n > 1}
-
-
-def _indices_as_such(signatures: list[list[tuple[str, str, Any]]], fqns: list[str]) -> list[list[tuple[str, str, Any]]]:
-    """An attribute that is its block's own index in every block that has it (`layer_idx`)
-    does not make blocks differ: it reads "index"."""
-    indices = [int(k) if (k := fqn.rpartition(".")[2]).isdigit() else None for fqn in fqns]
-    not_index = {(rel, aspect) for signature, index in zip(signatures, indices)
-                 for rel, aspect, value in signature if aspect.startswith("attribute ") and (value != index or isinstance(value, bool))}
-    return [[(rel, aspect, "index" if aspect.startswith("attribute ") and (rel, aspect) not in not_index else value)
-             for rel, aspect, value in signature] for signature in signatures]
-
-
-def _signature(block: "nn.Module", fqn: str, claimed: dict, shared: set[int]) -> list[tuple[str, str, Any]]:
-    """What makes a block behave as it does, relative to the block: (module path, aspect, value)."""
-    from torch import nn
-
-    internals = set(vars(nn.Module())) - {"training"}
-    out: list[tuple[str, str, Any]] = []
-    for rel, module in block.named_modules(remove_duplicate=False):
-        rule = claimed.get(f"{fqn}.{rel}" if rel else fqn)
-        # held twice (one module in every block, tied weights): the block's own, so that no run
-        # counts it once per block
-        held = [id(module), *(id(t) for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)]
-        out += [(rel, "type", type(module)), (rel, "sharing", fqn if any(i in shared for i in held) else None),
-                (rel, "rule", rule.pattern if rule else None)]
-        for kind, tensors in (("parameter", module._parameters), ("buffer", module._buffers)):
-            for name, t in tensors.items():
-                shape = None if t is None else (tuple(t.shape), t.dtype, t.requires_grad, type(t))
-                out.append((rel, f"{kind} {name}", (shape, name in module._non_persistent_buffers_set)))
-        out += [(rel, f"attribute {name}", _value(v)) for name, v in vars(module).items() if name not in internals]
-        hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-        out.append((rel, "hooks", tuple(len(h) for h in hooks)))
-    return out
-
-
-def _value(value: Any) -> Any:
-    """An attribute as compared between blocks: plain values by value, containers by their items,
-    tensors by shape, modules by what they hold, others by identity.
-
-    A module in an attribute is compared by its class and its parameters' and buffers' shapes, as
-    its block's own submodules are, not by identity: each block holding its own copy of one
-    function module (the kernels package's `_kernel_funcs`, which transformers 5.25 uses) is no
-    difference, while a copy of another class or shape still is."""
-    import enum
-
-    import torch
-    from torch import nn
-
-    if value is None or isinstance(value, (bool, int, str, float, complex, torch.dtype, torch.device, enum.Enum)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return (type(value), tuple(_value(v) for v in value))
-    if isinstance(value, dict):
-        return (type(value), tuple((_value(k), _value(v)) for k, v in value.items()))
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, nn.Module):
-        tensors = (*value.named_parameters(), *value.named_buffers())
-        return ("module", type(value), tuple((name, _value(t)) for name, t in tensors))
-    return ("object", id(value))
-
-
-def _first_difference(fqns: list[str], signatures: list) -> str:
-    for i in range(1, len(fqns)):
-        if signatures[i] != signatures[i - 1]:
-            ours, theirs = signatures[i], signatures[i - 1]
-            where = next(((o[0], o[1]) for o, t in zip(ours, theirs) if o != t), None)
-            if where is None:
-                return f"'{fqns[i]}' has {'more' if len(ours) > len(theirs) else 'fewer'} submodules than '{fqns[i - 1]}'"
-            return f"'{fqns[i]}' differs from '{fqns[i - 1]}' in the {where[1]} of '{where[0] or '<block>'}'"
-    return "every block differs"
 
 
 # -- the strategy ---------------------------------------------------------------------
