@@ -4,7 +4,7 @@
 
 For each (model, plan, degree): tpplan's lint (`validate --model --tp N`: its
 error and warning codes, and the ops its layout flow stopped at, TP328), the dry
-run's `--check` on the same plan (tpplan.lint.verdicts.judge: the ground truth
+run's `--check` on the same plan (tests/verdicts.py's judge: the ground truth
 both are compared with), and spmd_types' checker on the model with the plan
 applied (bench/_spmd_glue.py: the types come from the plan's DTensor placements
 at to_local/from_local; its verdict, the ops it typed by its default rule only,
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from _common import ROOT, arguments
 
-sys.path.insert(0, str(ROOT / "tests"))  # the differential test's case lists (verdict_cases.py): one truth for both
+sys.path.insert(0, str(ROOT / "tests"))  # the differential test's case lists and judge (verdict_cases.py, verdicts.py): one truth for both
 
 FIX = "  layers.*.moe.router.gate: sum_output_grad\n"
 LINT_FLOW = ["tpplan/lint/flow.py", "tpplan/lint/ops.py", "tpplan/lint/grad_sums.py"]
@@ -132,7 +132,7 @@ def run_tpplan(case: Case) -> None:
     from tpplan import load_plan
     from tpplan.lint.checks import check_model
     from tpplan.lint.context import LintContext
-    from tpplan.lint.verdicts import _meta_model, judge
+    from verdicts import _meta_model, judge  # tests/verdicts.py, on sys.path above
 
     plan, model = load_plan(case.plan), _meta_model(case.model)
     start = time.perf_counter()

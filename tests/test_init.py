@@ -86,7 +86,7 @@ def test_hf_llama_plan_is_proven_and_costs_no_more_than_transformers_plan(tmp_pa
 
 def test_fused_projections_are_sharded_packed_never_plain_colwise():
     from tpplan import infer_plan
-    from tpplan.models import zoo
+    import zoo
 
     plan = infer_plan(zoo.vit, tp=[2])
     rules = rules_of(plan.text)
@@ -110,7 +110,7 @@ def test_a_fused_projection_viewed_heads_first_splits_by_its_heads_not_its_block
 
 def test_a_model_with_nothing_to_shard_gets_an_empty_plan_with_the_reasons(tmp_path):
     out = tmp_path / "plan.yaml"
-    result = run("init", "--model", "tpplan.models.zoo:convnet", "--inputs", "tpplan.models.zoo:convnet_inputs",
+    result = run("init", "--model", "zoo:convnet", "--inputs", "zoo:convnet_inputs",  # tests/zoo.py
                  "--tp", "2", "-o", str(out))
     assert result.exit_code == 0, result.output
     text = out.read_text()
@@ -217,7 +217,7 @@ def test_tp_takes_whole_numbers():
     ("mamba", {"unembed": {"style": "colwise", "output_layouts": "replicate"}}),
 ])
 def test_models_with_no_plan_anywhere(tmp_path, name, expected):
-    model = f"tpplan.models.zoo:{name}"
+    model = f"zoo:{name}"  # tests/zoo.py
     report, plan = init_json(tmp_path, model, "--tp", "2", "--tp", "4")
     rules = rules_of(report["plan"])
     for key, value in expected.items():

@@ -1,7 +1,7 @@
 """The lint's verdicts, proven by `--check`: on the shipped plans, the rule docs'
 examples, fuzzed plans and the family sweep's tiny models, a plan the lint finds
 no error in passes `apply --dry-run --check`, and a plan with a TP32x error fails
-it (tpplan.lint.verdicts). The disagreements that remain are listed in
+it (tests/verdicts.py). The disagreements that remain are listed in
 verdict_cases.KNOWN with their reasons, and the list must stay true.
 
 By default (about 30 s): two reference plans and the layout-flow rules' examples
@@ -25,10 +25,10 @@ from lint_helpers import lint, only
 from test_lint_fuzz import mutated
 from families import family_params
 from verdict_cases import KNOWN, degrees, rule_examples, shipped, swept
+from verdicts import Verdict, judge, tally
 
 from tpplan import PlanError, load_plan
 from tpplan.lint import RULES
-from tpplan.lint.verdicts import Verdict, judge, tally
 
 FAMILIES = ["apertus"]  # by default: its TP325 confirmed by TP506 (test_hf_sweep runs llama's plan)
 DEFAULT_PLANS = ["plans/llama_tp.yaml", "plans/mlp_tp.yaml"]  # at their first degree

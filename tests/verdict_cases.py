@@ -1,5 +1,5 @@
 """The plans the differential test (test_verdicts.py) judges, lint against
-`--check` (tpplan.lint.verdicts): the shipped plans with their models, the rule
+`--check` (tests/verdicts.py): the shipped plans with their models, the rule
 docs' examples, fuzzed plans (test_lint_fuzz.py's generator) and the family
 sweep's tiny models with transformers' plans (test_hf_sweep.py).
 
