@@ -31,7 +31,7 @@ _CASTS = (("routed_output_unsorted.float(),", "routed_output_unsorted,"), (".to(
 @contextlib.contextmanager
 def edited_titan_moe() -> Iterator[None]:
     """torchtitan's MoE.forward, edited as above, for the duration."""
-    from tpplan.titan_models import titan  # torchtitan's modules without triton (CPU)
+    from tpplan.models.titan import titan  # torchtitan's modules without triton (CPU)
 
     moe = titan("models.moe.moe")
     original = moe.MoE.forward
@@ -42,7 +42,7 @@ def edited_titan_moe() -> Iterator[None]:
     if count != 3:
         raise RuntimeError(f"torchtitan's MoE.forward is not the 0.2.2 one this edit is for ({count} of 3 places found)")
     namespace: dict = {}
-    # the module's own globals (its torch is the one tpplan.titan_models swaps in for CPU), plus spmd_types
+    # the module's own globals (its torch is the one tpplan.models.titan swaps in for CPU), plus spmd_types
     moe.spmd = spmd
     exec(compile(source, moe.__file__, "exec"), moe.__dict__, namespace)  # noqa: S102  (the edited method)
     moe.MoE.forward = namespace["forward"]

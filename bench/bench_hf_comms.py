@@ -1,6 +1,6 @@
 """Collectives per training step: transformers' own TP plan vs tpplan's shipped plans.
 
-For each model family (tiny random-weight configs from tpplan.hf_models, 2
+For each model family (tiny random-weight configs from tpplan.models.hf, 2
 layers) and TP degree, one forward and one backward are run in one process
 under torch's fake process group, and the collectives are counted:
 
@@ -20,7 +20,7 @@ import tempfile
 
 from _common import ROOT, arguments
 
-from tpplan import hf_models  # no torch at import: the factories import it when called
+from tpplan.models import hf as hf_models  # no torch at import: the factories import it when called
 
 PLANS = ROOT / "plans" / "hf"
 FAMILIES = ("llama", "qwen2", "mistral", "qwen2_moe")

@@ -4,7 +4,7 @@
 
 For each (model, plan, degree): tpplan's lint (`validate --model --tp N`: its
 error and warning codes, and the ops its layout flow stopped at, TP328), the dry
-run's `--check` on the same plan (tpplan.lint.verdicts.judge: the ground truth
+run's `--check` on the same plan (tests/verdicts.py's judge: the ground truth
 both are compared with), and spmd_types' checker on the model with the plan
 applied (bench/_spmd_glue.py: the types come from the plan's DTensor placements
 at to_local/from_local; its verdict, the ops it typed by its default rule only,
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from _common import ROOT, arguments
 
-sys.path.insert(0, str(ROOT / "tests"))  # the differential test's case lists (verdict_cases.py): one truth for both
+sys.path.insert(0, str(ROOT / "tests"))  # the differential test's case lists and judge (verdict_cases.py, verdicts.py): one truth for both
 
 FIX = "  layers.*.moe.router.gate: sum_output_grad\n"
 LINT_FLOW = ["tpplan/lint/flow.py", "tpplan/lint/ops.py", "tpplan/lint/grad_sums.py"]
@@ -77,14 +77,14 @@ def shipped_cases(tp: int | None) -> list[tuple[str, str, str, int]]:
     if importlib.util.find_spec("torchtitan") is not None:
         for path in sorted((ROOT / "plans" / "titan").glob("*.yaml")):
             plan = str(path.relative_to(ROOT))
-            cases.append((plan, str(path), f"tpplan.titan_models:{path.stem.removesuffix('_tp')}", tp or degrees(path)[0]))
+            cases.append((plan, str(path), f"tpplan.models.titan:{path.stem.removesuffix('_tp')}", tp or degrees(path)[0]))
     return cases
 
 
 def edited_moe_cases(specs: list[tuple[str, str, str, int]]) -> list[Case]:
     """The torchtitan MoE cases again, spmd_types on the MoE edited so that it can type it."""
     return [Case(f"{name}, MoE edited for spmd_types", plan, model, tp, edited_moe=True)
-            for name, plan, model, tp in specs if model.endswith(("titan_models:deepseek_v3_moe", "titan_models:llama4"))]
+            for name, plan, model, tp in specs if model.endswith(("models.titan:deepseek_v3_moe", "models.titan:llama4"))]
 
 
 def example_cases(directory: Path, tp: int | None) -> list[tuple[str, str, str, int]]:
@@ -107,7 +107,7 @@ def unfixed_deepseek(directory: Path, tp: int | None) -> list[tuple[str, str, st
     text = text.replace(FIX, "").replace("extends: deepseek_v3_tp.yaml", f"extends: {shipped.parent / 'deepseek_v3_tp.yaml'}")
     path = directory / "deepseek_v3_moe_tp_unfixed.yaml"
     path.write_text(text)
-    return [("titan deepseek_v3_moe unfixed (no router sum_output_grad)", str(path), "tpplan.titan_models:deepseek_v3_moe", tp or 2)]
+    return [("titan deepseek_v3_moe unfixed (no router sum_output_grad)", str(path), "tpplan.models.titan:deepseek_v3_moe", tp or 2)]
 
 
 def family_cases(count: int, directory: Path, tp: int | None) -> tuple[list[tuple[str, str, str, int]], list[str]]:
@@ -132,7 +132,7 @@ def run_tpplan(case: Case) -> None:
     from tpplan import load_plan
     from tpplan.lint.checks import check_model
     from tpplan.lint.context import LintContext
-    from tpplan.lint.verdicts import _meta_model, judge
+    from verdicts import _meta_model, judge  # tests/verdicts.py, on sys.path above
 
     plan, model = load_plan(case.plan), _meta_model(case.model)
     start = time.perf_counter()

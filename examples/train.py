@@ -16,7 +16,7 @@ or a model type), whose output is the logits or has `.logits`.
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 20 --resume ckpt
 
     # a transformers model with its plan
-    torchrun --nproc-per-node 2 examples/train.py --model tpplan.hf_models:qwen3 --plan plans/hf/qwen3_tp.yaml --tp 2
+    torchrun --nproc-per-node 2 examples/train.py --model tpplan.models.hf:qwen3 --plan plans/hf/qwen3_tp.yaml --tp 2
 
     # survive a killed rank: torchrun restarts the ranks, which resume from ckpt's latest step
     torchrun --nproc-per-node 4 --max-restarts 3 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 \

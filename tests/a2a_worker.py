@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tpplan import hf_models
+from tpplan.models import hf as hf_models
 from tpplan.sharding import expert_dispatch
 from tpplan.sharding.expert_parallel import AllToAllExpertParallel
 from worker_common import collectives, finish, grad_diffs

@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from tpplan import hf_models, load_checkpoint, load_plan, save_checkpoint
+from tpplan import load_checkpoint, load_plan, save_checkpoint
+from tpplan.models import hf as hf_models
 from tpplan.checkpoint.mapped import backing_file
 from worker_common import finish
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import parallelize_module
 
-from tpplan import hf_models
+from tpplan.models import hf as hf_models
 from tpplan.sharding.expert_parallel import AllReduceExpertParallel
 from worker_common import collectives, finish, grad_diffs
 

@@ -15,7 +15,7 @@ from torch import nn
 from tpplan import load_plan
 from tpplan.lint.context import LintContext
 from tpplan.models import mlp
-from tpplan.runtime.reuse import BlockReuse, find_run
+from tpplan.memory.reuse import BlockReuse, find_run
 from tpplan.simulation.blocks import runs
 
 PLAN = Path(__file__).resolve().parent.parent / "plans" / "mlp_tp.yaml"

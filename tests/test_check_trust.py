@@ -20,14 +20,14 @@ pytestmark = pytest.mark.usefixtures("no_process_group_leaks")
 def test_a_model_with_dropout_passes_check_with_dropout_off_and_says_so(tmp_path):
     pytest.importorskip("transformers")
     from tpplan.hf.importer import import_hf
-    from tpplan.hf.tiny import tiny_config
+    from tpplan.models.hf_any import tiny_config
 
     config = tiny_config("seed_oss")
     assert config.attention_dropout == 0.1 and config.residual_dropout == 0.1  # Seed-OSS trains with dropout
     config.save_pretrained(tmp_path)
     plan = tmp_path / "plan.yaml"
     plan.write_text(import_hf(tmp_path, output=plan).text)
-    report = dry_run(ApplyOptions(plan=str(plan), model="tpplan.hf.tiny:seed_oss", tp=2, check=True))
+    report = dry_run(ApplyOptions(plan=str(plan), model="tpplan.models.hf_any:seed_oss", tp=2, check=True))
     assert report.ok, report.problems
     assert report.check.passed and report.check.max_abs_diff < 1e-4
     [note] = [n for n in report.notes if "dropout" in n]
@@ -201,10 +201,10 @@ def test_under_torchrun_diverging_replicas_are_found_by_checksum_after_backward_
 def test_under_torchrun_a_model_with_dropout_passes_check_with_dropout_off_and_says_so(tmp_path):
     pytest.importorskip("transformers")
     from tpplan.hf.importer import import_hf
-    from tpplan.hf.tiny import tiny_config
+    from tpplan.models.hf_any import tiny_config
 
     tiny_config("seed_oss").save_pretrained(tmp_path)  # attention_dropout and residual_dropout 0.1
-    report = _torchrun_check(tmp_path, import_hf(tmp_path).text, "tpplan.hf.tiny:seed_oss", "--steps", "1")
+    report = _torchrun_check(tmp_path, import_hf(tmp_path).text, "tpplan.models.hf_any:seed_oss", "--steps", "1")
     assert report["ok"] is True and report["problems"] == [], report["problems"]
     assert report["check"]["passed"] is True and report["check"]["max_abs_diff"] < 1e-4
     assert ("--check ran both sides in eval mode, so dropout is off (it draws different masks on each side): "

@@ -20,7 +20,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from tpplan import CheckpointError, PlanError, hf_models, load_checkpoint, load_plan, save_checkpoint  # noqa: E402
+from tpplan import CheckpointError, PlanError, load_checkpoint, load_plan, save_checkpoint  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 from tpplan.simulation.simulated_load import simulated_load  # noqa: E402
 from tpplan.cli.app import app  # noqa: E402
 from tpplan.simulation.modelref import ModelRefError, build_model  # noqa: E402
@@ -247,7 +248,7 @@ def load_error(name: str, path, **kwargs) -> CheckpointError:
 
 
 def dry_run(saved, path, *more) -> tuple[int, str]:
-    result = run("apply", "--dry-run", "--tp", "2", "--model", "tpplan.hf_models:llama", "--plan", str(PLANS["llama"]), "--checkpoint", str(path), *more)
+    result = run("apply", "--dry-run", "--tp", "2", "--model", "tpplan.models.hf:llama", "--plan", str(PLANS["llama"]), "--checkpoint", str(path), *more)
     assert "Traceback" not in result.output
     return result.exit_code, result.output
 
@@ -279,7 +280,7 @@ def test_missing_keys_fail_unless_allowed_and_then_are_initialised(saved, tmp_pa
     # The loaded weights are the checkpoint's, not re-initialised with the biases.
     assert torch.equal(model.model.layers[0].self_attn.q_proj.weight, pretrained(saved["qwen2"]).model.layers[0].self_attn.q_proj.weight)
     code, out = dry_run(saved, bad)  # llama has no biases: fine; the CLI option itself:
-    result = run("apply", "--dry-run", "--tp", "2", "--model", "tpplan.hf_models:qwen2", "--plan", str(PLANS["qwen2"]),
+    result = run("apply", "--dry-run", "--tp", "2", "--model", "tpplan.models.hf:qwen2", "--plan", str(PLANS["qwen2"]),
                  "--checkpoint", str(bad), "--allow-missing", "*.bias", "--format", "json")
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["checkpoint"]["allowed_missing"]) == 6

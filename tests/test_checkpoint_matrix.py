@@ -17,7 +17,8 @@ pytest.importorskip("transformers")
 
 from test_checkpoint import PLANS, run  # noqa: E402
 from test_torchrun import torchrun  # noqa: E402
-from tpplan import hf_models, save_checkpoint  # noqa: E402
+from tpplan import save_checkpoint  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 
 PLAN = PLANS["llama"]
 

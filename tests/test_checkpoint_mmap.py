@@ -18,7 +18,8 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 
-from tpplan import hf_models, load_checkpoint, load_plan, save_checkpoint  # noqa: E402
+from tpplan import load_checkpoint, load_plan, save_checkpoint  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 from tpplan.checkpoint.training import asyncsave  # noqa: E402
 from tpplan.checkpoint.mapped import backing_file  # noqa: E402
 from tpplan.checkpoint.save import state_to_save  # noqa: E402

@@ -18,7 +18,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 
-from tpplan import hf_models, load_plan  # noqa: E402
+from tpplan import load_plan  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 from tpplan.checkpoint.inspect import match  # noqa: E402
 from tpplan.simulation.simulated_load import simulated_load  # noqa: E402
 from tpplan.checkpoint.source import locate, read_metadata  # noqa: E402
@@ -135,7 +136,7 @@ def test_apply_dry_run_checkpoint_on_a_moe_checkpoint(saved, family, style, tp):
     from tpplan.cli.app import app
 
     # gpt-oss by its factory: `--model hf:` builds it with sdpa, which its transformers class refuses
-    model = f"tpplan.hf_models:{family}" if family == "gpt_oss" else f"hf:{saved[family]}"
+    model = f"tpplan.models.hf:{family}" if family == "gpt_oss" else f"hf:{saved[family]}"
     result = CliRunner().invoke(app, [
         "apply", "--dry-run", "--tp", str(tp), "--model", model, "--plan", str(ROOT / f"plans/hf/{family}_{style}.yaml"),
         "--checkpoint", str(saved[family]), "--check", "--format", "json",

@@ -15,7 +15,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from test_torchrun import ROOT, torchrun  # noqa: E402
-from tpplan import hf_models, load_checkpoint  # noqa: E402
+from tpplan import load_checkpoint  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 
 PLAN = str(ROOT / "plans/hf/llama_tp.yaml")
 
@@ -61,13 +62,13 @@ def test_load_train_save_and_reshard_across_tp_degrees(tmp_path):
     assert not torch.allclose(trained, original)
 
     # 2 -> 4: the DCP checkpoint of TP 2 at TP 4, checked against one device; saved again.
-    report = apply(4, "--model", "tpplan.hf_models:llama", "--checkpoint", str(tmp_path / "tp2"), "--check", "--save", str(tmp_path / "tp4"))
+    report = apply(4, "--model", "tpplan.models.hf:llama", "--checkpoint", str(tmp_path / "tp2"), "--check", "--save", str(tmp_path / "tp4"))
     assert report["ok"] and report["check"]["passed"] and report["tp"] == 4
     assert report["checkpoint"]["format"] == "dcp" and len(set(report["checkpoint"]["rank_read_bytes"])) == 1
     assert torch.equal(loaded_on_one_device(tmp_path / "tp4"), trained)  # 4 -> 1
 
     # 4 -> 2, saved as consolidated HF safetensors, which transformers loads on one device.
-    report = apply(2, "--model", "tpplan.hf_models:llama", "--checkpoint", str(tmp_path / "tp4"), "--check", "--save", str(tmp_path / "hf"), "--save-format", "hf")
+    report = apply(2, "--model", "tpplan.models.hf:llama", "--checkpoint", str(tmp_path / "tp4"), "--check", "--save", str(tmp_path / "hf"), "--save-format", "hf")
     assert report["ok"] and report["check"]["passed"]
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(logits(again), trained)
@@ -75,7 +76,7 @@ def test_load_train_save_and_reshard_across_tp_degrees(tmp_path):
 
 @pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_an_unreadable_checkpoint_stops_every_rank_before_sharding(tmp_path):
-    result = torchrun(2, "-m", "tpplan", "apply", "--plan", PLAN, "--model", "tpplan.hf_models:llama", "--checkpoint", str(tmp_path / "missing"))
+    result = torchrun(2, "-m", "tpplan", "apply", "--plan", PLAN, "--model", "tpplan.models.hf:llama", "--checkpoint", str(tmp_path / "missing"))
     assert result.returncode != 0
     assert f"TP600 checkpoint '{tmp_path / 'missing'}' does not exist" in result.stdout
     assert "exitcode  : 2" in result.stderr  # unreadable input
@@ -109,7 +110,7 @@ def test_moe_checkpoint_loads_into_expert_tp_on_two_gloo_ranks(tmp_path):
     trained = logits(one)
     assert not torch.allclose(trained, logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "moe")))
     result = torchrun(
-        4, "-m", "tpplan", "apply", "--model", "tpplan.hf_models:qwen3_moe", "--plan", str(ROOT / "plans/hf/qwen3_moe_tp.yaml"),
+        4, "-m", "tpplan", "apply", "--model", "tpplan.models.hf:qwen3_moe", "--plan", str(ROOT / "plans/hf/qwen3_moe_tp.yaml"),
         "--format", "json", "--checkpoint", str(tmp_path / "tp2"), "--check", "--save", str(tmp_path / "tp4"), timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -268,11 +268,11 @@ def test_inputs_let_validate_trace_a_model_whose_first_module_makes_none(workdir
     """A Conv1d stem has no default inputs: without --inputs the flow checks are skipped
     (TP329, naming --inputs); with them the trace and the shape run happen."""
     plan = workdir("empty.yaml", "version: 1\nrules: {}\n")
-    args = ["validate", plan, "--model", "tpplan.models.zoo:convnet", "--tp", "2", "--format", "json"]
+    args = ["validate", plan, "--model", "zoo:convnet", "--tp", "2", "--format", "json"]  # tests/zoo.py
     without = {p["code"] for p in json.loads(run(*args).stdout)["problems"]}
-    given = {p["code"] for p in json.loads(run(*args, "--inputs", "tpplan.models.zoo:convnet_inputs").stdout)["problems"]}
+    given = {p["code"] for p in json.loads(run(*args, "--inputs", "zoo:convnet_inputs").stdout)["problems"]}
     assert {"TP329", "TP330"} <= without and not {"TP329", "TP330"} & given
-    alone = run("validate", plan, "--inputs", "tpplan.models.zoo:convnet_inputs")
+    alone = run("validate", plan, "--inputs", "zoo:convnet_inputs")
     assert alone.exit_code == 2 and "--inputs needs --model" in alone.output
 
 

@@ -113,7 +113,7 @@ def test_a_successful_run_on_llama_prints_nothing_on_stderr(args):
 @pytest.fixture(scope="module")
 def tiny_configs(tmp_path_factory):
     pytest.importorskip("transformers")
-    from tpplan.hf.tiny import tiny_config
+    from tpplan.models.hf_any import tiny_config
 
     root = tmp_path_factory.mktemp("hf")
     from tpplan.core.quiet import loggers_quiet
@@ -222,6 +222,6 @@ def test_a_function_module_held_outside_the_children_reaches_no_module_tracker_w
 @pytest.mark.slow
 def test_a_memory_plan_of_a_transformers_model_reaches_no_module_tracker_warning():
     pytest.importorskip("transformers")
-    qwen3 = ("--plan", str(ROOT / "plans" / "hf" / "qwen3_tp.yaml"), "--model", "tpplan.hf_models:qwen3")
+    qwen3 = ("--plan", str(ROOT / "plans" / "hf" / "qwen3_tp.yaml"), "--model", "tpplan.models.hf:qwen3")
     result, lines = run_gathered("apply", *qwen3, "--dry-run", "--tp", "2", "--memory-limit", "1GiB")
     assert (result.exit_code, lines) == (0, [])

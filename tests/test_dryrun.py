@@ -256,7 +256,7 @@ def test_a_big_model_that_needs_values_is_not_materialized(gated, monkeypatch):
 
 def test_huggingface_model_runs_on_fake_tensors():
     pytest.importorskip("transformers")
-    report = dry_run(ApplyOptions(plan=str(PLANS / "hf" / "llama_tp.yaml"), model="tpplan.hf_models:llama", tp=2))
+    report = dry_run(ApplyOptions(plan=str(PLANS / "hf" / "llama_tp.yaml"), model="tpplan.models.hf:llama", tp=2))
     assert report.ok, report.problems
     # transformers skips its data-dependent mask checks on fake tensors: no retry needed.
     assert (report.device, report.notes) == ("fake", [])

@@ -20,7 +20,8 @@ from typer.testing import CliRunner
 
 pytest.importorskip("transformers")
 
-from tpplan import hf_models, load_plan  # noqa: E402
+from tpplan import load_plan  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 from tpplan.cli.app import app  # noqa: E402
 from tpplan.lint.checks import check_model  # noqa: E402
 from tpplan import PlanError  # noqa: E402
@@ -65,7 +66,7 @@ def test_experts_module_matches_one_device_with_ragged_splits_on_real_ranks(fami
 def test_shipped_sequence_parallel_plan_passes_check_on_real_ranks(nproc):
     steps = ("--steps", "2") if nproc == 2 else ()
     result = torchrun(
-        nproc, "-m", "tpplan", "apply", "--model", "tpplan.hf_models:qwen3_moe", "--plan", PLAN,
+        nproc, "-m", "tpplan", "apply", "--model", "tpplan.models.hf:qwen3_moe", "--plan", PLAN,
         "--check", *steps, "--format", "json", timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -77,7 +78,7 @@ def test_shipped_sequence_parallel_plan_passes_check_on_real_ranks(nproc):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_dry_run_counts_the_all_to_alls_and_halves_the_experts(tp):
-    result = _cli("apply", "--model", "tpplan.hf_models:qwen3_moe", "--plan", PLAN, "--dry-run", "--tp", str(tp), "--format", "json")
+    result = _cli("apply", "--model", "tpplan.models.hf:qwen3_moe", "--plan", PLAN, "--dry-run", "--tp", str(tp), "--format", "json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["comms"] == EP_SP
@@ -87,7 +88,7 @@ def test_dry_run_counts_the_all_to_alls_and_halves_the_experts(tp):
 
 
 def test_dry_run_check_says_values_cannot_be_simulated():
-    result = _cli("apply", "--model", "tpplan.hf_models:qwen3_moe", "--plan", PLAN, "--dry-run", "--tp", "2", "--check")
+    result = _cli("apply", "--model", "tpplan.models.hf:qwen3_moe", "--plan", PLAN, "--dry-run", "--tp", "2", "--check")
     assert result.exit_code == 1
     assert f"{PLAN}:1:1: TP502 the --check run with real values fails at TP 2: UnsimulatableDispatch: " in result.output
     assert "check its parity under torchrun" in result.output
@@ -96,16 +97,16 @@ def test_dry_run_check_says_values_cannot_be_simulated():
 
 def test_shipped_plan_is_clean_and_the_lint_guards_the_dispatch(tmp_path):
     plan = load_plan(ROOT / PLAN)
-    problems = check_model(plan, meta_model("tpplan.hf_models:qwen3_moe"), [2, 4])
+    problems = check_model(plan, meta_model("tpplan.models.hf:qwen3_moe"), [2, 4])
     # No error; the one warning says that the flow stops where the MoE block flattens its
     # sequence shard into tokens (no contiguous shard of the global tokens): --check decides.
     assert [(p.code, p.severity, p.line) for p in problems] == [("TP328", "warning", 32)]
     assert "returns at 'view' inside 'model.layers.0.mlp'" in problems[0].message
     # TP305: 4 experts over 8 ranks.
-    assert [p.code for p in check_model(plan, meta_model("tpplan.hf_models:qwen3_moe"), [8]) if p.severity == "error"] == ["TP305"]
+    assert [p.code for p in check_model(plan, meta_model("tpplan.models.hf:qwen3_moe"), [8]) if p.severity == "error"] == ["TP305"]
     # all_to_all on replicated tokens (the all_reduce plan's layout): the flow sees it.
     replicated = (ROOT / "plans/hf/qwen3_moe_ep.yaml").read_text().replace("dispatch: all_reduce", "dispatch: all_to_all")
-    problems = check_model(load_plan(text=replicated), meta_model("tpplan.hf_models:qwen3_moe"), [2])
+    problems = check_model(load_plan(text=replicated), meta_model("tpplan.models.hf:qwen3_moe"), [2])
     assert [p.code for p in problems if p.severity == "error"] == ["TP320"]
     assert "expert_parallel 'model.layers.0.mlp.experts'" in problems[0].message and "as shard(0)" in problems[0].message
 

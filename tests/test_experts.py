@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
-from tpplan import hf_models  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 from tpplan.models import llama  # noqa: E402
 from tpplan.simulation.simulate import simulated_world, tp_mesh  # noqa: E402
 from tpplan.check.verify import check_parity  # noqa: E402
@@ -279,10 +279,10 @@ def test_head_divisibility_offers_replicated_kv_heads_as_the_fix():
         "  model.layers.*.self_attn.{q,k,v}_proj: colwise\n"
         "  model.layers.*.self_attn.o_proj: rowwise\n"
     )
-    problems = [p for p in lint(text, "tpplan.hf_models:llama_kv2", tp=[4]) if p.code == "TP311"]
+    problems = [p for p in lint(text, "tpplan.models.hf:llama_kv2", tp=[4]) if p.code == "TP311"]
     assert problems and "{style: colwise, heads: auto}" in problems[0].message
     fixed = text.replace("colwise\n", "{style: colwise, heads: auto}\n", 1)
-    assert [p for p in lint(fixed, "tpplan.hf_models:llama_kv2", tp=[4, 8]) if p.severity == "error"] == []
+    assert [p for p in lint(fixed, "tpplan.models.hf:llama_kv2", tp=[4, 8]) if p.severity == "error"] == []
 
 
 # -- replicated parameters on sharded activations ---------------------------------------
@@ -301,7 +301,7 @@ def test_partial_gradients_of_apertus_xielu_are_found_and_fixed_by_import_minima
     from tpplan.hf.importer import import_hf
 
     imported = import_hf(apertus_config)
-    flagged = [p for p in lint(imported.text, "tpplan.hf_models:apertus", tp=[2]) if p.code == "TP325"]
+    flagged = [p for p in lint(imported.text, "tpplan.models.hf:apertus", tp=[2]) if p.code == "TP325"]
     assert len(flagged) == 1 and "'model.layers.*.mlp.act_fn: local_params'" in flagged[0].message
     assert "'alpha_p', 'alpha_n'" in flagged[0].message
     # transformers' own plan: outputs match, the xIELU parameters' gradients do not.
@@ -311,7 +311,7 @@ def test_partial_gradients_of_apertus_xielu_are_found_and_fixed_by_import_minima
 
     minimal = import_hf(apertus_config, minimal=True, lint_fixes=added_rules)
     assert "  model.layers.*.mlp.act_fn: local_params\n" in minimal.text
-    assert [p for p in lint(minimal.text, "tpplan.hf_models:apertus", tp=[2]) if p.code == "TP325"] == []
+    assert [p for p in lint(minimal.text, "tpplan.models.hf:apertus", tp=[2]) if p.code == "TP325"] == []
     _assert_parity(check_parity(hf_models.apertus, load_plan(text=minimal.text), 2))
 
 
@@ -362,7 +362,7 @@ def test_expert_tp_tells_undecorated_transposed_experts_by_their_shapes():
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from tpplan.hf.tiny import tiny_config
+    from tpplan.models.hf_any import tiny_config
     from tpplan.sharding.experts import ExpertTensorParallel, expert_tp_defaults
     from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 

@@ -161,10 +161,10 @@ rules:
 @pytest.fixture(scope="module")
 def phi3():
     pytest.importorskip("transformers")
-    from tpplan.hf import tiny
+    from tpplan.models import hf_any
 
     with torch.device("meta"):
-        return tiny.phi3()
+        return hf_any.phi3()
 
 
 def test_phi3_plain_colwise_is_reported_at_qkv_proj_and_gate_up_proj(phi3):
@@ -180,7 +180,7 @@ def test_phi3_packed_qkv_proj_sliced_at_fixed_offsets_is_reported(phi3):
 
 
 def test_phi3_gathered_qkv_and_packed_gate_up_are_lint_clean_and_match_one_device(phi3):
-    from tpplan import hf_models
+    from tpplan.models import hf as hf_models
 
     text = PHI3.format(qkv="{style: colwise, output_layouts: replicate}", o="{style: rowwise, input_layouts: replicate}",
                        gate_up="{style: colwise, packed: 2}")
@@ -191,7 +191,7 @@ def test_phi3_gathered_qkv_and_packed_gate_up_are_lint_clean_and_match_one_devic
 
 @pytest.mark.slow
 def test_phi3_plain_colwise_gate_up_fails_check_at_its_own_rule():
-    from tpplan import hf_models
+    from tpplan.models import hf as hf_models
 
     text = PHI3.format(qkv="{style: colwise, output_layouts: replicate}", o="{style: rowwise, input_layouts: replicate}", gate_up="colwise")
     result = check_parity(lambda: hf_models.phi3("eager"), load_plan(text=text), 2)

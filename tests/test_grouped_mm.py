@@ -82,7 +82,7 @@ def _olmoe_dry_run(tmp_path, monkeypatch):
 
     (tmp_path / "p.yaml").write_text(OLMOE_PLAN)
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
-    return dry_run(ApplyOptions(plan=str(tmp_path / "p.yaml"), model="tpplan.hf.tiny:olmoe", tp=2))
+    return dry_run(ApplyOptions(plan=str(tmp_path / "p.yaml"), model="tpplan.models.hf_any:olmoe", tp=2))
 
 
 def test_a_float32_moe_above_the_values_limit_is_dry_run_on_fake_tensors(tmp_path, monkeypatch):
@@ -102,7 +102,7 @@ def test_the_fake_run_counts_the_collectives_of_real_values(tmp_path, monkeypatc
     fake process group make the collectives the fake run counts."""
     pytest.importorskip("transformers")
     from tpplan.core.loader import load_plan
-    from tpplan.hf.tiny import olmoe
+    from tpplan.models.hf_any import olmoe
     from tpplan.simulation import simulate
 
     report = _olmoe_dry_run(tmp_path, monkeypatch)
@@ -118,12 +118,12 @@ def test_the_fake_run_counts_the_collectives_of_real_values(tmp_path, monkeypatc
 def test_init_infers_a_float32_moe_above_the_values_limit(monkeypatch):
     """Before: TP329, the forward fails on meta and fake tensors and values are refused."""
     pytest.importorskip("transformers")
-    from tpplan.hf.tiny import olmoe
+    from tpplan.models.hf_any import olmoe
     from tpplan.init import run_init
     from tpplan.simulation import simulate
 
     monkeypatch.setattr(simulate, "VALUES_LIMIT_BYTES", 1024)
-    inferred = run_init(olmoe, ref="tpplan.hf.tiny:olmoe", tp=[2])
+    inferred = run_init(olmoe, ref="tpplan.models.hf_any:olmoe", tp=[2])
     assert not inferred.checked
     rules = yaml.safe_load(inferred.text)["rules"]
     assert rules["model.layers.*.mlp.experts"] == "expert_tp"

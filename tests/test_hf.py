@@ -1,6 +1,6 @@
 """transformers model families: the shipped plans/hf/*.yaml and `import_hf`, simulated in one process.
 
-Each run builds a tiny random-weight model (tpplan.hf_models: hidden 64, 2
+Each run builds a tiny random-weight model (tpplan.models.hf: hidden 64, 2
 layers, 8 query / 4 KV heads), applies a plan at TP 2 or 4 under a fake process
 group with real per-rank values, and compares outputs and every parameter
 gradient with the single-device model; the collectives of one forward and one
@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from expected import llama_comms  # noqa: E402
 from tpplan import load_plan  # noqa: E402
-from tpplan import hf_models  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 from tpplan.core.aliases import TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT  # noqa: E402
 from tpplan.hf.importer import SOUND_STYLES, Skipped, import_hf  # noqa: E402
 from tpplan.lint.fixes import added_rules  # noqa: E402
@@ -295,7 +295,7 @@ def test_import_hf_command_writes_a_plan_that_validates_against_its_model(tmp_pa
     assert "added: model.layers.*.self_attn" in result.output  # reported on stderr, not in the plan
     # The plan's mesh.sizes fit transformers' default LlamaConfig (32 KV heads); the tiny model has 4,
     # which TP 8 cannot split (TP311): check it at the degrees it has.
-    checked = CliRunner().invoke(app, ["validate", str(out), "--model", "tpplan.hf_models:llama", "--tp", "2", "--tp", "4"])
+    checked = CliRunner().invoke(app, ["validate", str(out), "--model", "tpplan.models.hf:llama", "--tp", "2", "--tp", "4"])
     assert checked.exit_code == 0, checked.output
 
 
@@ -377,7 +377,7 @@ def test_a_config_saved_by_transformers_reads_back_with_its_encoded_floats_and_a
 def test_a_composite_config_imports_the_plan_of_the_text_config_its_causal_lm_is_built_from(tmp_path):
     # a Llama 4 checkpoint's config.json is a Llama4Config (text and vision); Llama4ForCausalLM
     # takes its text_config, as AutoModelForCausalLM.from_config picks it
-    from tpplan.hf.tiny import tiny_config
+    from tpplan.models.hf_any import tiny_config
 
     tiny_config("llama4").save_pretrained(tmp_path)
     text = import_hf(tmp_path).text

@@ -1,5 +1,5 @@
 """A sweep over transformers' causal-LM families: for each model type, a tiny model
-(tpplan.hf.tiny), `import-hf` (and `--minimal`), `validate --model` and a dry-run
+(tpplan.models.hf_any), `import-hf` (and `--minimal`), `validate --model` and a dry-run
 `--check` at TP 2. Each family passes, or tpplan reports a located, true problem;
 OUTCOMES records which (with transformers 5.24), so a false failure tpplan grows,
 or a problem it stops seeing, fails here.
@@ -69,7 +69,7 @@ def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
     import torch
 
     from tpplan.hf.importer import import_hf
-    from tpplan.hf.tiny import build, tiny_config
+    from tpplan.models.hf_any import build, tiny_config
     from tpplan.lint.checks import check_model
     from tpplan.runtime.dryrun import dry_run
     from tpplan.simulation.modelref import ModelRefError
@@ -103,7 +103,7 @@ def sweep(model_type: str, workdir: Path) -> tuple[tuple[str, str | None], str]:
         if errors:
             return ("validate", errors[0].code), "\n".join(map(str, errors))
         try:
-            report = dry_run(ApplyOptions(plan=str(path), model=f"tpplan.hf.tiny:{model_type.replace('-', '_')}", tp=2, check=True))
+            report = dry_run(ApplyOptions(plan=str(path), model=f"tpplan.models.hf_any:{model_type.replace('-', '_')}", tp=2, check=True))
         except ModelRefError as exc:  # a multimodal model's first module is no Embedding: a usage error, true
             return ("needs --inputs", None), str(exc)
         if report.problems and report.problems[0].code == "TP500":  # the tiny model fails on one device: not a plan to judge
@@ -140,7 +140,7 @@ def test_the_apertus_problems_are_located_at_their_rules(tmp_path):
     fix = "add the rule 'model.layers.*.mlp.act_fn: local_params'"
     assert fix in text
     # the dry run's forward matches one device (xIELU is elementwise), but the replicas of its parameters diverge
-    report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.hf.tiny:apertus", tp=2, check=True))
+    report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.models.hf_any:apertus", tp=2, check=True))
     assert {(p.code, p.line, p.column) for p in report.problems} == {("TP506", 14, 3)}
     assert report.problems[0].message.startswith("at TP 2, replicated parameter 'model.layers.0.mlp.act_fn.alpha_")
     assert all(fix in p.message for p in report.problems)  # the fix TP325 names, for the same cause
@@ -154,7 +154,7 @@ def test_per_head_norms_are_declared_on_the_dim_their_heads_are_on(tmp_path, mod
     # Qwen3 normalizes [batch, seq, heads, head_dim]; EXAONE 4 and Apertus after the transpose;
     # Qwen3-MoE as Qwen3, found on fake tensors through its experts' float32 grouped_mm (hf.grouped_mm)
     from tpplan.hf.importer import import_hf
-    from tpplan.hf.tiny import tiny_config
+    from tpplan.models.hf_any import tiny_config
 
     tiny_config(model_type).save_pretrained(tmp_path)
     text = import_hf(tmp_path).text
@@ -168,7 +168,7 @@ def test_a_per_head_norm_on_its_real_dim_gets_the_gradients_of_one_device_and_a_
     import torch
 
     from tpplan.hf.importer import import_hf
-    from tpplan.hf.tiny import build, tiny_config
+    from tpplan.models.hf_any import build, tiny_config
     from tpplan.lint.checks import check_model
     from tpplan.runtime.dryrun import dry_run
     from tpplan.runtime.torchrun import ApplyOptions
@@ -177,7 +177,7 @@ def test_a_per_head_norm_on_its_real_dim_gets_the_gradients_of_one_device_and_a_
     text = import_hf(tmp_path).text
     (tmp_path / "hf.yaml").write_text(text)
     # outputs and every gradient (q_norm/k_norm's summed: local_params) as one device, replicas equal
-    report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.hf.tiny:exaone4", tp=2, check=True))
+    report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.models.hf_any:exaone4", tp=2, check=True))
     assert report.problems == [] and report.check.passed
     (tmp_path / "wrong.yaml").write_text(text.replace("input_layouts: shard(1), desired_input_layouts: shard(1)",
                                                       "input_layouts: shard(-2), desired_input_layouts: shard(-2)"))

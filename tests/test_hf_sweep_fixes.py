@@ -57,7 +57,7 @@ def test_local_params_naming_a_parameter_its_module_lacks_is_tp501_at_its_rule(t
 
 def _imported(tmp_path, model_type: str, minimal: bool = False) -> str:
     from tpplan.hf.importer import import_hf
-    from tpplan.hf.tiny import tiny_config
+    from tpplan.models.hf_any import tiny_config
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -66,7 +66,7 @@ def _imported(tmp_path, model_type: str, minimal: bool = False) -> str:
 
 
 def test_attention_sinks_are_sharded_by_local_params_on_the_modules_that_own_them(tmp_path):
-    from tpplan.hf.tiny import build
+    from tpplan.models.hf_any import build
     from tpplan.lint.checks import check_model
 
     text = _imported(tmp_path, "granite_swa")
@@ -88,7 +88,7 @@ def test_attention_sinks_are_sharded_by_local_params_on_the_modules_that_own_the
 
 def test_mla_rotary_key_gradient_is_summed_as_transformers_does(tmp_path):
     from tpplan.core.aliases import suggestion
-    from tpplan.hf.tiny import build
+    from tpplan.models.hf_any import build
     from tpplan.hf.transformers_runtime import apply_transformers_plan
     from tpplan.runtime.dryrun import dry_run
     from tpplan.runtime.torchrun import ApplyOptions
@@ -110,7 +110,7 @@ def test_mla_rotary_key_gradient_is_summed_as_transformers_does(tmp_path):
     (tmp_path / "hf.yaml").write_text(text)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.hf.tiny:glm4_moe_lite", tp=2, check=True))
+        report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.models.hf_any:glm4_moe_lite", tp=2, check=True))
         theirs = check_parity(lambda: build("glm4_moe_lite"), apply_transformers_plan, 2)
     # outputs and every gradient as one device, replicas equal (TP506 on kv_a_proj_with_mqa without it)
     assert report.problems == [] and report.check.passed and theirs.passed

@@ -55,7 +55,7 @@ def backward_collectives(comms: dict) -> int:
 
 def test_hf_llama_plan_is_proven_and_costs_no_more_than_transformers_plan(tmp_path):
     pytest.importorskip("transformers")
-    model = "tpplan.hf.tiny:llama"
+    model = "tpplan.models.hf_any:llama"
     report, plan = init_json(tmp_path, model, "--tp", "4")
     assert set(report) >= {"plan", "degrees", "compare", "dropped"}
     rules = rules_of(report["plan"])
@@ -86,7 +86,7 @@ def test_hf_llama_plan_is_proven_and_costs_no_more_than_transformers_plan(tmp_pa
 
 def test_fused_projections_are_sharded_packed_never_plain_colwise():
     from tpplan import infer_plan
-    from tpplan.models import zoo
+    import zoo
 
     plan = infer_plan(zoo.vit, tp=[2])
     rules = rules_of(plan.text)
@@ -110,7 +110,7 @@ def test_a_fused_projection_viewed_heads_first_splits_by_its_heads_not_its_block
 
 def test_a_model_with_nothing_to_shard_gets_an_empty_plan_with_the_reasons(tmp_path):
     out = tmp_path / "plan.yaml"
-    result = run("init", "--model", "tpplan.models.zoo:convnet", "--inputs", "tpplan.models.zoo:convnet_inputs",
+    result = run("init", "--model", "zoo:convnet", "--inputs", "zoo:convnet_inputs",  # tests/zoo.py
                  "--tp", "2", "-o", str(out))
     assert result.exit_code == 0, result.output
     text = out.read_text()
@@ -217,7 +217,7 @@ def test_tp_takes_whole_numbers():
     ("mamba", {"unembed": {"style": "colwise", "output_layouts": "replicate"}}),
 ])
 def test_models_with_no_plan_anywhere(tmp_path, name, expected):
-    model = f"tpplan.models.zoo:{name}"
+    model = f"zoo:{name}"  # tests/zoo.py
     report, plan = init_json(tmp_path, model, "--tp", "2", "--tp", "4")
     rules = rules_of(report["plan"])
     for key, value in expected.items():
@@ -265,10 +265,10 @@ def test_init_reproduces_or_beats_the_shipped_plans_collectives(tmp_path, model,
                 "model.layers.*.self_attention.kv_proj": {"style": "colwise", "output_layouts": "replicate"}}),
 ])
 def test_conv1d_stacked_and_heads_first_fused_families_hold_under_a_third_per_rank_at_tp_4(family, pairs):
-    from tpplan.hf.tiny import build
+    from tpplan.models.hf_any import build
     from tpplan.init import run_init
 
-    inferred = run_init(lambda: build(family), ref=f"tpplan.hf.tiny:{family.replace('-', '_')}", tp=[2, 4])
+    inferred = run_init(lambda: build(family), ref=f"tpplan.models.hf_any:{family.replace('-', '_')}", tp=[2, 4])
     rules = rules_of(inferred.text)
     for key, value in pairs.items():
         assert rules[key] == value, inferred.text
@@ -293,7 +293,7 @@ def test_sequence_parallel_gathers_once_per_parent(tmp_path):
 @pytest.mark.slow
 def test_moe_experts_found_by_shape(tmp_path):
     pytest.importorskip("transformers")
-    model = "tpplan.hf.tiny:qwen3_moe"
+    model = "tpplan.models.hf_any:qwen3_moe"
     report, plan = init_json(tmp_path, model, "--tp", "2")
     rules = rules_of(report["plan"])
     assert rules["model.layers.*.mlp.experts"] == "expert_tp"
@@ -396,7 +396,7 @@ def test_a_model_with_its_own_plan_keeps_to_it_where_it_leaves_modules_whole_unl
     it too: fewer bytes, more backward all-reduces. (Llama, whose plan init beats on both, gets
     all it proves: test_hf_llama_plan_is_proven_and_costs_no_more_than_transformers_plan.)"""
     pytest.importorskip("transformers")
-    model = "tpplan.hf.tiny:youtu"
+    model = "tpplan.models.hf_any:youtu"
     kept, _ = init_json(tmp_path, model, "--tp", "2")
     more, more_plan = init_json(tmp_path, model, "--tp", "2", "--shard-more")
     ours, theirs, wider = kept["degrees"]["2"], kept["compare"]["transformers"]["2"], more["degrees"]["2"]

@@ -1,5 +1,5 @@
 """`tpplan init` over transformers' causal-LM families, the way tests/test_hf_sweep.py
-sweeps transformers' own plans: for each model type, a tiny model (tpplan.hf.tiny),
+sweeps transformers' own plans: for each model type, a tiny model (tpplan.models.hf_any),
 `init` at TP 2 and 4, and where transformers has a TP plan, that plan dry-run beside it.
 
 A family passes when the inferred plan passes `--check` at both degrees, prove dropped
@@ -72,7 +72,7 @@ def sweep(model_type: str) -> Row:
     import torch
 
     from tpplan.core.problems import PlanError
-    from tpplan.hf.tiny import build, tiny_config
+    from tpplan.models.hf_any import build, tiny_config
     from tpplan.init import run_init
     from tpplan.simulation.modelref import ModelRefError
 
@@ -94,7 +94,7 @@ def _sweep(row, model_type, torch, PlanError, build, tiny_config, run_init, Mode
     except Exception as exc:  # whatever transformers raises for its own config: recorded as the skip's reason
         row.status, row.text = "does not build", f"{type(exc).__name__}: {exc}"
         return row
-    ref = f"tpplan.hf.tiny:{model_type.replace('-', '_')}"
+    ref = f"tpplan.models.hf_any:{model_type.replace('-', '_')}"
     try:
         inferred = run_init(lambda: build(model_type), ref=ref, tp=[2, 4], shard_more=SHARD_MORE)
     except ModelRefError as exc:  # a multimodal model's first module is no Embedding: a usage error, true

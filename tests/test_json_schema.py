@@ -537,7 +537,7 @@ def test_import_hf_output_points_at_the_schema_from_its_directory(tmp_path):
 
     from tpplan.cli.app import app
 
-    from tpplan import hf_models
+    from tpplan.models import hf as hf_models
 
     config = tmp_path / "config"
     hf_models.FACTORIES["llama"]().config.save_pretrained(config)

@@ -120,7 +120,7 @@ def test_tracing_leaves_the_model_as_it_was_even_when_the_forward_fails():
 def test_models_that_meta_tensors_cannot_run_are_traced_on_fake_tensors():
     pytest.importorskip("transformers")
     plan = load_plan(text="version: 1\nrules:\n  lm_head: {style: colwise, output_layouts: replicate}\n")
-    ctx = LintContext(plan, meta_model("tpplan.hf_models:llama"), [2])
+    ctx = LintContext(plan, meta_model("tpplan.models.hf:llama"), [2])
     assert ctx.trace is not None and ctx.trace_mode == "fake"  # transformers' masks call .item() on meta
 
 

@@ -167,7 +167,7 @@ def test_sequence_parallel_on_a_module_that_mixes_positions_is_a_warning():
         rules:
           norm: sequence_parallel
           shift: sequence_parallel
-    """, "tpplan.lint.examples:shift_mlp", select=["TP302"])
+    """, "tpplan.models.rule_examples:shift_mlp", select=["TP302"])
     problem = only(problems, "TP302")
     assert (problem.severity, problem.line, problem.column) == ("warning", 4, 3)
     assert "'shift' (TokenShift)" in problem.message and "gather the sequence before it" in problem.message
@@ -550,7 +550,7 @@ def test_an_uneven_local_handoff_is_an_error_and_a_dtensor_handoff_is_not():
 
 
 def test_a_model_without_default_inputs_is_a_warning_that_flow_checks_were_skipped():
-    problem = only(lint("version: 1\nrules:\n  proj: colwise\n", "tpplan.lint.examples:conv_first", select=["TP329"]), "TP329")
+    problem = only(lint("version: 1\nrules:\n  proj: colwise\n", "tpplan.models.rule_examples:conv_first", select=["TP329"]), "TP329")
     assert (problem.severity, problem.line, problem.column) == ("warning", 2, 1)
     assert "'conv' is a Conv1d" in problem.message and "were skipped: layout flow (TP320-TP324)" in problem.message
 
@@ -561,7 +561,7 @@ def test_forward_code_that_assumes_global_heads_fails_the_dry_run_at_the_shardin
         rules:
           attention.w{q,k,v}: colwise
           attention.wo: rowwise
-    """, "tpplan.lint.examples:global_heads_lm", tp=(2,))
+    """, "tpplan.models.rule_examples:global_heads_lm", tp=(2,))
     assert not [p for p in problems if p.severity == "error" and p.code != "TP330"]
     problem = only(problems, "TP330")
     assert (problem.line, problem.column) == (3, 3)
@@ -621,14 +621,14 @@ def test_tied_parameters_with_different_placements_are_an_error():
         rules:
           embed: {style: colwise, output_layouts: replicate}
           head: {style: colwise, output_layouts: replicate}
-    """, "tpplan.lint.examples:tied_lm", select=["TP350"]), "TP350")
+    """, "tpplan.models.rule_examples:tied_lm", select=["TP350"]), "TP350")
     assert (problem.line, problem.column) == (4, 3)
     assert ("'embed.weight' becomes shard(1) (colwise, rule 'embed' at plan.yaml:3); 'head.weight' becomes shard(0) "
             "(colwise, rule 'head' at plan.yaml:4)") in problem.message
 
 
 def test_tied_parameters_sharded_alike_or_left_alone_are_not_reported():
-    model = "tpplan.lint.examples:tied_lm"
+    model = "tpplan.models.rule_examples:tied_lm"
     alike = "version: 1\nrules:\n  embed: {style: rowwise, input_layouts: replicate}\n  head: {style: colwise, output_layouts: replicate}\n"
     assert not lint(alike, model, select=["TP350"])
     assert not lint("version: 1\nrules:\n  up: colwise\n  down: rowwise\n", model, select=["TP350"])
@@ -636,7 +636,7 @@ def test_tied_parameters_sharded_alike_or_left_alone_are_not_reported():
 
 def test_one_tied_owner_left_plain_is_an_error_too():
     problem = only(lint("version: 1\nrules:\n  head: {style: colwise, output_layouts: replicate}\n",
-                        "tpplan.lint.examples:tied_lm", select=["TP350"]), "TP350")
+                        "tpplan.models.rule_examples:tied_lm", select=["TP350"]), "TP350")
     assert "'embed.weight' stays a plain tensor (no rule)" in problem.message
 
 

@@ -100,7 +100,7 @@ def test_validate_rejects_an_unknown_code_with_exit_2(tmp_path):
 
 def test_the_dry_run_says_it_was_skipped_when_the_forward_cannot_run():
     found = [p for p in check_model(load_plan(text="version: 1\nrules:\n  proj: colwise\n", file="plan.yaml"),
-                                    meta_model("tpplan.lint.examples:conv_first"), [2], select=["TP330"])]
+                                    meta_model("tpplan.models.rule_examples:conv_first"), [2], select=["TP330"])]
     assert [(p.code, p.severity, p.line, p.column) for p in found] == [("TP330", "warning", 2, 1)]
     assert found[0].message.startswith("the shape-level dry run was skipped: the model's forward cannot run on example inputs (")
 

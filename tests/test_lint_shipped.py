@@ -31,9 +31,9 @@ def test_the_sequence_parallel_plan_is_clean_on_llama3_8b_shapes():
 def _hf_cases():
     for path in sorted((ROOT / "plans" / "hf").glob("*.yaml")):
         family = re.sub(r"_(tp|ep)(_sp)?$", "", path.stem)
-        yield str(path.relative_to(ROOT)), f"tpplan.hf_models:{family}"
+        yield str(path.relative_to(ROOT)), f"tpplan.models.hf:{family}"
         if family == "llama":
-            yield str(path.relative_to(ROOT)), "tpplan.hf_models:llama_tied"
+            yield str(path.relative_to(ROOT)), "tpplan.models.hf:llama_tied"
 
 
 @pytest.mark.parametrize("plan, model", list(_hf_cases()))

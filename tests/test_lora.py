@@ -1,6 +1,6 @@
 """LoRA adapters follow their base layer: the plan written for transformers' Llama
 and Qwen3 applies as it is to the models with peft's LoRA adapters on every
-projection (tpplan.hf_models:llama_lora, qwen3_lora: r 4, only adapters train);
+projection (tpplan.models.hf:llama_lora, qwen3_lora: r 4, only adapters train);
 the base layer is sharded by the rule, the adapters' placements are derived."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ pytest.importorskip("peft")
 from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
-from tpplan import PlanError, hf_models, load_plan  # noqa: E402
+from tpplan import PlanError, load_plan  # noqa: E402
+from tpplan.models import hf as hf_models  # noqa: E402
 from tpplan.cli.app import app  # noqa: E402
 from tpplan.lint.checks import check_model  # noqa: E402
 from tpplan.simulation.simulate import simulated_world, tp_mesh  # noqa: E402
@@ -122,7 +123,7 @@ def test_a_rule_matching_nothing_in_the_peft_model_is_explained_below_the_prefix
 
 
 def dry_run(model: str, plan: str, tp: int, *more: str):
-    return CliRunner().invoke(app, ["apply", "--dry-run", "--tp", str(tp), "--model", f"tpplan.hf_models:{model}",
+    return CliRunner().invoke(app, ["apply", "--dry-run", "--tp", str(tp), "--model", f"tpplan.models.hf:{model}",
                                     "--plan", str(PLANS / plan), "--check", *more])
 
 

@@ -41,7 +41,7 @@ def mlp8() -> nn.Module:
 
 
 def hf_llama6() -> nn.Module:
-    from tpplan.hf_models import _build
+    from tpplan.models.hf import _build
 
     return _build("LlamaConfig", "LlamaForCausalLM", "sdpa", num_hidden_layers=6)
 

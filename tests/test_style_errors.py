@@ -108,14 +108,26 @@ def test_a_bug_is_told_by_the_errors_type_and_the_module_that_raised_it():
     assert raised_by_tpplan(_raised(raise_key_error, {"__name__": "tpplan.sharding.experts", "__package__": "tpplan.sharding"}))
     assert not raised_by_tpplan(_raised(raise_key_error, {"__name__": "user_model", "__package__": ""}))
     assert not raised_by_tpplan(_raised(raise_key_error, {"__name__": "tpplanner.x", "__package__": "tpplanner"}))
-    # a reference model shipped in tpplan is a model like the user's
-    assert not raised_by_tpplan(_raised(raise_key_error, {"__name__": "tpplan.models.x", "__package__": "tpplan.models", "MODEL_CODE": True}))
+    # a reference model shipped in tpplan (tpplan.models, by where it lives) is a model like the user's
+    assert not raised_by_tpplan(_raised(raise_key_error, {"__name__": "tpplan.models.x", "__package__": "tpplan.models"}))
+    assert raised_by_tpplan(_raised(raise_key_error, {"__name__": "tpplan.models_x", "__package__": "tpplan"}))
     # a typed error raised in tpplan's code is the plan's or the model's
     typed = "from tpplan.core.problems import StyleInputError\nraise StyleInputError('bad', 'fix it')"
     assert not raised_by_tpplan(_raised(typed, {"__name__": "tpplan.sharding.experts", "__package__": "tpplan.sharding"}))
-    from tpplan.models import llama, mlp
 
-    assert llama.MODEL_CODE is mlp.MODEL_CODE is True
+
+def test_a_torch_op_failing_on_a_line_of_a_shipped_models_forward_is_the_models_error():
+    import torch
+    from torch import nn
+
+    from tpplan.models.rule_examples import GlobalHeadsAttention
+
+    attention = GlobalHeadsAttention(dim=32, n_heads=4)
+    attention.wq = nn.Linear(32, 16, bias=False)  # a TP-2 shard: 2 heads' width, viewed by the global 4 heads
+    with pytest.raises(RuntimeError, match="shape") as info:
+        attention(torch.randn(1, 3, 32))
+    assert info.traceback[-1].path.name == "rule_examples.py"  # the model's own line: its `view`
+    assert not raised_by_tpplan(info.value)
 
 
 def test_a_style_input_error_carries_what_is_wrong_and_the_fix_through_pickling():

@@ -1,4 +1,4 @@
-"""torchtitan 0.2.2's own models (tpplan.titan_models) with plans written from its
+"""torchtitan 0.2.2's own models (tpplan.models.titan) with plans written from its
 own parallelize functions (plans/titan/): the lint is clean, the dry run's
 collectives equal those of torchtitan's function applied to the same model in
 the same simulated world, and --check passes. torchtitan is a development
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-if importlib.util.find_spec("torchtitan") is None:  # torchtitan itself needs triton: tpplan.titan_models imports it without
+if importlib.util.find_spec("torchtitan") is None:  # torchtitan itself needs triton: tpplan.models.titan imports it without
     pytest.skip("torchtitan is not installed (pip install --no-deps torchtitan==0.2.2, docs/development.md)", allow_module_level=True)
 
 import torch  # noqa: E402
@@ -31,7 +31,7 @@ from tpplan.runtime.dryrun import dry_run  # noqa: E402
 from tpplan.runtime.options import ApplyOptions  # noqa: E402
 from tpplan.check.verify import check_parity  # noqa: E402
 from tpplan.simulation.simulate import count_collectives, default_inputs, simulated_world, tp_mesh  # noqa: E402
-from tpplan.titan_models import titan  # noqa: E402
+from tpplan.models.titan import titan  # noqa: E402
 
 PLANS = Path(__file__).resolve().parent.parent / "plans" / "titan"
 # Qwen3 (DTensor q/k/v into SDPA, the device-faithful rules) in the default suite, the rest under -m slow
@@ -56,7 +56,7 @@ def _torchtitan_tp(name: str, model, mesh) -> None:
 
 
 def _model(name: str):
-    import tpplan.titan_models as models
+    import tpplan.models.titan as models
 
     torch.manual_seed(0)
     return getattr(models, name)()
@@ -84,7 +84,7 @@ def test_torchtitan_plan_lints_clean_against_its_model_at_tp_2_and_4(name):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
 def test_dry_run_collectives_equal_torchtitans_own_function(name, tp):
-    report = dry_run(ApplyOptions(plan=str(PLANS / f"{name}_tp.yaml"), model=f"tpplan.titan_models:{name}", tp=tp))
+    report = dry_run(ApplyOptions(plan=str(PLANS / f"{name}_tp.yaml"), model=f"tpplan.models.titan:{name}", tp=tp))
     assert report.ok, [str(p) for p in report.problems]
     # 2 layers: per layer 2 all-gathers and 2 reduce-scatters each way, the output
     # layer's all-gather forward, the embedding's reduce-scatter and the final norm's
@@ -99,7 +99,7 @@ def test_dry_run_collectives_equal_torchtitans_own_function(name, tp):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", MODELS)
 def test_dry_run_check_matches_one_device(name, tp):
-    report = dry_run(ApplyOptions(plan=str(PLANS / f"{name}_tp.yaml"), model=f"tpplan.titan_models:{name}", tp=tp, check=True))
+    report = dry_run(ApplyOptions(plan=str(PLANS / f"{name}_tp.yaml"), model=f"tpplan.models.titan:{name}", tp=tp, check=True))
     assert report.ok, [str(p) for p in report.problems]
     assert report.check is not None and report.check.passed
 
@@ -115,7 +115,7 @@ def test_qwen3_plan_wrong_on_gpu_too_fails_here_at_its_rule(tmp_path):
                         "layers.*.attention.q_norm: {style: sequence_parallel, sequence_dim: 2}")
     plan = tmp_path / "wrong.yaml"
     plan.write_text(text)
-    report = dry_run(ApplyOptions(plan=str(plan), model="tpplan.titan_models:qwen3", tp=2))
+    report = dry_run(ApplyOptions(plan=str(plan), model="tpplan.models.titan:qwen3", tp=2))
     assert [(p.code, p.line) for p in report.problems] == [("TP502", 22)]
     assert "mixed torch.Tensor and DTensor" in report.problems[0].message
     assert Counter(p.code for p in report.problems)["TP507"] == 0
@@ -255,7 +255,7 @@ MOE_MODEL_COMMS = {
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", MOE_MODELS)
 def test_moe_plan_passes_check_with_torchtitans_collectives_or_fewer(name, tp):
-    report = dry_run(ApplyOptions(plan=str(PLANS / f"{name}_tp.yaml"), model=f"tpplan.titan_models:{name}", tp=tp, check=True))
+    report = dry_run(ApplyOptions(plan=str(PLANS / f"{name}_tp.yaml"), model=f"tpplan.models.titan:{name}", tp=tp, check=True))
     assert report.ok and report.check.passed, [str(p) for p in report.problems]
     assert report.check.max_abs_diff < 1e-5
     assert (report.comms, torchtitan_comms(name, tp)) == MOE_MODEL_COMMS[name]

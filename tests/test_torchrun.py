@@ -134,7 +134,7 @@ def test_a_hung_rank_fails_the_others_after_the_timeout_naming_it(helpers):
 @pytest.mark.slow  # torchrun cost; in-process and other real-rank tests cover it by default
 def test_transformers_llama_passes_check_on_two_gloo_ranks():
     pytest.importorskip("transformers")
-    result = torchrun(2, "-m", "tpplan", "apply", "--model", "tpplan.hf_models:llama", "--plan", "plans/hf/llama_tp.yaml", "--check", "--format", "json")
+    result = torchrun(2, "-m", "tpplan", "apply", "--model", "tpplan.models.hf:llama", "--plan", "plans/hf/llama_tp.yaml", "--check", "--format", "json")
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["check"]["passed"] is True and report["check"]["max_abs_diff"] < 1e-4
@@ -148,7 +148,7 @@ def test_moe_plan_with_sharded_experts_passes_check_and_trains_on_two_gloo_ranks
     partial-output all-reduce, with real gloo collectives; then SGD steps."""
     pytest.importorskip("transformers")
     result = torchrun(
-        2, "-m", "tpplan", "apply", "--model", "tpplan.hf_models:qwen3_moe", "--plan", "plans/hf/qwen3_moe_tp.yaml",
+        2, "-m", "tpplan", "apply", "--model", "tpplan.models.hf:qwen3_moe", "--plan", "plans/hf/qwen3_moe_tp.yaml",
         "--check", "--steps", "2", "--format", "json", timeout=240,
     )
     assert result.returncode == 0, result.stderr[-3000:]

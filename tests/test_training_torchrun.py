@@ -66,7 +66,7 @@ def test_the_example_trainer_trains_a_transformers_model_with_loss_parallel_on_i
     plan = tmp_path / "llama_loss_parallel.yaml"
     plan.write_text(f"version: 1\nextends: {ROOT / 'plans/hf/llama_tp.yaml'}\nloss_parallel: true\n"
                     "rules:\n  lm_head: {style: colwise, use_local_output: false}\n")
-    args = ["--model", "tpplan.hf_models:llama", "--plan", str(plan), "--steps", "3", "--lr", "0.01"]
+    args = ["--model", "tpplan.models.hf:llama", "--plan", str(plan), "--steps", "3", "--lr", "0.01"]
     sharded = torchrun(2, "examples/train.py", *args, "--tp", "2", timeout=300)
     assert sharded.returncode == 0, sharded.stderr[-3000:]
     monkeypatch.syspath_prepend(str(ROOT / "examples"))

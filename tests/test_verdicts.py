@@ -1,7 +1,7 @@
 """The lint's verdicts, proven by `--check`: on the shipped plans, the rule docs'
 examples, fuzzed plans and the family sweep's tiny models, a plan the lint finds
 no error in passes `apply --dry-run --check`, and a plan with a TP32x error fails
-it (tpplan.lint.verdicts). The disagreements that remain are listed in
+it (tests/verdicts.py). The disagreements that remain are listed in
 verdict_cases.KNOWN with their reasons, and the list must stay true.
 
 By default (about 30 s): two reference plans and the layout-flow rules' examples
@@ -25,10 +25,10 @@ from lint_helpers import lint, only
 from test_lint_fuzz import mutated
 from families import family_params
 from verdict_cases import KNOWN, degrees, rule_examples, shipped, swept
+from verdicts import Verdict, judge, tally
 
 from tpplan import PlanError, load_plan
 from tpplan.lint import RULES
-from tpplan.lint.verdicts import Verdict, judge, tally
 
 FAMILIES = ["apertus"]  # by default: its TP325 confirmed by TP506 (test_hf_sweep runs llama's plan)
 DEFAULT_PLANS = ["plans/llama_tp.yaml", "plans/mlp_tp.yaml"]  # at their first degree
@@ -87,7 +87,7 @@ def _shipped_params():
 @pytest.mark.usefixtures("no_process_group_leaks")
 @pytest.mark.parametrize("case_id, path, model, tp", _shipped_params())
 def test_a_shipped_plan_the_lint_finds_clean_passes_check(case_id, path, model, tp):
-    if "hf_models" in model:
+    if "tpplan.models.hf:" in model:
         pytest.importorskip("transformers")
     verdict = assert_verdict(case_id, path, model, tp)
     assert verdict.kind != "agree" or verdict.lint == verdict.check == ()
@@ -108,7 +108,7 @@ def _example_params():
 @pytest.mark.parametrize("code, which, tp", _example_params())
 def test_a_rule_example_gets_the_verdict_of_check(code, which, tp, tmp_path):
     case_id, path, model = next(c for c in rule_examples(tmp_path) if c[0] == f"rules:{code}:{which}")
-    if "hf_models" in model:
+    if "tpplan.models.hf:" in model:
         pytest.importorskip("transformers")
     assert_verdict(case_id, path, model, tp)
 
@@ -212,12 +212,12 @@ def test_a_whole_gate_meeting_a_local_shard_is_tp325_confirmed_by_tp506_and_sum_
     without, fixed = tmp_path / "without.yaml", tmp_path / "fixed.yaml"
     without.write_text("version: 1\nrules:\n  up: colwise\n  down: rowwise\n")
     fixed.write_text("version: 1\nrules:\n  gate: sum_output_grad\n  up: colwise\n  down: rowwise\n")
-    verdict = assert_verdict("gate", str(without), "tpplan.lint.examples:gated_mlp", 2)
+    verdict = assert_verdict("gate", str(without), "tpplan.models.rule_examples:gated_mlp", 2)
     assert (verdict.lint, set(verdict.check)) == (("TP325",), {"TP506"})
     assert verdict.lint_text.startswith(f"{without}:3:3: TP325 the local shard(-1) (2, 8, 64) that colwise 'up' ")
     assert "meets, in 'mul', a whole tensor computed from parameters (returned by 'gate')" in verdict.lint_text
     assert verdict.lint_text.endswith("add the rule 'gate: sum_output_grad' (its output's gradient summed over the mesh)")
-    assert assert_verdict("gate", str(fixed), "tpplan.lint.examples:gated_mlp", 2).lint == ()
+    assert assert_verdict("gate", str(fixed), "tpplan.models.rule_examples:gated_mlp", 2).lint == ()
 
 
 def test_a_dtensor_meeting_a_plain_tensor_is_reported_at_tp_1_too():

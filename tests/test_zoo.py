@@ -1,14 +1,14 @@
-"""The plan-less reference models (tpplan.models.zoo): they build (also on meta), train,
+"""The plan-less reference models (tests/zoo.py): they build (also on meta), train,
 trace with the lint's tracer, and their attention does what its docstring says under
 column/row sharding."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+import zoo
 from torch import nn
 
 from tpplan.lint.trace import Call, trace_model
-from tpplan.models import zoo
 from tpplan.simulation.ladder import running
 from tpplan.simulation.modelref import load_callable, make_inputs
 from tpplan.simulation.simulate import NoDefaultInputs, default_inputs
@@ -20,7 +20,7 @@ MODELS = {
     "mlp_stack": ((2, 8, 16), None),
     "custom_attention": ((2, 8, 256), None),
     "custom_attention_strided": ((2, 8, 256), None),
-    "convnet": ((2, 8), "tpplan.models.zoo:convnet_inputs"),
+    "convnet": ((2, 8), "zoo:convnet_inputs"),
 }
 
 # Names DeepSpeed AutoTP / transformers' plans know a projection by: none may appear.
@@ -56,8 +56,8 @@ def test_zoo_model_trains_deterministically_from_a_seed(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_zoo_model_builds_on_meta_and_traces_every_parameterized_module(name):
-    with torch.device("meta"):  # as `--model tpplan.models.zoo:NAME` builds it
-        model = load_callable(f"tpplan.models.zoo:{name}")()
+    with torch.device("meta"):  # as `--model zoo:NAME` builds it
+        model = load_callable(f"zoo:{name}")()
     assert all(p.device.type == "meta" for p in model.parameters())
     with running("meta", model):
         trace = trace_model(model, inputs_for(name, model, "meta"))
@@ -76,7 +76,7 @@ def test_convnet_has_no_default_inputs_and_names_its_inputs_factory():
     model = zoo.convnet()
     with pytest.raises(NoDefaultInputs, match="Conv1d"):
         default_inputs(model)
-    (x,) = make_inputs("tpplan.models.zoo:convnet_inputs", model, "meta")
+    (x,) = make_inputs("zoo:convnet_inputs", model, "meta")
     assert x.device.type == "meta" and x.shape == (2, zoo.CONVNET_CHANNELS, zoo.CONVNET_LENGTH)
 
 

@@ -36,8 +36,8 @@ def odd() -> MLP:
 
 
 def llama_odd_vocab():
-    """tpplan.hf_models' LlamaForCausalLM with 130 tokens: its vocab-parallel embedding and lm_head shard unevenly."""
-    from tpplan.hf_models import _build
+    """tpplan.models.hf' LlamaForCausalLM with 130 tokens: its vocab-parallel embedding and lm_head shard unevenly."""
+    from tpplan.models.hf import _build
 
     return _build("LlamaConfig", "LlamaForCausalLM", "sdpa", vocab_size=130)
 

@@ -1,5 +1,5 @@
 """The plans the differential test (test_verdicts.py) judges, lint against
-`--check` (tpplan.lint.verdicts): the shipped plans with their models, the rule
+`--check` (tests/verdicts.py): the shipped plans with their models, the rule
 docs' examples, fuzzed plans (test_lint_fuzz.py's generator) and the family
 sweep's tiny models with transformers' plans (test_hf_sweep.py).
 
@@ -58,9 +58,9 @@ def shipped() -> list[tuple[str, str, str]]:
     for path in sorted((ROOT / "plans" / "hf").glob("*.yaml")):
         family = re.sub(r"_(tp|ep)(_sp)?$", "", path.stem)
         plan = str(path.relative_to(ROOT))
-        cases.append((f"shipped:{plan}", str(path), f"tpplan.hf_models:{family}"))
+        cases.append((f"shipped:{plan}", str(path), f"tpplan.models.hf:{family}"))
         if family == "llama":
-            cases.append((f"shipped:{plan}:tied", str(path), "tpplan.hf_models:llama_tied"))
+            cases.append((f"shipped:{plan}:tied", str(path), "tpplan.models.hf:llama_tied"))
     return cases
 
 
@@ -83,7 +83,7 @@ def swept(model_type: str, directory: Path) -> list[tuple[str, str, str]] | str:
     import torch
 
     from tpplan.hf.importer import import_hf
-    from tpplan.hf.tiny import build, tiny_config
+    from tpplan.models.hf_any import build, tiny_config
     from tpplan.lint.fixes import added_rules
 
     try:  # transformers' own config checks and constructor on a shrunk config: not tpplan's to judge
@@ -92,7 +92,7 @@ def swept(model_type: str, directory: Path) -> list[tuple[str, str, str]] | str:
             build(model_type)
     except Exception as exc:  # the sweep records these as "does not build"
         return f"does not build: {type(exc).__name__}: {exc}"
-    model = f"tpplan.hf.tiny:{model_type.replace('-', '_')}"
+    model = f"tpplan.models.hf_any:{model_type.replace('-', '_')}"
     cases, bodies = [], set()
     for minimal in (False, True):
         path = directory / ("minimal.yaml" if minimal else "hf.yaml")

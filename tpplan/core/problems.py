@@ -105,14 +105,16 @@ class StyleInputError(ModelError, ValueError):
         return type(self), (self.what, self.fix)
 
 
+_MODELS = "tpplan.models"  # the one place of the package whose code is model code, not tpplan's
+
+
 def raised_by_tpplan(exc: BaseException) -> bool:
     """Whether `exc` is a tpplan bug: not one of the typed errors tpplan raises on
     purpose about the user's plan or model (`ModelError`: a `StyleInputError` from a
     style, a model output without floats), and raised by tpplan's own code, that is,
-    its innermost frame runs in a module of the tpplan package. Reference models
-    shipped in the package (tpplan.models, tpplan.hf_models, tpplan.lint.examples)
-    are models like the user's and say so with a module-level `MODEL_CODE = True`:
-    a torch op failing on a line of their forward is the model's."""
+    its innermost frame runs in a module of the tpplan package outside `tpplan.models`.
+    The reference models shipped there are models like the user's, by where they live
+    (docs/layout.md): a torch op failing on a line of their forward is the model's."""
     if isinstance(exc, ModelError):
         return False
     tb = exc.__traceback__
@@ -122,7 +124,8 @@ def raised_by_tpplan(exc: BaseException) -> bool:
         tb = tb.tb_next
     module = tb.tb_frame.f_globals
     package = module.get("__package__") or module.get("__name__") or ""
-    return package.split(".")[0] == "tpplan" and not module.get("MODEL_CODE", False)
+    model_code = package == _MODELS or package.startswith(_MODELS + ".")
+    return package.split(".")[0] == "tpplan" and not model_code
 
 
 def reason(exc: BaseException) -> str:

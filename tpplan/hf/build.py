@@ -34,7 +34,7 @@ def factory(ref: str) -> Callable[[], Any]:
 
 
 def causal_lm(config):
-    """AutoModelForCausalLM from `config`, with SDPA attention (as tpplan.hf_models)
+    """AutoModelForCausalLM from `config`, with SDPA attention (as tpplan.models.hf)
     where the model supports it, else eager (gpt-oss: transformers refuses SDPA)."""
     import transformers
 

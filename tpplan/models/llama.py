@@ -19,10 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# A model like the user's: an error raised in its code is the model's, not a tpplan bug
-# (tpplan.core.problems.raised_by_tpplan).
-MODEL_CODE = True
-
 
 @dataclass
 class LlamaConfig:

@@ -11,10 +11,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# A model like the user's: an error raised in its code is the model's, not a tpplan bug
-# (tpplan.core.problems.raised_by_tpplan).
-MODEL_CODE = True
-
 
 class MLPBlock(nn.Module):
     def __init__(self, dim: int, hidden: int):

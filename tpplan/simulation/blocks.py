@@ -2,7 +2,7 @@
 
 Two callers ask "are these blocks identical?", and both ask it here:
 
-- memory planning's block reuse (runtime/reuse.py) simulates a run of identical
+- memory planning's block reuse (memory/reuse.py) simulates a run of identical
   blocks of the list FSDP wraps as two truncated copies and composes the whole
   step; blocks it merges must hold and allocate the same memory, so it asks
   `signatures(..., exact=True)`;

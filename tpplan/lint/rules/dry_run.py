@@ -106,7 +106,7 @@ RULE = LintRule(
         holds `n_heads / tp` heads. The dry run finds it before a job is
         launched, at the plan's own line.
     """,
-    model="tpplan.lint.examples:global_heads_lm",
+    model="tpplan.models.rule_examples:global_heads_lm",
     failing="""
         version: 1
         rules:

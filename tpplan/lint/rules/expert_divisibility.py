@@ -84,7 +84,7 @@ RULE = LintRule(
         assumes, and an uneven intermediate dim would pair one rank's gate rows
         with another's up rows. torch finds out only when the plan is applied.
     """,
-    model="tpplan.hf_models:mixtral",
+    model="tpplan.models.hf:mixtral",
     failing="""
         version: 1
         mesh: {sizes: [3]}

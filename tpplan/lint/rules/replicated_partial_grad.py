@@ -135,7 +135,7 @@ RULE = LintRule(
         comparing gradients with `apply --check`; torchtitan 0.2.2's
         DeepSeek-V3 MoE router gate, pytorch/torchtitan#2387).
     """,
-    model="tpplan.hf_models:apertus",
+    model="tpplan.models.hf:apertus",
     failing="""
         version: 1
         mesh: {sizes: [2]}

@@ -56,7 +56,7 @@ RULE = LintRule(
         convolution over time, a token shift) silently computes something else:
         no shape changes and no error, just wrong outputs at every shard border.
     """,
-    model="tpplan.lint.examples:shift_mlp",
+    model="tpplan.models.rule_examples:shift_mlp",
     failing="""
         version: 1
         rules:

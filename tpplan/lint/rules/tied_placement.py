@@ -58,7 +58,7 @@ RULE = LintRule(
         `Plan.apply` re-ties tied parameters after sharding and refuses (TP210)
         when their layouts differ; this rule finds it before launch.
     """,
-    model="tpplan.lint.examples:tied_lm",
+    model="tpplan.models.rule_examples:tied_lm",
     failing="""
         version: 1
         rules:

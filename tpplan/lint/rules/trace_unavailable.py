@@ -33,7 +33,7 @@ RULE = LintRule(
         warning fails the run.
     """,
     model="tpplan.models.mlp:tiny",
-    failing_model="tpplan.lint.examples:conv_first",
+    failing_model="tpplan.models.rule_examples:conv_first",
     failing="""
         version: 1
         rules:

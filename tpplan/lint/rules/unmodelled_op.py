@@ -53,7 +53,7 @@ RULE = LintRule(
         positions) is per feature, so the feature shard is fine: `--check`
         passes, but only `--check` can say so.
     """,
-    model="tpplan.lint.examples:prefix_mlp",
+    model="tpplan.models.rule_examples:prefix_mlp",
     failing="""
         version: 1
         rules:

@@ -41,7 +41,7 @@ RULE = LintRule(
         already holds the full gradient: the all-reduce multiplies it by the TP
         degree, and every gradient before it is wrong, with no error.
     """,
-    model="tpplan.lint.examples:gated_mlp",
+    model="tpplan.models.rule_examples:gated_mlp",
     failing="""
         version: 1
         rules:

@@ -1,4 +1,4 @@
-"""torchtitan 0.2.2's own model classes at small sizes, for `--model tpplan.titan_models:qwen3`,
+"""torchtitan 0.2.2's own model classes at small sizes, for `--model tpplan.models.titan:qwen3`,
 the plans in plans/titan/ and the tests that compare them with torchtitan's own
 parallelize functions.
 
@@ -20,8 +20,6 @@ from __future__ import annotations
 import sys
 import types
 from typing import Any
-
-MODEL_CODE = True  # models like the user's: their errors are the model's (simulation/locate.py)
 
 _KERNELS = "torchtitan.models.moe.kernels"
 

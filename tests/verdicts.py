@@ -1,7 +1,10 @@
 """Whether the lint's verdict on a plan is the dry run's: `validate --model --tp N`
 against `apply --dry-run --tp N --check` on the same plan and model.
 
-The lint promises two things, and this module tests them on one (plan, model, TP):
+The differential test's judge (test_verdicts.py, which runs it over its cases, also
+as `python tests/test_verdicts.py`; bench/spmd_types_compare.py compares spmd_types
+with it). The lint promises two things, and this module tests them on one (plan,
+model, TP):
 
 - lint-clean (no error) => `--check` passes: a clean lint that fails the check is
   a *miss* (the lint let a wrong plan through);
@@ -78,7 +81,7 @@ def _meta_model(ref: str):
     """The model `ref` names, built once on the meta device (the lint's trace of it is cached with it)."""
     import torch
 
-    from ..simulation.modelref import load_callable
+    from tpplan.simulation.modelref import load_callable
 
     factory = load_callable(ref, "--model")
     with torch.device("meta"):
@@ -88,11 +91,11 @@ def _meta_model(ref: str):
 def judge(plan_path: str | Path, model: str, tp: int) -> Verdict:
     """The lint (`check_model` at `tp`, every rule) and the dry run with `--check` at `tp`
     on the plan file `plan_path` and the model factory `model` (MOD:FN)."""
-    from ..core.loader import load_plan
-    from ..runtime.dryrun import dry_run
-    from ..simulation.modelref import ModelRefError
-    from ..runtime.options import ApplyOptions, UsageError
-    from .checks import check_model
+    from tpplan.core.loader import load_plan
+    from tpplan.lint.checks import check_model
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.simulation.modelref import ModelRefError
+    from tpplan.runtime.options import ApplyOptions, UsageError
 
     plan = load_plan(plan_path)  # a plan that does not load is nothing to compare: PlanError
     problems = check_model(plan, _meta_model(model), [tp])

@@ -3,7 +3,7 @@
 Their module names are deliberately unlike any known family's (`mix.together`,
 `fan_out`, `squeeze`, ...), so a tool that recognises layers by name learns nothing
 and only the traced data flow says which Linear feeds which. Each factory is
-`--model tpplan.models.zoo:NAME`; nothing here picks a device (build under
+`--model zoo:NAME`; nothing here picks a device (build under
 `with torch.device("meta"):` to cost no memory), and a forward + backward of the
 default sizes takes milliseconds on a CPU. Parameters come from torch's global
 generator, so `torch.manual_seed(s)` before a factory gives the same model.
@@ -21,7 +21,7 @@ generator, so `torch.manual_seed(s)` before a factory gives the same model.
   wrong values without any shape error.
 - `convnet`: Conv1d layers only (no Linear, no norm): nothing to shard. Its first
   module is a Conv1d, so it has no default inputs: `--inputs
-  tpplan.models.zoo:convnet_inputs`.
+  zoo:convnet_inputs`.
 
 Attention views infer the local head count (`-1`) from the width they receive, as
 the other reference models do, so a sharded projection that keeps whole heads runs.
@@ -34,10 +34,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# A model like the user's: an error raised in its code is the model's, not a tpplan bug
-# (tpplan.core.problems.raised_by_tpplan).
-MODEL_CODE = True
 
 
 # --- vit -----------------------------------------------------------------------------

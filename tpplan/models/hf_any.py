@@ -3,11 +3,13 @@ type's default config with every size shrunk (hidden 64, 2 layers, 8 heads of 8,
 4 KV heads, vocab 128, small expert counts), so that TP 2 and 4 divide every
 sharded dim. Nothing is downloaded.
 
-    tiny_config("gemma")             # the shrunk config
-    --model tpplan.hf.tiny:gemma     # MOD:FN: the model (module attributes are model types)
+    tiny_config("gemma")                # the shrunk config
+    --model tpplan.models.hf_any:gemma  # MOD:FN: the model (module attributes are model types)
 
-For the sweep over transformers' causal-LM families (tests/test_hf_sweep.py);
-the shrinking is generic (by attribute name; FAMILIES adds what a few default
+`tpplan.models.hf` holds a few named families at one fixed config each (the shipped
+plans' models); this module builds any type, for the sweep over transformers'
+causal-LM families (tests/test_hf_sweep.py) and `tpplan init` in the README. The
+shrinking is generic (by attribute name; FAMILIES adds what a few default
 configs lack), so a family whose config needs more than that may fail to build:
 `tiny_config` then raises what transformers said (its config validators included).
 """
@@ -167,7 +169,7 @@ def build(model_type: str):
 
 
 def __getattr__(name: str):
-    # `--model tpplan.hf.tiny:gemma`: a factory per model type, made on first use
+    # `--model tpplan.models.hf_any:gemma`: a factory per model type, made on first use
     if name.startswith("__"):
         raise AttributeError(name)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES

@@ -1,4 +1,4 @@
-"""Tiny random-weight HuggingFace models, for `--model tpplan.hf_models:llama` and the tests.
+"""Tiny random-weight HuggingFace models, for `--model tpplan.models.hf:llama` and the tests.
 
 Every factory builds from a small config (hidden 64, 2 layers, 8 query heads and
 4 KV heads, so TP 2 and 4 divide every sharded dim) and never names a device:
@@ -9,10 +9,6 @@ the CLI calls them under `with torch.device("meta")`. Needs `transformers`
 from __future__ import annotations
 
 from typing import Any
-
-# A model like the user's: an error raised in its code is the model's, not a tpplan bug
-# (tpplan.core.problems.raised_by_tpplan).
-MODEL_CODE = True
 
 # The sizes every family shares. vocab and intermediate sizes divide by 8 too,
 # so a vocab-parallel embedding and colwise MLPs shard evenly at TP 2 and 4.

@@ -3,7 +3,7 @@ the cases the reference models do not have: tied weights, a parameter-free
 module that mixes positions, a first module that gives no default input, and
 attention that views by the global head count.
 
-    tpplan validate plan.yaml --model tpplan.lint.examples:tied_lm
+    tpplan validate plan.yaml --model tpplan.models.rule_examples:tied_lm
 """
 
 from __future__ import annotations
@@ -11,10 +11,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-# A model like the user's: an error raised in its code is the model's, not a tpplan bug
-# (tpplan.core.problems.raised_by_tpplan).
-MODEL_CODE = True
 
 
 class TiedLM(nn.Module):
