@@ -101,9 +101,9 @@ def test_the_style_table_has_one_placement_text():
 # -- parameter placements from the table ---------------------------------------------------
 
 
-def _experts(transposed: bool = False, bias: bool = True) -> torch.nn.Module:
+def _experts(transposed: bool = False, bias: bool = True, experts: int = 4) -> torch.nn.Module:
     module = torch.nn.Module()
-    e, h, i = 4, 6, 8
+    e, h, i = experts, 6, 8
     module.gate_up_proj = torch.nn.Parameter(torch.randn(e, h, 2 * i) if transposed else torch.randn(e, 2 * i, h))
     module.down_proj = torch.nn.Parameter(torch.randn(e, i, h) if transposed else torch.randn(e, h, i))
     if bias:
@@ -112,25 +112,57 @@ def _experts(transposed: bool = False, bias: bool = True) -> torch.nn.Module:
     return module
 
 
-@pytest.mark.parametrize("rule", [
-    {"style": "expert_tp"},
-    {"style": "expert_tp", "params": {"down_proj_bias": "shard(1)"}},
-    {"style": "expert_parallel"},
-    {"style": "local_params", "params": {"down_proj": "shard(0)"}},
-])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_the_tables_per_module_placements_are_what_the_compiled_style_does(rule, transposed):
-    from tpplan.core.schema import rule_spec
-    from tpplan.runtime.simulate import simulated_world, tp_mesh
-    from tpplan.sharding.compile import compile_style
+def _stacked_linears() -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.num_experts, module.output_size, module.input_size = 2, 7, 5
+    module.weight = torch.nn.Parameter(torch.randn(2, 7, 5))
+    return module
 
-    spec, module = rule_spec(rule), _experts(transposed)
-    expected = spec.param_placements(module)
-    with simulated_world(2):
-        compile_style(spec)._apply(module, tp_mesh(2, "tp"))
+
+def _conv1d() -> torch.nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(7, 5)  # weight [5, 7]
+
+
+# (rule, module, TP degree): sizes the degree does not divide where the style allows an
+# uneven shard (torch's chunks); a packed shard (expert_tp's gate/up) must split evenly.
+_PLACED = [
+    *((rule, make, 3) for rule in ("colwise", "rowwise")
+      for make in (lambda: torch.nn.Linear(5, 7), lambda: torch.nn.Embedding(7, 5), _conv1d, _stacked_linears)),
+    ("sequence_parallel", lambda: torch.nn.LayerNorm(5), 3),
+    ("no_parallel", lambda: torch.nn.Linear(5, 7), 3),
+    *(({"style": "expert_tp", **more}, lambda t=transposed: _experts(t), 2)
+      for more in ({}, {"params": {"down_proj_bias": "shard(1)"}}) for transposed in (False, True)),
+    ({"style": "expert_parallel"}, lambda: _experts(experts=3), 3),
+    ({"style": "local_params", "params": {"down_proj": "shard(0)"}}, lambda: _experts(experts=5), 3),
+]
+
+
+@pytest.mark.parametrize("rule, make, tp", _PLACED)
+def test_the_compiled_style_places_parameters_as_the_contract_says_and_the_shard_math_sees_it(rule, make, tp):
+    """Each rank holds what `own_placements` (the rule's contract, or its per-module
+    placements) says: the DTensors the compiled style makes, and so the per-rank shapes
+    and bytes that checkpoint inspection and the dry run's parameter table report."""
+    from tpplan.checkpoint.inspect import expected_tensors
+    from tpplan.core.local_shapes import shapes_on_mesh
+    from tpplan.core.schema import rule_spec
+    from tpplan.runtime.layouts import param_layouts
+    from tpplan.runtime.simulate import simulated_world, tp_mesh
+    from tpplan.sharding.compile import compile_for
+    from tpplan.sharding.styles import module_kind
+
+    spec, module = rule_spec(rule), make()
+    expected = spec.own_placements(module, module_kind(module))
+    shapes = {name: shapes_on_mesh(tuple(p.shape), (tp,), [expected[name].to_torch()]) for name, p in module.named_parameters()}
+    with simulated_world(tp):
+        compile_for(spec, module)._apply(module, tp_mesh(tp, "tp"))
     assert {name: p.placements for name, p in module.named_parameters()} == {
         name: (placement.to_torch(),) for name, placement in expected.items()
     }
+    assert any(placement.kind != "replicate" for placement in expected.values()) or spec.semantics.contract.tp.subtree
+    assert {e.names[0]: tuple(e.local_shapes) for e in expected_tensors(module)} == shapes
+    assert {p.name: p.local_shapes for p in param_layouts(module, tp)} == shapes
 
 
 def test_expert_tp_places_a_transposed_packed_gate_up_on_its_last_dim():
