@@ -158,11 +158,17 @@ _ALLOW_EXTRA = ConfigDict(extra="allow", strict=True, frozen=True, defer_build=T
 
 
 def like_names(specs: dict[str, type]) -> tuple[str, ...]:
-    """The styles `like:` may name: those that lay out a module's inputs and outputs
-    by their options alone (torch's six and no_parallel, style_table.py); the
-    expert styles and local_params (expert_styles.py) read parameters from their
-    own options."""
-    return tuple(name for name, cls in specs.items() if cls.__module__ != f"{__package__}.expert_styles")
+    """The styles `like:` may name (the loader's union and the JSON Schema both ask here):
+    those whose contract says what they do to layouts from their options alone, that
+    is, it lays out some input or output and places no parameter by the module (torch's
+    six and no_parallel). The expert styles and local_params place parameters by the
+    module and their `params`; sum_output_grad lays out nothing."""
+    def by_options(cls: type) -> bool:
+        contract = cls.semantics.contract.tp
+        ports = (*contract.inputs, *contract.outputs)
+        return cls.param_placements is StyleSpec.param_placements and any(p.src is not None or p.dst is not None for p in ports)
+
+    return tuple(name for name, cls in specs.items() if by_options(cls))
 
 
 def external_specs(specs: dict[str, type]) -> dict[str, type]:

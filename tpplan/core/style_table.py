@@ -109,7 +109,8 @@ class ColwiseSpec(_LinearOptions):
         kind_classes={kind: "tpplan.sharding.kinds:KindColwiseParallel" for kind in ("Conv1D", "StackedLinears")},
     )
     cross_field = (
-        Allowed("output_layouts", (_LAST_DIM,), Given("heads"),
+        # with heads, the output is handed on as the module leaves it: the contract's output source
+        Allowed("output_layouts", (semantics.contract.tp.outputs[0].src,), Given("heads"),
                 "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"),
         Excludes("packed", "heads",
                  "colwise takes 'packed' or 'heads', not both: a packed projection's blocks are split per rank already"),
