@@ -11,11 +11,13 @@ that depend on the options or the module (`param_placements`, `needs_parent`,
 ...), and a `cross_field` tuple, the rules between its options as data
 (cross_field.py: the loader's TP105 checks and the JSON Schema's conditions are
 both read from it). Everything else reads them and never branches on a style's
-name (tests/test_style_table.py checks): `sharding.compile` (the torch class, and
+name (tests/test_contract.py and tests/test_style_table.py change an entry and see the
+compiled style and the lint follow): `sharding.compile` (the torch class, and
 the layouts a rule leaves out), `Plan.apply`, the lint's layout flow
 (`lint/flow.py`), facts (`lint/facts.py`) and rules (parameter placements, which
-modules a style applies to, which inputs it takes), and import-hf
-(`schema.rule_spec`). For example, colwise:
+modules a style applies to, which inputs it takes), import-hf
+(`schema.rule_spec`), and the shard math of checkpoints and memory (through the
+DTensors the styles make: `StyleSpec.own_placements`). For example, colwise:
 
     class ColwiseSpec(_LinearOptions):
         style: Literal["colwise"]
