@@ -88,3 +88,37 @@ def test_the_compiled_style_lays_out_what_the_contract_says(name):
     assert found, name
     for attr, value in found.items():
         assert (value if isinstance(value, tuple) else (value,)) == (expected[attr].to_torch(),), (name, attr)
+
+
+def test_like_may_name_the_styles_whose_contract_lays_out_by_options_alone():
+    """`like:` (the loader's and the JSON Schema's list alike) is read from the contracts: a
+    style that lays out an input or output and places no parameter by the module."""
+    from tpplan.core.contract import tp
+    from tpplan.core.expert_styles import SumOutputGradSpec
+    from tpplan.core.external_styles import like_names
+    from tpplan.core.json_schema import LIKE_NAMES as SCHEMA_LIKES
+    from tpplan.core.schema import LIKE_NAMES
+
+    assert LIKE_NAMES == SCHEMA_LIKES == like_names(STYLE_SPECS) == (
+        "colwise", "rowwise", "sequence_parallel", "prepare_module_input", "prepare_module_output",
+        "prepare_module_input_output", "no_parallel",
+    )
+
+    class LaidOut(SumOutputGradSpec):  # sum_output_grad whose contract also hands its output on replicated
+        semantics = dataclasses.replace(SumOutputGradSpec.semantics, contract=tp(outputs=(Port(dst=_R, grad="sum"),)))
+
+    assert like_names({"sum_output_grad": SumOutputGradSpec, "laid_out": LaidOut}) == ("laid_out",)
+
+
+def test_the_cross_field_rules_allow_the_layouts_the_contract_gives():
+    """colwise with heads hands its output on as the module leaves it, and expert_parallel's
+    all_to_all takes its tokens as its ports say: the loader refuses any other option value."""
+    from tpplan.core.schema import rule_spec
+
+    colwise = rule_spec({"style": "colwise", "heads": 2})
+    assert colwise.cross_field_problems() == []
+    assert rule_spec({"style": "colwise", "heads": 2, "output_layouts": "replicate"}).cross_field_problems()
+    a2a = rule_spec({"style": "expert_parallel", "dispatch": "all_to_all", "input_layouts": "shard(0)"})
+    assert a2a.cross_field_problems() == [] and a2a.contract().inputs[0].src == PlacementSpec("shard", 0)
+    bad = rule_spec({"style": "expert_parallel", "dispatch": "all_to_all", "output_layouts": "replicate"})
+    assert [path for path, _ in bad.cross_field_problems()] == [("output_layouts",)]

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 from lint_helpers import meta_model
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from typer.testing import CliRunner
 
 from tpplan import PlanError, load_plan
@@ -43,6 +45,36 @@ class CountingColwise(ColwiseParallel):
 class Refusing(RowwiseParallel):
     def __init__(self, **kwargs):
         raise ValueError("this style needs a Float8Linear")
+
+
+class ShardedLinear(ParallelStyle):
+    """A user's own style, like none of tpplan's (a plan names it without `like:`): the
+    module's own parameters laid out by `params` (any other replicated), its first input
+    annotated as `input_layouts` and redistributed to `desired_input_layouts`, its output
+    redistributed to `output_layouts` (None: as the module leaves it)."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None, output_layouts=None, params=None, use_local_output=True):
+        super().__init__()
+        self.input_layouts = input_layouts or Replicate()
+        self.desired_input_layouts = desired_input_layouts or self.input_layouts
+        self.output_layouts, self.params, self.use_local_output = output_layouts, dict(params or {}), use_local_output
+
+    def _partition(self, name, module, mesh):
+        for key, param in list(module.named_parameters(recurse=False)):
+            placed = distribute_tensor(param, mesh, [self.params.get(key, Replicate())], src_data_rank=self.src_data_rank)
+            module.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+    def _input(self, module, inputs, mesh):
+        first = inputs[0] if isinstance(inputs[0], DTensor) else DTensor.from_local(inputs[0], mesh, (self.input_layouts,), run_check=False)
+        return (first.redistribute(placements=(self.desired_input_layouts,)), *inputs[1:])
+
+    def _output(self, module, output, mesh):
+        if self.output_layouts is not None:
+            output = output.redistribute(placements=(self.output_layouts,))
+        return output.to_local() if self.use_local_output else output
+
+    def _apply(self, module, device_mesh):
+        return distribute_module(module, device_mesh, self._partition, self._input, self._output)
 
 
 NOT_A_STYLE = 3
@@ -160,6 +192,55 @@ def test_a_users_style_runs_in_the_dry_run_and_passes_the_check(tmp_path):
     assert result.exit_code == 0, result.output
     assert "check against a single device: passed" in result.output
     assert set(CountingColwise.applied) == {"q:Linear"} and len(CountingColwise.applied) % 6 == 0  # 3 per layer, 2 layers, per build
+
+
+def sharded_linear_plan(**layouts: str) -> str:
+    """The MLP's in_proj as a ShardedLinear with `layouts` (its weight and bias shard(0): colwise's), out_proj rowwise."""
+    keys = "".join(f", {key}: {value}" for key, value in layouts.items())
+    return (
+        "version: 1\nrules:\n"
+        f"  blocks.*.in_proj: {{style: test_external_styles:ShardedLinear, params: {{weight: shard(0), bias: shard(0)}}{keys}}}\n"
+        "  blocks.*.out_proj: rowwise\n"
+    )
+
+
+MLP = "tpplan.models.mlp:tiny"
+
+
+def test_without_like_the_lint_follows_the_layouts_the_rule_gives():
+    """A class like none of the built-in styles, its layouts stated in the rule: the lint
+    judges its input and what its output feeds as the rule says, and the verdict follows
+    the layouts: handing on a feature shard suits the rowwise after it, a replicated output
+    does not (TP320 at out_proj), an input declared sharded that arrives whole is TP320 at
+    in_proj; with no output layout the lint says what it cannot follow (TP307)."""
+    def found(**layouts):  # (code, line) of each problem; line 3 is in_proj's rule, 4 out_proj's
+        return [(p.code, p.line) for p in check_model(load_plan(text=sharded_linear_plan(**layouts)), meta_model(MLP), [2])]
+
+    assert found(input_layouts="replicate", output_layouts="'shard(-1)'") == []
+    assert found(input_layouts="replicate", output_layouts="replicate") == [("TP320", 4)]
+    assert found(input_layouts="'shard(0)'", output_layouts="'shard(-1)'") == [("TP320", 3), ("TP320", 3)]  # each block's in_proj
+    assert found() == [("TP307", 3)]  # params alone: its inputs judged, its outputs unknown
+    opaque = check_model(load_plan(text=sharded_linear_plan()), meta_model(MLP), [2])[0]
+    assert "with no 'like:' or 'output_layouts'" in opaque.message
+
+
+def test_a_user_style_without_like_runs_as_its_layouts_say_in_the_dry_run(tmp_path):
+    """The layouts the lint followed are what the class does: the dry run's check passes and
+    in_proj's weight is sharded as `params` says."""
+    plan = write(tmp_path, sharded_linear_plan(input_layouts="replicate", output_layouts="'shard(-1)'"))
+    result = run("apply", "--dry-run", "--tp", "2", "--model", MLP, "--plan", plan, "--check", "--format", "json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["check"]["passed"]
+    weight = report["parameters"]["blocks.0.in_proj.weight"]
+    assert (weight["placements"], weight["local_shapes"]) == ("shard(0)", [[64, 32], [64, 32]])
+    # as colwise + rowwise: the output all-reduced per block, block 1's input gradient summed
+    assert report["comms"] == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 1}}
+
+
+def test_a_layout_key_of_a_class_without_like_is_a_placement():
+    with pytest.raises(PlanError, match="'sideways' is not a placement"):
+        load_plan(text="version: 1\nrules:\n  x: {style: a.b:C, output_layouts: sideways}\n")
 
 
 def float8_llama():

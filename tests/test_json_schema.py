@@ -444,6 +444,9 @@ def test_fuzzed_corpus_was_mostly_decidable_and_held_both_verdicts():
         "version: 1\nrules:\n  a: {style: expert_parallel, dispatch: all_to_all, output_layouts: ' SHARD(-00) '}\n",
         "version: 1\nextends: null\nrules: {}\n",
         "version: 1\nrules:\n  '': no_parallel\n",
+        # a class without like: its layouts (the contract it gets) as one placement or a list, its params placements
+        "version: 1\nrules:\n  a: {style: m.n:C, input_layouts: [replicate, null], output_layouts: 'shard(-1)', params: {weight: shard(0)}}\n",
+        "version: 1\nrules:\n  a: {style: m.n:C, desired_input_layouts: replicate, tag: anything}\n",
     ],
 )
 def test_the_schema_accepts_what_tpplan_loads(validator, text):
@@ -468,6 +471,9 @@ def test_the_schema_accepts_what_tpplan_loads(validator, text):
         "version: 1\nrules:\n  a: {style: colwise, output_layouts: 'shard(\u0661)'}\n",  # an Arabic-Indic digit
         "version: 1\nrules:\n  a: {style: colwise, output_layouts: [replicate]}\n",  # one placement here, not a list
         "version: 1\nrules:\n  a: {style: no_parallel, input_layout: null}\n",
+        "version: 1\nrules:\n  a: {style: m.n:C, output_layouts: sideways}\n",  # without like:, a layout key is a layout
+        "version: 1\nrules:\n  a: {style: m.n:C, params: {weight: 0}}\n",
+        "version: 1\nrules:\n  a: {style: m.n:C, like: colwise, input_layouts: [replicate]}\n",  # colwise's: one placement
         "version: 1\nrules:\n  a: {style: colwise, sequence_dim: 1}\n",
         "version: 1\nextends: '  '\nrules: {}\n",
         "version: 1\nmesh: {sizes: [0]}\nrules: {}\n",

@@ -1,109 +1,66 @@
-"""The style table is the one source of what a style does: no module outside it
-branches on a style's name, its per-module parameter placements are what the
-compiled styles do, and the one local-shape function is torch's own cut."""
+"""The style table is the one source of what a style does: the compiled styles and the
+lint follow each entry's contract (an entry changed here changes both), the parameter
+placements it states are what the compiled styles do, and the shapes and bytes each rank
+holds are told alike by checkpoint inspection, the dry run's report and its text."""
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+import dataclasses
+import json
+import re
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from tpplan.core.placements import PlacementSpec
 from tpplan.core.schema import STYLE_NAMES, STYLE_SPECS
 
-PACKAGE = Path(__file__).resolve().parent.parent / "tpplan"
-# The style table itself: the one place a style's name may decide anything.
-STYLE_TABLE = {"core/style_table.py", "core/expert_styles.py", "core/style_model.py"}
+_R, _S0 = PlacementSpec("replicate"), PlacementSpec("shard", 0)
 
 
-def _literals(node: ast.AST) -> set[str]:
-    """The string constants `node` is, or holds as a tuple/list/set display."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return {node.value}
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return {e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)}
-    return set()
+def _conv1d_plan() -> str:
+    return "version: 1\nrules:\n  blocks.*.c_fc: colwise\n  blocks.*.c_proj: rowwise\n"
 
 
-def style_name_branches(source: str, names: set[str]) -> list[tuple[int, int, str]]:
-    """(line, col, code) of each comparison of something with a style-name literal
-    (`x == "colwise"`, `x in ("expert_tp", "expert_parallel")`, or `x in NAMES` for a
-    module-level display of such literals) and each `case "colwise":`. A comparison
-    with transformers' own tp_plan words (an operand naming `hf_style`) is not one:
-    transformers' vocabulary shares some words with tpplan's."""
-    tree = ast.parse(source)
-    named = {
-        target.id
-        for node in tree.body
-        if isinstance(node, ast.Assign) and _literals(node.value) & names
-        for target in node.targets
-        if isinstance(target, ast.Name)
-    }
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Compare):
-            operands = [node.left, *node.comparators]
-            if any("hf_style" in ast.unparse(op) for op in operands):
-                continue
-            if any(_literals(op) & names or (isinstance(op, ast.Name) and op.id in named) for op in operands):
-                found.append((node.lineno, node.col_offset, ast.unparse(node)))
-        elif isinstance(node, ast.MatchValue) and _literals(node.value) & names:
-            found.append((node.lineno, node.col_offset, f"case {ast.unparse(node.value)}"))
-    return found
+def test_a_changed_parameter_placement_changes_the_compiled_style_and_the_lints_placements(monkeypatch):
+    """rowwise whose contract places a Conv1D's weight replicated rather than on its input
+    features: the compiled style places it so, and the lint (which reads the same entry)
+    sees it so, as it sees every other placement the entry states."""
+    from lint_helpers import meta_model
 
+    from tpplan import load_plan
+    from tpplan.core.style_table import RowwiseSpec
+    from conv1d_model import Conv1DModel
 
-def test_no_module_outside_the_style_table_branches_on_a_style_name():
-    branches = {
-        f"{path.relative_to(PACKAGE)}:{line}:{col}": code
-        for path in sorted(PACKAGE.rglob("*.py"))
-        if str(path.relative_to(PACKAGE)) not in STYLE_TABLE
-        for line, col, code in style_name_branches(path.read_text(encoding="utf-8"), set(STYLE_NAMES))
-    }
-    assert branches == {}
+    from tpplan.lint.facts import parameter_placements
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
 
+    def compiled_and_linted() -> tuple[dict, dict]:
+        plan, model, meta = load_plan(text=_conv1d_plan()), Conv1DModel(), meta_model("conv1d_model:Conv1DModel")
+        linted = {n: p.placement for n, p in parameter_placements(dict(meta.named_modules()), plan.match(meta)).items()
+                  if n.startswith("blocks.0.c_proj")}
+        with simulated_world(2):
+            plan.apply(model, tp_mesh(2))
+        compiled = {n: PlacementSpec("shard", p.placements[0].dim) if p.placements[0].is_shard() else _R
+                    for n, p in model.named_parameters() if n.startswith("blocks.0.c_proj")}
+        return compiled, linted
 
-def test_the_branch_finder_sees_each_way_of_testing_a_style_name():
-    source = '''
-EXPERT_STYLES = ("expert_tp", "expert_parallel")
-if rule.spec.style == "local_params":
-    pass
-if style not in ("expert_tp", "expert_parallel"):
-    pass
-if style in EXPERT_STYLES:
-    pass
-match style:
-    case "colwise":
-        pass
-if s.hf_style == "local_params" or kind == "Linear":
-    pass
-'''
-    found = style_name_branches(source, set(STYLE_NAMES))
-    assert [(line, code) for line, _, code in found] == [
-        (3, "rule.spec.style == 'local_params'"),
-        (5, "style not in ('expert_tp', 'expert_parallel')"),
-        (7, "style in EXPERT_STYLES"),
-        (10, "case 'colwise'"),
-    ]
-
-
-def test_the_style_table_has_one_placement_text():
-    defined = sorted(
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
-        if isinstance(node, ast.FunctionDef) and node.name == "placement_text"
-    )
-    assert defined == ["core/placements.py"]
+    assert compiled_and_linted() == ({"blocks.0.c_proj.weight": _S0, "blocks.0.c_proj.bias": _R},) * 2
+    table = RowwiseSpec.semantics
+    axis = table.contract.tp
+    state = {**axis.state, "Conv1D": {"weight": _R, "bias": _R, "*": _R}}
+    monkeypatch.setattr(RowwiseSpec, "semantics", dataclasses.replace(
+        table, contract=dataclasses.replace(table.contract, axes={"tp": dataclasses.replace(axis, state=state)})))
+    assert compiled_and_linted() == ({"blocks.0.c_proj.weight": _R, "blocks.0.c_proj.bias": _R},) * 2
 
 
 # -- parameter placements from the table ---------------------------------------------------
 
 
-def _experts(transposed: bool = False, bias: bool = True) -> torch.nn.Module:
+def _experts(transposed: bool = False, bias: bool = True, experts: int = 4) -> torch.nn.Module:
     module = torch.nn.Module()
-    e, h, i = 4, 6, 8
+    e, h, i = experts, 6, 8
     module.gate_up_proj = torch.nn.Parameter(torch.randn(e, h, 2 * i) if transposed else torch.randn(e, 2 * i, h))
     module.down_proj = torch.nn.Parameter(torch.randn(e, i, h) if transposed else torch.randn(e, h, i))
     if bias:
@@ -112,25 +69,57 @@ def _experts(transposed: bool = False, bias: bool = True) -> torch.nn.Module:
     return module
 
 
-@pytest.mark.parametrize("rule", [
-    {"style": "expert_tp"},
-    {"style": "expert_tp", "params": {"down_proj_bias": "shard(1)"}},
-    {"style": "expert_parallel"},
-    {"style": "local_params", "params": {"down_proj": "shard(0)"}},
-])
-@pytest.mark.parametrize("transposed", [False, True])
-def test_the_tables_per_module_placements_are_what_the_compiled_style_does(rule, transposed):
-    from tpplan.core.schema import rule_spec
-    from tpplan.simulation.simulate import simulated_world, tp_mesh
-    from tpplan.sharding.compile import compile_style
+def _stacked_linears() -> torch.nn.Module:
+    module = torch.nn.Module()
+    module.num_experts, module.output_size, module.input_size = 2, 7, 5
+    module.weight = torch.nn.Parameter(torch.randn(2, 7, 5))
+    return module
 
-    spec, module = rule_spec(rule), _experts(transposed)
-    expected = spec.param_placements(module)
-    with simulated_world(2):
-        compile_style(spec)._apply(module, tp_mesh(2, "tp"))
+
+def _conv1d() -> torch.nn.Module:
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(7, 5)  # weight [5, 7]
+
+
+# (rule, module, TP degree): sizes the degree does not divide where the style allows an
+# uneven shard (torch's chunks); a packed shard (expert_tp's gate/up) must split evenly.
+_PLACED = [
+    *((rule, make, 3) for rule in ("colwise", "rowwise")
+      for make in (lambda: torch.nn.Linear(5, 7), lambda: torch.nn.Embedding(7, 5), _conv1d, _stacked_linears)),
+    ("sequence_parallel", lambda: torch.nn.LayerNorm(5), 3),
+    ("no_parallel", lambda: torch.nn.Linear(5, 7), 3),
+    *(({"style": "expert_tp", **more}, lambda t=transposed: _experts(t), 2)
+      for more in ({}, {"params": {"down_proj_bias": "shard(1)"}}) for transposed in (False, True)),
+    ({"style": "expert_parallel"}, lambda: _experts(experts=3), 3),
+    ({"style": "local_params", "params": {"down_proj": "shard(0)"}}, lambda: _experts(experts=5), 3),
+]
+
+
+@pytest.mark.parametrize("rule, make, tp", _PLACED)
+def test_the_compiled_style_places_parameters_as_the_contract_says_and_the_shard_math_sees_it(rule, make, tp):
+    """Each rank holds what `own_placements` (the rule's contract, or its per-module
+    placements) says: the DTensors the compiled style makes, and so the per-rank shapes
+    and bytes that checkpoint inspection and the dry run's parameter table report."""
+    from tpplan.checkpoint.inspect import expected_tensors
+    from tpplan.core.local_shapes import shapes_on_mesh
+    from tpplan.core.schema import rule_spec
+    from tpplan.simulation.layouts import param_layouts
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
+    from tpplan.sharding.compile import compile_for
+    from tpplan.sharding.styles import module_kind
+
+    spec, module = rule_spec(rule), make()
+    expected = spec.own_placements(module, module_kind(module))
+    shapes = {name: shapes_on_mesh(tuple(p.shape), (tp,), [expected[name].to_torch()]) for name, p in module.named_parameters()}
+    with simulated_world(tp):
+        compile_for(spec, module)._apply(module, tp_mesh(tp, "tp"))
     assert {name: p.placements for name, p in module.named_parameters()} == {
         name: (placement.to_torch(),) for name, placement in expected.items()
     }
+    assert any(placement.kind != "replicate" for placement in expected.values()) or spec.semantics.contract.tp.subtree
+    assert {e.names[0]: tuple(e.local_shapes) for e in expected_tensors(module)} == shapes
+    assert {p.name: p.local_shapes for p in param_layouts(module, tp)} == shapes
 
 
 def test_expert_tp_places_a_transposed_packed_gate_up_on_its_last_dim():
@@ -207,14 +196,45 @@ def test_local_shapes_of_a_2d_mesh_list_its_ranks_in_order():
         assert local_shapes(dtensor) == _held(dtensor) == ((3, 2), (3, 1), (2, 2), (2, 1))
 
 
-def test_the_report_the_checkpoint_inspector_and_the_lint_use_the_one_local_shape_function():
-    from tpplan.checkpoint import inspect
-    from tpplan.core import local_shapes
+def test_a_plain_tensor_is_whole_on_every_rank_and_the_lint_chunks_as_torch():
     from tpplan.lint import text
     from tpplan.simulation import layouts
 
-    assert inspect.local_shapes is local_shapes.local_shapes
-    assert layouts.mesh_local_shapes is local_shapes.local_shapes
-    assert text.shapes_on_mesh is local_shapes.shapes_on_mesh
     assert layouts.local_shapes(torch.randn(3, 2), 4) == ((3, 2),) * 4
     assert (text.chunk_sizes(10, 4), text.chunk_sizes(6, 4)) == ([3, 3, 3, 1], [2, 2, 2, 0])
+
+
+def test_an_uneven_shard_is_told_alike_by_the_contract_checkpoint_inspection_the_report_and_its_text(tmp_path):
+    """130 hidden features at TP 3 are 44 + 44 + 42: the rule's contract placements cut as
+    torch cuts, what checkpoint inspection expects each rank to hold of the sharded model,
+    the dry run's JSON report and its text table all say so."""
+    from uneven_load_worker import PLAN, odd
+
+    from tpplan import load_plan
+    from tpplan.checkpoint.inspect import expected_tensors
+    from tpplan.cli.app import app
+    from tpplan.core.local_shapes import shapes_on_mesh
+    from tpplan.simulation.simulate import simulated_world, tp_mesh
+    from tpplan.sharding.styles import module_kind
+
+    plan, model = load_plan(text=PLAN), odd()
+    contract = {}
+    for fqn, rule in plan.match(model).items():
+        module = model.get_submodule(fqn)
+        for key, placement in rule.spec.own_placements(module, module_kind(module)).items():
+            contract[f"{fqn}.{key}"] = shapes_on_mesh(tuple(getattr(module, key).shape), (3,), [placement.to_torch()])
+    assert contract["blocks.0.in_proj.weight"] == ((44, 30), (44, 30), (42, 30))
+
+    with simulated_world(3):
+        plan.apply(model, tp_mesh(3))
+    inspected = {e.names[0]: tuple(e.local_shapes) for e in expected_tensors(model)}
+
+    path = tmp_path / "plan.yaml"
+    path.write_text(PLAN)
+    args = ["apply", "--dry-run", "--tp", "3", "--model", "uneven_load_worker:odd", "--plan", str(path)]
+    report = json.loads(CliRunner().invoke(app, [*args, "--format", "json"]).stdout)
+    text = CliRunner().invoke(app, args).stdout
+    reported = {name: tuple(map(tuple, p["local_shapes"])) for name, p in report["parameters"].items()}
+    assert inspected == reported and {n: s for n, s in reported.items() if n in contract} == contract
+    row = re.search(r"blocks\.\*\.in_proj\.weight .*", text).group(0)
+    assert "(44, 30) | (44, 30) | (42, 30) (uneven)" in row

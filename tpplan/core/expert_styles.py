@@ -10,7 +10,6 @@ No `from __future__ import annotations` here: pydantic would compile every
 field's annotation string at start-up.
 """
 
-import dataclasses
 from typing import Any, Literal, Optional
 
 from pydantic import Field
@@ -177,6 +176,16 @@ _EXPERT_CONTRACT = tp(
 )
 
 
+# expert_parallel with dispatch all_to_all: the tokens stay sharded on their dim, sent to
+# their expert's rank and back (nothing summed)
+_ALL_TO_ALL = tp(
+    inputs=(Port(src=Option("input_layouts", _SHARD0), dst=_SHARD0),),
+    rest="passed",
+    outputs=(Port(src=_SHARD0, dst=Option("output_layouts", _SHARD0)),),
+    body="sharded",
+)
+
+
 class ExpertTPSpec(_ExpertOptions):
     """Shard every expert of an experts module (parameters with the expert dim first:
     transformers' fused `experts`, torchtitan's GroupedExperts) on its intermediate dim, the
@@ -224,10 +233,11 @@ class ExpertParallelSpec(_ExpertOptions):
     semantics = StyleSemantics(
         torch_class="tpplan.sharding.expert_parallel:AllReduceExpertParallel", contract=_EXPERT_CONTRACT, experts="whole"
     )
+    # with all_to_all, an option may give only the layout of its port in that contract
     cross_field = tuple(
-        Allowed(name, (_SHARD0,), Equals("dispatch", "all_to_all"),
+        Allowed(option.name, (option.default,), Equals("dispatch", "all_to_all"),
                 "with {when}, '{field}' must be shard(0) (the token dim of the experts' [T, H] input), not {value}")
-        for name in ("input_layouts", "output_layouts")
+        for port in (*_ALL_TO_ALL.tp.inputs, *_ALL_TO_ALL.tp.outputs) for option in (port.src, port.dst) if isinstance(option, Option)
     )
 
     def torch_class(self, kind: str | None = None) -> str:
@@ -247,12 +257,8 @@ class ExpertParallelSpec(_ExpertOptions):
 
     def contract(self, axis: str = TP):
         contract = self.semantics.contract[axis]
-        if self.dispatch == "all_to_all":  # tokens stay sharded on their dim, sent to their expert's rank and back: nothing summed
-            contract = dataclasses.replace(
-                contract,
-                inputs=(Port(src=Option("input_layouts", _SHARD0), dst=_SHARD0),),
-                outputs=(Port(src=_SHARD0, dst=Option("output_layouts", _SHARD0)),),
-            )
+        if self.dispatch == "all_to_all":
+            contract = _ALL_TO_ALL[axis]
         return contract.filled(lambda name: getattr(self, name, None))
 
     def output_follows_input(self) -> bool:

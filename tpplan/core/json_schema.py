@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .external_styles import EXTERNAL_PATTERN, external_specs, like_names
+from .external_styles import EXTERNAL_PATTERN, LAYOUT_KEYS, external_specs, like_names
 from .style_table import STYLE_NAMES, STYLE_SPECS
 
 LIKE_NAMES = like_names(STYLE_SPECS)
@@ -39,7 +39,11 @@ def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
     mesh_spec.model_rebuild()  # its default is encoded with its own serializer, built lazily
     schema = plan_spec.model_json_schema()
     defs = schema["$defs"]
-    for cls in external_specs(STYLE_SPECS).values():  # the rule schema below says what an external style takes
+    # the rule schema below says what an external style takes; without `like:`, the layout
+    # keys it takes its contract from are typed as the spec types them (external_styles.py)
+    opaque = defs.get(external_specs(STYLE_SPECS)["external"].__name__, {}).get("properties", {})
+    derived = {key: opaque[key] for key in LAYOUT_KEYS if key in opaque}
+    for cls in external_specs(STYLE_SPECS).values():
         defs.pop(cls.__name__, None)
     for cls in STYLE_SPECS.values():
         # the same rules the loader checks (cross_field.py), as far as JSON Schema can state them
@@ -50,7 +54,7 @@ def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
             }
             defs[cls.__name__]["allOf"] = [{"$ref": f"#/$defs/{cls.__name__}CrossField"}]
     rules = schema["properties"]["rules"]
-    rules["additionalProperties"] = {"anyOf": [*_rule_schema(_like_conditions(defs)), _NULL]}
+    rules["additionalProperties"] = {"anyOf": [*_rule_schema([*_like_conditions(defs), _without_like(derived)]), _NULL]}
     rules["description"] = (
         "Module-path glob -> style name or {style: ..., options}; null deletes an inherited rule "
         "(only in a plan with 'extends')."
@@ -77,6 +81,11 @@ def _like_conditions(defs: dict) -> list[dict]:
             then["allOf"] = own["allOf"]
         conditions.append({"if": {"properties": {"like": {"const": name}}, "required": ["like"]}, "then": then})
     return conditions
+
+
+def _without_like(layouts: dict) -> dict:
+    """Without `like:`, the keys a class's contract is derived from are layouts."""
+    return {"if": {"required": ["like"], "properties": {"like": {"type": "string"}}}, "else": {"properties": layouts}}
 
 
 def _rule_schema(like_conditions: list[dict]) -> list[dict]:

@@ -217,6 +217,25 @@ class StyleSpec(_Strict):
         shard it). None: the contract's `state` says, by module kind (or nothing is placed)."""
         return None
 
+    def own_placements(self, module: Any, kind: "str | None") -> "dict[str, PlacementSpec]":
+        """The placement of each own parameter of `module` (of `kind`, a key of
+        MODULE_KINDS, or None) under this rule: the one answer that the compiled styles
+        place parameters by, the lint's flow follows, and the memory and checkpoint shard
+        math see (as the DTensors the styles make). From the contract's `state` (the
+        whole subtree's placement, or by module kind), or, for a style whose placements
+        depend on the module and the options, `param_placements` (a StyleInputError
+        when it cannot shard the module). Empty: the rule places none of them."""
+        placed = self.param_placements(module)
+        if placed is not None:
+            return placed
+        state = self.contract()
+        own = [name for name, param in module._parameters.items() if param is not None]
+        if state.subtree is not None:
+            return {name: state.subtree for name in own}
+        if kind is None or kind not in state.state:
+            return {}
+        return {name: state.placement(kind, name) for name in own}
+
     def local_param_placements(self) -> "dict[str, PlacementSpec]":
         """The own parameters the module's forward computes on as local shards, when the
         style leaves its ops to it (local_params' `params`): the lint follows them there."""

@@ -11,11 +11,13 @@ that depend on the options or the module (`param_placements`, `needs_parent`,
 ...), and a `cross_field` tuple, the rules between its options as data
 (cross_field.py: the loader's TP105 checks and the JSON Schema's conditions are
 both read from it). Everything else reads them and never branches on a style's
-name (tests/test_style_table.py checks): `sharding.compile` (the torch class, and
+name (tests/test_contract.py and tests/test_style_table.py change an entry and see the
+compiled style and the lint follow): `sharding.compile` (the torch class, and
 the layouts a rule leaves out), `Plan.apply`, the lint's layout flow
 (`lint/flow.py`), facts (`lint/facts.py`) and rules (parameter placements, which
-modules a style applies to, which inputs it takes), and import-hf
-(`schema.rule_spec`). For example, colwise:
+modules a style applies to, which inputs it takes), import-hf
+(`schema.rule_spec`), and the shard math of checkpoints and memory (through the
+DTensors the styles make: `StyleSpec.own_placements`). For example, colwise:
 
     class ColwiseSpec(_LinearOptions):
         style: Literal["colwise"]
@@ -109,7 +111,8 @@ class ColwiseSpec(_LinearOptions):
         kind_classes={kind: "tpplan.sharding.kinds:KindColwiseParallel" for kind in ("Conv1D", "StackedLinears")},
     )
     cross_field = (
-        Allowed("output_layouts", (_LAST_DIM,), Given("heads"),
+        # with heads, the output is handed on as the module leaves it: the contract's output source
+        Allowed("output_layouts", (semantics.contract.tp.outputs[0].src,), Given("heads"),
                 "colwise with 'heads' hands on local head slices: drop output_layouts (or use shard(-1))"),
         Excludes("packed", "heads",
                  "colwise takes 'packed' or 'heads', not both: a packed projection's blocks are split per rank already"),

@@ -97,22 +97,24 @@ _REPLICATED = PlacementSpec("replicate")
 
 def parameter_placements(modules: "dict[str, nn.Module]", matched: dict[str, Rule]) -> dict[str, Placed]:
     """{parameter name (as named_parameters gives it): its placement under the plan's
-    {fqn: rule}}, for every name of a parameter, shared ones included (`ctx.placements`)."""
+    {fqn: rule}}, for every name of a parameter, shared ones included (`ctx.placements`).
+    A rule places its module's own parameters as its contract says (`StyleSpec.own_placements`,
+    what the compiled style does); a rule that replicates its subtree places its
+    submodules' too, unless a rule of theirs says otherwise."""
     replicated_by: dict[str, Rule | None] = {}
     out: dict[str, Placed] = {}
     for fqn, module in modules.items():
         rule = matched.get(fqn)
         parent = fqn.rpartition(".")[0] if fqn else None
         inherited = replicated_by.get(parent) if parent is not None else None
-        contract = rule.spec.semantics.contract.tp if rule else None
-        replicated_by[fqn] = rule if contract is not None and contract.subtree == _REPLICATED else inherited
-        kind = module_kind(module) if contract is not None and contract.kinds else None
-        own = _own_placements(module, rule) if rule is not None and kind is None else None
+        replicates = rule is not None and rule.spec.semantics.contract.tp.subtree == _REPLICATED
+        replicated_by[fqn] = rule if replicates else inherited
+        own = _own_placements(module, rule) if rule is not None else {}
         for key, param in module._parameters.items():
             if param is None:
                 continue
             name = f"{fqn}.{key}" if fqn else key
-            placement = contract.placement(kind, key) if kind is not None else (own or {}).get(key)
+            placement = own.get(key)
             if placement is not None:
                 out[name] = Placed(placement, fqn, rule)
             elif replicated_by[fqn] is not None:
@@ -122,10 +124,11 @@ def parameter_placements(modules: "dict[str, nn.Module]", matched: dict[str, Rul
     return out
 
 
-def _own_placements(module: "nn.Module", rule: Rule) -> dict[str, PlacementSpec] | None:
-    """The placement of each own parameter under the styles whose placements depend on
-    the module and the options (the expert styles, local_params), from the table."""
+def _own_placements(module: "nn.Module", rule: Rule) -> dict[str, PlacementSpec]:
+    """The placement of each own parameter of `module` under `rule` (the contract's, by
+    its kind); {} where the style cannot shard the module (TP305 says so)."""
+    spec = rule.spec
     try:
-        return rule.spec.param_placements(module)
+        return spec.own_placements(module, module_kind(module) if spec.semantics.contract.tp.kinds else None)
     except ValueError:
-        return None  # not an experts module, or an unknown parameter name: TP305 says so
+        return {}  # not an experts module, or an unknown parameter name: TP305 says so

@@ -162,9 +162,10 @@ class _Interpreter:
             if semantics.contract.tp.body == "unknown":
                 return  # a class the plan names without `like:` (TP307): its inputs are not judged
             first = event.args[0] if event.args else None
-            if first is None:
+            declared_input = spec.declared_input()
+            if first is None or declared_input is None:  # no first input, or the contract lays out none
                 return
-            declared, default = spec.declared_input()
+            declared, default = declared_input
             if spec.contract().inputs[0].grad == "sum":  # backward sums its gradient: siblings sharing it pay (TP340)
                 self.report.colwise_inputs.append(ColwiseInput(
                     event.fqn, rule, first, self.value(first), self.trace.needs_grad[first],
@@ -258,7 +259,8 @@ class _Interpreter:
         if node is None:
             return
         src = Source(frame.fqn, frame.rule)
-        if spec.semantics.contract.tp.body == "unknown":  # what comes out is unknown: judge nothing that follows
+        contract = spec.semantics.contract.tp
+        if contract.body == "unknown" or not contract.outputs:  # what comes out is unknown: judge nothing that follows
             for out in event.flat:
                 self.set(out, Lay("?", False, None, src))
             return

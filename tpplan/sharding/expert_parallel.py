@@ -30,8 +30,9 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from ..core.problems import StyleInputError
 from .expert_dispatch import Routed, combine, combine_local, combine_sorted, counts_argument, dispatch, route_local, route_sorted
-from ..core.expert_styles import expert_count
+from ..core.expert_styles import ExpertParallelSpec, expert_count
 from .experts import LocalForward
+from .placed import own_placements
 
 __all__ = ["ExpertParallel", "AllReduceExpertParallel", "AllToAllExpertParallel"]
 
@@ -76,7 +77,7 @@ class ExpertParallel(LocalForward):
                 f"{experts} experts of {type(module).__name__} do not divide over TP degree {degree}",
                 f"degrees that work: {works}, or expert_tp (shards each expert instead)",
             )
-        return {name: Shard(0) for name, _ in module.named_parameters(recurse=False)}
+        return own_placements(ExpertParallelSpec.model_construct(style=self.name), module)
 
     def _local_param(self, name: str, param: DTensor) -> torch.Tensor:
         return param.to_local()

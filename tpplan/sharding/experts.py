@@ -38,6 +38,7 @@ from ..core import expert_styles
 from ..core.expert_styles import not_experts
 from ..core.problems import StyleInputError
 from .expert_dispatch import rank_values
+from .placed import own_placements, plan_placements
 
 __all__ = ["ExpertTensorParallel", "LocalForward", "expert_tp_defaults", "is_experts_module"]
 
@@ -226,10 +227,8 @@ class ExpertTensorParallel(LocalForward):
         self.params = dict(params or {})
 
     def _placements(self, module: nn.Module, mesh: DeviceMesh) -> dict[str, Placement]:
-        base = expert_styles.expert_tp_base(module, self.name, self.params)
-        placements = {**{name: p.to_torch() for name, p in base.items()}, **self.params}
-        expert_styles.check_param_dims(module, self.name, {n: getattr(p, "dim", None) for n, p in placements.items()})
-        return placements
+        spec = expert_styles.ExpertTPSpec.model_construct(style=self.name, params=plan_placements(self.params))
+        return own_placements(spec, module)
 
     def _local_param(self, name: str, param: DTensor) -> torch.Tensor:
         if not all(p.is_replicate() for p in param.placements):

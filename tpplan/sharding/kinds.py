@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from ..core.style_table import ColwiseSpec, RowwiseSpec
+from .placed import own_placements
 from .styles import module_kind
 
 __all__ = ["KindColwiseParallel", "KindRowwiseParallel", "is_conv1d", "is_stacked_linears"]
@@ -51,20 +52,17 @@ def is_stacked_linears(module: nn.Module) -> bool:
     return dims == tuple(own["weight"].shape)
 
 
-def _table_placements(spec: type, kind: str) -> dict:
-    """{parameter name or "*": torch placement} the style table's `spec` gives a module of `kind`."""
-    return {name: placement.to_torch() for name, placement in spec.semantics.contract.tp.state[kind].items()}
-
-
 def _prepare_first(prepare, module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     """torch's input hook on the first positional input; the others handed on as they are
     (torch's returns the first alone: stacked Linears take expert_size second)."""
     return (prepare(module, inputs, mesh), *inputs[1:])
 
 
-def _partition(placements: dict, src_data_rank: int | None, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+def _partition(spec: type, kind: str, src_data_rank: int | None, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    # the placements the style table's `spec` (options left out: they place no parameter) gives a module of `kind`
+    placements = own_placements(spec.model_construct(), module, kind)
     for key, param in list(module.named_parameters(recurse=False)):
-        placed = distribute_tensor(param, mesh, [placements.get(key, placements["*"])], src_data_rank=src_data_rank)
+        placed = distribute_tensor(param, mesh, [placements[key]], src_data_rank=src_data_rank)
         module.register_parameter(key, nn.Parameter(placed, requires_grad=param.requires_grad))
 
 
@@ -74,7 +72,7 @@ def _distribute_kind(style, spec, kind: str, module: nn.Module, device_mesh: Dev
     return distribute_module(
         module,
         device_mesh,
-        partial(_partition, _table_placements(spec, kind), style.src_data_rank),
+        partial(_partition, spec, kind, style.src_data_rank),
         partial(_prepare_first, partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts)),
         partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
     )

@@ -22,8 +22,10 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput
 
+from ..core.expert_styles import LocalParamsSpec
 from ..core.problems import StyleInputError
 from .experts import distribute_param
+from .placed import own_placements, plan_placements
 
 __all__ = ["LocalParams"]
 
@@ -73,11 +75,11 @@ class LocalParams(ParallelStyle):
             )
         if self.prepare is not None:
             self.prepare._apply(module, device_mesh)  # its input hook runs before ours
+        placements = own_placements(LocalParamsSpec.model_construct(style="local_params", params=plan_placements(self.params)), module)
         for name, param in own.items():
             if isinstance(param, DTensor):
                 continue
-            placement = self.params.get(name, Replicate())
-            value = distribute_param(param.data, device_mesh, placement, self.src_data_rank)
+            value = distribute_param(param.data, device_mesh, placements[name], self.src_data_rank)
             module.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
         module.register_forward_pre_hook(self._pre_forward)
         module.register_forward_hook(self._post_forward)
