@@ -15,7 +15,7 @@ genuinely differ (each caller says why it passes what it passes):
   (`dividing`), so the plan it writes promises only degrees that can work.
 
 Under torchrun the degree is not chosen: the launched world (and --fsdp)
-fixes it (simulation/fsdp.py), and the plan's mesh.sizes is checked against it.
+fixes it (runtime/devices.py: `mesh_shape`, `fsdp_tp`), and the plan's mesh.sizes is checked against it.
 """
 
 from __future__ import annotations
