@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 from .axes_spec import AXES, REST, SECTIONS, WORLD_AXES
 from .problems import Problem, error, warning
 
-if TYPE_CHECKING:
-    from .plan import Plan
+if TYPE_CHECKING:  # plan.py imports this module: a plan here is any object with .spec, .source, .file
     from .yamlsource import SourceMap
 
 
@@ -178,7 +177,7 @@ def load_problems(spec: Any, source: "SourceMap") -> list[Problem]:
     return _run_checks(spec, source, mesh, list(mesh.candidates()), after_world=False)
 
 
-def world_problems(plan: "Plan", world: int) -> list[Problem]:
+def world_problems(plan: Any, world: int) -> list[Problem]:
     """The product of a version 2 plan's axes against `world` ranks (the `-1` axis resolved
     to a whole number), then the checks that read the resolved axis."""
     if plan.version != 2:
@@ -208,7 +207,7 @@ def world_problems(plan: "Plan", world: int) -> list[Problem]:
     return [error("TP121", message, source.file, *source.locate(at, key=at == ("mesh",)))]
 
 
-def section_warnings(plan: "Plan") -> list[Problem]:
+def section_warnings(plan: Any) -> list[Problem]:
     """A section whose axis has degree 1 in the plan does nothing there: likely a size forgotten."""
     if plan.version != 2:
         return []
@@ -226,7 +225,7 @@ def section_warnings(plan: "Plan") -> list[Problem]:
 # -- what is applied ---------------------------------------------------------------------------
 
 
-def unapplied(plan: "Plan") -> list[tuple[str, ...]]:
+def unapplied(plan: Any) -> list[tuple[str, ...]]:
     """The keys of a version 2 plan that this tpplan checks but does not apply yet: any
     axis other than tp not 1, and the sections beyond the TP rules."""
     if plan.version != 2:
@@ -244,7 +243,7 @@ class NotAppliedError(ValueError):
         super().__init__(str(problem))
 
 
-def refuse_unapplied(plan: "Plan") -> None:
+def refuse_unapplied(plan: Any) -> None:
     """NotAppliedError where `plan` says more than its TP rules and mesh.tp."""
     keys = unapplied(plan)
     if not keys:

@@ -172,9 +172,10 @@ def _extend(parent: Plan, spec: PlanSpec, rules: list[Rule], deleted: list[tuple
                                file, *source.locate(("extends",)))])
     # a version 2 plan extending a version 1 plan: the parent's settings both versions share, and
     # its promised TP degrees as mesh.tp where this plan does not give one
-    shared = {key: getattr(parent.spec, key) for key in parent.spec.model_fields_set if key in ("src_data_rank", "loss_parallel")}
+    shared = {key: getattr(parent.spec, key) for key in parent.spec.model_fields_set
+              if key in ("src_data_rank", "loss_parallel") and key not in spec.model_fields_set}
     if parent.spec.mesh.sizes and "tp" not in spec.mesh.model_fields_set:
-        shared["mesh"] = spec.mesh.model_copy(update={"tp": list(parent.spec.mesh.sizes)})
+        update["mesh"] = spec.mesh.model_copy(update={"tp": list(parent.spec.mesh.sizes)})
     return Plan(spec.model_copy(update={**shared, **update}), merged, file, source)
 
 
