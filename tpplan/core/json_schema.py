@@ -1,6 +1,7 @@
 """The JSON Schema of plan files (schemas/plan.schema.json), built from the spec
 classes of schema.py so that it accepts every plan `load_plan` accepts and
-rejects what `load_plan` rejects wherever JSON Schema can say it.
+rejects what `load_plan` rejects wherever JSON Schema can say it. `version: 2`
+selects version 2's definition (axes_spec.py's sections), anything else version 1's.
 
 pydantic writes each spec class (types, defaults, `additionalProperties: false`
 for the unknown keys, required options); this module adds what pydantic cannot
@@ -16,7 +17,9 @@ of different lengths both longer than cross_field.LIST_BOUND, a null desired
 entry at an index past it, two non-empty keyword mappings with different names
 (cross_field.py), an integer written as a float (`1.0`: JSON Schema's "integer"
 is a mathematical value), mapping keys that are not strings, and whatever
-needs the file system (`extends` reaching a parent and what the parent holds).
+needs the file system (`extends` reaching a parent and what the parent holds),
+and what a version 2 plan's sizes must satisfy together (axes.py: one `-1` at most,
+products and divisibility across keys).
 """
 
 from __future__ import annotations
