@@ -523,6 +523,8 @@ def test_the_schema_accepts_what_tpplan_loads(validator, text):
         "version: 2\nrules: {}\nexperts: {a: colwise}\n",
         "version: 2\nrules: {}\nexperts: {a: {style: expert_parallel, dispatch: all_to_one}}\n",
         "version: 2\nrules: {}\ncontext_parallel: {rotate: allgather}\n",
+        "version: 2\nrules: {}\ncontext_parallel: {modules: []}\n",
+        "version: 2\nrules: {}\nfsdp: {units: [layers.*, 3]}\n",
         "version: 2\nrules: {}\ncontext_parallel: {modules: attn, load_balance: zigzag}\n",
         "version: 2\nrules: {}\nfsdp: {reshard_after_forward: 1}\n",
         "version: 2\nrules: {}\nfsdp: {mixed_precision: {param_dtype: bfloat16}}\n",

@@ -51,6 +51,8 @@ def _tp_size(value: Any) -> Any:
 
 
 def _globs(value: Any) -> Any:
+    if value == []:
+        raise ValueError("name at least one module-path glob (a glob, or a list of them)")
     return [value] if isinstance(value, str) else value
 
 
