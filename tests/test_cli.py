@@ -125,7 +125,7 @@ def test_a_yaml_syntax_error_is_a_located_problem_not_a_traceback(workdir):
 
 def test_every_plan_given_is_validated_and_problems_are_grouped_by_file(workdir):
     good, bad = workdir("good.yaml", GOOD), workdir("bad.yaml", THREE_MISTAKES)
-    result = run("validate", bad, good, workdir("bad2.yaml", "version: 2\nrules: {}\n"))
+    result = run("validate", bad, good, workdir("bad2.yaml", "version: 3\nrules: {}\n"))
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     located = [line.split(": ", 1)[0] for line in lines if line.startswith("bad")]

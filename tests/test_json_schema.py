@@ -32,9 +32,10 @@ from tpplan.core import cross_field
 from tpplan.core.cross_field import LIST_BOUND
 from tpplan.core.globs import GlobSyntaxError, compile_glob
 from tpplan.core.problems import PlanError as _PlanError
-from tpplan.core.schema import STYLE_SPECS
+from tpplan.core.axes import load_problems
+from tpplan.core.schema import STYLE_SPECS, PlanV2Spec
 from tpplan.core.schema_file import POINTER_PREFIX, SCHEMA_FILE, schema_pointer
-from tpplan.core.yamlsource import parse_yaml
+from tpplan.core.yamlsource import SourceMap, parse_yaml
 from tpplan.docs import schema_text
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,6 +52,9 @@ UNDECIDABLE = {
     "lengths": f"two layout lists of different lengths, both longer than {LIST_BOUND}: the schema enumerates the lengths up to it",
     "entries": f"a null desired entry facing a given one at an index >= {LIST_BOUND}: the schema names each index below it",
     "kwarg names": "two non-empty keyword-layout mappings with different names: a key-by-key comparison of two mappings",
+    # tpplan/core/axes.py's located checks
+    "axes": "what a version 2 plan's sizes must satisfy together (one -1 at most, ep dividing dp_shard·cp·tp, "
+    "the batch and the sequence divisible, the reshard group dividing dp_shard): arithmetic across keys",
 }
 
 
@@ -121,6 +125,14 @@ def undecidable(data) -> str | None:
         return None
     if isinstance(data.get("extends"), str) and data["extends"].strip():
         return "extends"
+    experts = data.get("experts") if data.get("version") == 2 else None
+    for key in (experts if isinstance(experts, dict) else ()):
+        try:
+            compile_glob(key)
+        except GlobSyntaxError:
+            return "glob"
+    if _breaks_axes_arithmetic(data):
+        return "axes"
     rules = data.get("rules")
     for key, value in (rules.items() if isinstance(rules, dict) else ()):
         try:
@@ -137,6 +149,17 @@ def undecidable(data) -> str | None:
         if blind is not None:
             return blind
     return None
+
+
+def _breaks_axes_arithmetic(data: dict) -> bool:
+    """A version 2 plan whose values are each right but whose sizes do not fit together."""
+    if type(data.get("version")) is not int or data["version"] != 2:
+        return False
+    try:
+        spec = PlanV2Spec.model_validate(data)
+    except ValidationError:
+        return False  # a value's own type or range: the schema decides it
+    return bool(load_problems(spec, SourceMap("<data>")))
 
 
 def verdicts(validator, text: str) -> tuple[bool, bool, str | None] | None:
@@ -447,6 +470,16 @@ def test_fuzzed_corpus_was_mostly_decidable_and_held_both_verdicts():
         # a class without like: its layouts (the contract it gets) as one placement or a list, its params placements
         "version: 1\nrules:\n  a: {style: m.n:C, input_layouts: [replicate, null], output_layouts: 'shard(-1)', params: {weight: shard(0)}}\n",
         "version: 1\nrules:\n  a: {style: m.n:C, desired_input_layouts: replicate, tag: anything}\n",
+        # version 2: the whole example of SPEC §7 (less pipeline), and each section at its defaults
+        "version: 2\nname: x\nmesh: {pp: 1, dp_replicate: 2, dp_shard: -1, cp: 2, tp: [4, 8], ep: 8}\n"
+        "rules: {layers.*.attention.wq: colwise}\n"
+        "experts: {layers.*.moe.experts: {style: expert_parallel, dispatch: all_to_all}, b: expert_tp}\n"
+        "context_parallel: {modules: layers.*.attention, rotate: alltoall, load_balance: none, buffers: {freqs_cis: 0}}\n"
+        "fsdp: {units: [layers.*, ''], reshard_after_forward: 2, mixed_precision: {param_dtype: bf16, reduce_dtype: fp32}, offload: false}\n"
+        "checkpointing: {modules: [layers.*], mode: selective}\n"
+        "training: {global_batch: 2048, seq: 8192, dtype: bf16, optimizer: adamw}\n",
+        "version: 2\nrules: {}\nfsdp: {}\ntraining: {}\nexperts: {}\n",
+        "version: 2\nmesh: {tp: -1}\nrules: {}\ncontext_parallel: {modules: attn}\ncheckpointing: {modules: layers.*}\n",
     ],
 )
 def test_the_schema_accepts_what_tpplan_loads(validator, text):
@@ -481,6 +514,26 @@ def test_the_schema_accepts_what_tpplan_loads(validator, text):
         "version: true\nrules: {}\n",
         "version: 1\nrules: {}\nextra: 1\n",
         "[version, rules]\n",
+        # version 2: each section's values, and what a version 1 plan cannot hold
+        "version: 2\nmesh: {dp_shard: 0}\nrules: {}\n",
+        "version: 2\nmesh: {ep: -1}\nrules: {}\n",
+        "version: 2\nmesh: {tp: []}\nrules: {}\n",
+        "version: 2\nmesh: {tp: [2, -1]}\nrules: {}\n",
+        "version: 2\nmesh: {dp: 2}\nrules: {}\n",
+        "version: 2\nrules: {}\nexperts: {a: colwise}\n",
+        "version: 2\nrules: {}\nexperts: {a: {style: expert_parallel, dispatch: all_to_one}}\n",
+        "version: 2\nrules: {}\ncontext_parallel: {rotate: allgather}\n",
+        "version: 2\nrules: {}\ncontext_parallel: {modules: []}\n",
+        "version: 2\nrules: {}\nfsdp: {units: [layers.*, 3]}\n",
+        "version: 2\nrules: {}\ncontext_parallel: {modules: attn, load_balance: zigzag}\n",
+        "version: 2\nrules: {}\nfsdp: {reshard_after_forward: 1}\n",
+        "version: 2\nrules: {}\nfsdp: {mixed_precision: {param_dtype: bfloat16}}\n",
+        "version: 2\nrules: {}\ncheckpointing: {modules: layers.*, mode: some}\n",
+        "version: 2\nrules: {}\ntraining: {global_batch: 0}\n",
+        "version: 2\nrules: {}\ntraining: {optimizer: adam}\n",
+        "version: 2\nrules: {}\npipeline: {schedule: 1F1B}\n",
+        "version: 1\nrules: {}\nfsdp: {}\n",
+        "version: 1\nmesh: {tp: 2}\nrules: {}\n",
     ],
 )
 def test_the_schema_rejects_what_tpplan_rejects(validator, text):
@@ -503,6 +556,9 @@ def _rule(value: str) -> str:
         (_rule(f"{{style: prepare_module_output, output_layouts: {['shard(1)'] * (LIST_BOUND + 1)}, "
                f"desired_output_layouts: {['replicate'] * LIST_BOUND + [None]}}}"), "entries"),
         ("version: 1\nrules:\n  a: {style: prepare_module_input, input_kwarg_layouts: {m: shard(1)}, desired_input_kwarg_layouts: {n: replicate}}\n", "kwarg names"),
+        ("version: 2\nmesh: {dp_shard: 2, tp: 1, ep: 4}\nrules: {}\n", "axes"),
+        ("version: 2\nmesh: {dp_shard: -1, cp: -1}\nrules: {}\n", "axes"),
+        ("version: 2\nrules: {}\nexperts:\n  'x[': expert_parallel\n", "glob"),
     ],
 )
 def test_undecidable_classes_are_rejected_by_tpplan_and_accepted_by_the_schema(validator, text, reason):

@@ -110,12 +110,12 @@ def test_missing_rules_is_an_error(plan_error):
     assert problem.message == "missing required key 'rules' at the top level"
 
 
-@pytest.mark.parametrize("value, shown", [("2", "2"), ("0", "0"), ("'1'", "'1'"), ("true", "True"), ("1.0", "1.0"), ("null", "None")])
-def test_only_version_1_is_read(plan_error, value, shown):
-    # true and 1.0 are equal to 1 in Python; a plan version is still the integer 1 (regression)
+@pytest.mark.parametrize("value, shown", [("3", "3"), ("0", "0"), ("'1'", "'1'"), ("true", "True"), ("1.0", "1.0"), ("null", "None"), ("2.0", "2.0")])
+def test_only_versions_1_and_2_are_read(plan_error, value, shown):
+    # true and 1.0 are equal to 1 in Python; a plan version is still the integer 1 or 2 (regression)
     [problem] = plan_error(f"version: {value}\nrules: {{}}\n").problems
     assert (problem.code, problem.line, problem.column) == ("TP106", 1, 10)
-    assert problem.message == f"unsupported plan version {shown}: this tpplan reads 'version: 1'"
+    assert problem.message == f"unsupported plan version {shown}: this tpplan reads 'version: 1' and 'version: 2'"
 
 
 @pytest.mark.parametrize("value, kind", [("[]", "[]"), ("colwise", "'colwise'"), ("", "None")])

@@ -46,6 +46,16 @@ def validate(
             show_default=False,
         ),
     ] = None,
+    world: Annotated[
+        Optional[int],
+        typer.Option(
+            metavar="N",
+            min=1,
+            help="World size: check that a version 2 plan's mesh axes multiply to N (the -1 axis resolved to a whole "
+            "number) and the checks that read the resolved axis.",
+            show_default=False,
+        ),
+    ] = None,
     format: Annotated[Format, typer.Option(help="Output format: text (for people), json (one object; cli.md lists its keys), github (annotations).")] = Format.text,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
     select: Annotated[
@@ -108,11 +118,21 @@ def validate(
             continue
         entry.rules = len(plan.rules)
         loaded.append((entry, plan))
+        problems += _axis_problems(plan, world)
 
     if factory is not None:
         problems += _check_against_model(model, factory, loaded, tp, rules, inputs)
 
     exit_with(print_outcome(Outcome(checked, problems, strict), format))
+
+
+def _axis_problems(plan: "Plan", world: int | None) -> "list[Problem]":
+    """A version 2 plan's checks beyond the loader's: against the world size, and its warnings."""
+    if plan.version != 2:
+        return []
+    from ..core.axes import section_warnings, world_problems
+
+    return (world_problems(plan, world) if world is not None else []) + section_warnings(plan)
 
 
 def _check_against_model(

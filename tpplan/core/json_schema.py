@@ -1,6 +1,7 @@
 """The JSON Schema of plan files (schemas/plan.schema.json), built from the spec
 classes of schema.py so that it accepts every plan `load_plan` accepts and
-rejects what `load_plan` rejects wherever JSON Schema can say it.
+rejects what `load_plan` rejects wherever JSON Schema can say it. `version: 2`
+selects version 2's definition (axes_spec.py's sections), anything else version 1's.
 
 pydantic writes each spec class (types, defaults, `additionalProperties: false`
 for the unknown keys, required options); this module adds what pydantic cannot
@@ -16,7 +17,9 @@ of different lengths both longer than cross_field.LIST_BOUND, a null desired
 entry at an index past it, two non-empty keyword mappings with different names
 (cross_field.py), an integer written as a float (`1.0`: JSON Schema's "integer"
 is a mathematical value), mapping keys that are not strings, and whatever
-needs the file system (`extends` reaching a parent and what the parent holds).
+needs the file system (`extends` reaching a parent and what the parent holds),
+and what a version 2 plan's sizes must satisfy together (axes.py: one `-1` at most,
+products and divisibility across keys).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 from .external_styles import EXTERNAL_PATTERN, LAYOUT_KEYS, external_specs, like_names
-from .style_table import STYLE_NAMES, STYLE_SPECS
+from .axes_spec import EXPERT_STYLES
+from .style_table import STYLE_SPECS
 
 LIKE_NAMES = like_names(STYLE_SPECS)
 
@@ -33,12 +37,31 @@ _NULL = {"type": "null"}
 _NOT_NULL = {"not": _NULL}
 
 
-def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
-    """The schema of `plan_spec` (schema.PlanSpec; passed in, so that schema.py may
-    import this module without a cycle), whose mesh is `mesh_spec`."""
+def plan_json_schema(plan_spec: Any, mesh_spec: Any, plan_v2_spec: Any, named_mesh_spec: Any) -> dict:
+    """The schema of both plan versions (schema.PlanSpec with its mesh `mesh_spec`, and
+    schema.PlanV2Spec with `named_mesh_spec`; passed in, so that schema.py may import
+    this module without a cycle): `version: 2` selects version 2's, anything else
+    version 1's (whose `version` then says what is wrong)."""
+    v1, v1_defs = _version_schema(plan_spec, mesh_spec)
+    v2, v2_defs = _version_schema(plan_v2_spec, named_mesh_spec)
+    experts = v2["properties"]["experts"]
+    experts["anyOf"] = [{"type": "object", "additionalProperties": {"anyOf": _rule_schema([], EXPERT_STYLES)}}, _NULL]
+    defs = {**v1_defs, **v2_defs, "PlanVersion1": v1, "PlanVersion2": v2}
+    return {
+        "$schema": SCHEMA_DIALECT,
+        "title": "tpplan plan (version 1 or 2)",
+        "$defs": defs,
+        "if": {"properties": {"version": {"const": 2}}, "required": ["version"]},
+        "then": {"$ref": "#/$defs/PlanVersion2"},
+        "else": {"$ref": "#/$defs/PlanVersion1"},
+    }
+
+
+def _version_schema(plan_spec: Any, mesh_spec: Any) -> tuple[dict, dict]:
+    """One version's schema without its $defs, and the $defs."""
     mesh_spec.model_rebuild()  # its default is encoded with its own serializer, built lazily
     schema = plan_spec.model_json_schema()
-    defs = schema["$defs"]
+    defs = schema.pop("$defs")
     # the rule schema below says what an external style takes; without `like:`, the layout
     # keys it takes its contract from are typed as the spec types them (external_styles.py)
     opaque = defs.get(external_specs(STYLE_SPECS)["external"].__name__, {}).get("properties", {})
@@ -64,9 +87,7 @@ def plan_json_schema(plan_spec: Any, mesh_spec: Any) -> dict:
     # A null rule deletes the parent's rule of that key: only a plan that extends one may hold it.
     schema["if"] = {"required": ["extends"], "properties": {"extends": {"type": "string"}}}
     schema["else"] = {"properties": {"rules": {"additionalProperties": _NOT_NULL}}}
-    schema["$schema"] = SCHEMA_DIALECT
-    schema["title"] = "tpplan plan (version 1)"
-    return schema
+    return schema, defs
 
 
 def _like_conditions(defs: dict) -> list[dict]:
@@ -88,16 +109,18 @@ def _without_like(layouts: dict) -> dict:
     return {"if": {"required": ["like"], "properties": {"like": {"type": "string"}}}, "else": {"properties": layouts}}
 
 
-def _rule_schema(like_conditions: list[dict]) -> list[dict]:
-    """A style name (its default options) or a mapping with 'style:' and that style's options."""
+def _rule_schema(like_conditions: list[dict], names: tuple[str, ...] | None = None) -> list[dict]:
+    """A style name (its default options) or a mapping with 'style:' and that style's options;
+    with `names`, only those built-in styles (version 2's experts rules)."""
+    styles = {name: cls for name, cls in STYLE_SPECS.items() if names is None or name in names}
     # A style name alone gives its default options: not for a style with required ones.
     shorthand = [
-        name for name, cls in STYLE_SPECS.items()
+        name for name, cls in styles.items()
         if not any(field.is_required() for key, field in cls.model_fields.items() if key != "style")
     ]
     by_style = [
         {"if": {"properties": {"style": {"const": name}}, "required": ["style"]}, "then": {"$ref": f"#/$defs/{cls.__name__}"}}
-        for name, cls in STYLE_SPECS.items()
+        for name, cls in styles.items()
     ]
     # `style: PKG.MOD:Class`: its keys are the class's constructor arguments (any), `like:` a built-in style
     external = {
@@ -110,9 +133,14 @@ def _rule_schema(like_conditions: list[dict]) -> list[dict]:
         "description": "A third-party or user ParallelStyle; the other keys are its constructor's keyword arguments.",
         "allOf": like_conditions,
     }
-    return [
+    builtin = [
         {"type": "string", "enum": shorthand, "description": "A style with its default options (styles without required options)."},
-        {"type": "object", "required": ["style"], "properties": {"style": {"type": "string", "enum": list(STYLE_NAMES)}}, "allOf": by_style},
+        {"type": "object", "required": ["style"], "properties": {"style": {"type": "string", "enum": list(styles)}}, "allOf": by_style},
+    ]
+    if names is not None:
+        return builtin
+    return [
+        *builtin,
         {"type": "string", "pattern": EXTERNAL_PATTERN, "description": "A ParallelStyle subclass as PKG.MOD:Class, no arguments."},
         external,
     ]

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 from .globs import GlobSyntaxError, compile_glob
 from .plan import Plan, Rule
 from .problems import PlanError, Problem, error
-from .schema import STYLE_NAMES, STYLE_SPECS, MeshSpec, PlanSpec, StyleSpec
+from .schema import EXPERT_STYLES, STYLE_NAMES, STYLE_SPECS, PlanSpec, StyleSpec, plan_spec_for
 from .yamlsource import SourceMap, parse_yaml, text_position
 
 def load_plan(path: str | os.PathLike | None = None, *, text: str | None = None, file: str | None = None) -> Plan:
@@ -53,38 +53,25 @@ def parse_plan(text: str, file: str, _extending: tuple[str, ...] = ()) -> Plan:
 
     problems: list[Problem] = []
     spec = None
+    spec_class = plan_spec_for(data)
+    if spec_class is not PlanSpec and "pipeline" in data:
+        problems.append(error(
+            "TP109", "'pipeline' (SPEC §8) is reserved: this tpplan does not read pipelines yet; remove the section "
+            "(mesh.pp is checked, not applied)", file, *source.locate(("pipeline",), key=True),
+        ))
+        data = {key: value for key, value in data.items() if key != "pipeline"}
     try:
-        spec = PlanSpec.model_validate(data)
+        spec = spec_class.model_validate(data)
     except ValidationError as exc:
         problems += [_schema_problem(err, data, source) for err in exc.errors()]
-    raw_rules = data.get("rules") if isinstance(data.get("rules"), dict) else {}
     extends = data.get("extends")
-    rules, deleted = [], []
-    for pattern, value in raw_rules.items():
-        if not isinstance(pattern, str):
-            continue  # reported by the schema
-        line, column = source.locate(("rules", pattern), key=True)
-        if value is None:
-            if extends is None:  # null deletes an inherited rule: there is none here
-                problems.append(error(
-                    "TP101", f"rule '{pattern}' must be a style name or a mapping with 'style:', not null",
-                    file, *source.locate(("rules", pattern)),
-                ))
-            deleted.append((pattern, line, column))
-            continue
-        try:
-            glob = compile_glob(pattern)
-        except GlobSyntaxError as exc:
-            shift = exc.offset + (1 if ("rules", pattern) in source.quoted_keys else 0)
-            problems.append(error("TP110", f"bad glob '{pattern}': {exc}", file, line, column + shift))
-            continue
-        rule_spec = spec.rules[pattern] if spec else _validate_rule(pattern, value)
-        if rule_spec is None:
-            continue  # reported by the schema
-        for subpath, message in rule_spec.cross_field_problems():
-            path = ("rules", pattern, *subpath)
-            problems.append(error("TP105", f"rule '{pattern}': {message}", file, *source.locate(path, key=len(subpath) == 1)))
-        rules.append(Rule(pattern, rule_spec, glob, file, line, column))
+    rules, deleted = _section_rules("rules", data, spec, source, problems)
+    if spec_class is not PlanSpec:
+        _section_rules("experts", data, spec, source, problems)
+        if spec is not None and not problems:
+            from .axes import load_problems
+
+            problems += load_problems(spec, source)
     parent = None
     if isinstance(extends, str):
         try:
@@ -96,6 +83,48 @@ def parse_plan(text: str, file: str, _extending: tuple[str, ...] = ()) -> Plan:
     if parent is None:
         return Plan(spec, rules, file, source)
     return _extend(parent, spec, rules, deleted, file, source)
+
+
+def _section_rules(section: str, data: dict, spec: Any, source: SourceMap, problems: list[Problem]) -> tuple[list[Rule], list]:
+    """The rules of `section` ("rules", or version 2's "experts", whose rules name an expert
+    style), their glob and cross-field problems appended to `problems`; and the null rules
+    (deletions of inherited ones, "rules" only) as (pattern, line, column)."""
+    file = source.file
+    raw = data.get(section) if isinstance(data.get(section), dict) else {}
+    rules, deleted = [], []
+    for pattern, value in raw.items():
+        if not isinstance(pattern, str):
+            continue  # reported by the schema
+        line, column = source.locate((section, pattern), key=True)
+        if value is None and section == "rules":
+            if data.get("extends") is None:  # null deletes an inherited rule: there is none here
+                problems.append(error(
+                    "TP101", f"rule '{pattern}' must be a style name or a mapping with 'style:', not null",
+                    file, *source.locate((section, pattern)),
+                ))
+            deleted.append((pattern, line, column))
+            continue
+        try:
+            glob = compile_glob(pattern)
+        except GlobSyntaxError as exc:
+            shift = exc.offset + (1 if (section, pattern) in source.quoted_keys else 0)
+            problems.append(error("TP110", f"bad glob '{pattern}': {exc}", file, line, column + shift))
+            continue
+        rule_spec = getattr(spec, section)[pattern] if spec else _validate_rule(pattern, value)
+        if rule_spec is None:
+            continue  # reported by the schema
+        for subpath, message in rule_spec.cross_field_problems():
+            path = (section, pattern, *subpath)
+            problems.append(error("TP105", f"rule '{pattern}': {message}", file, *source.locate(path, key=len(subpath) == 1)))
+        if section == "experts" and rule_spec.style not in EXPERT_STYLES:
+            at = (section, pattern, "style") if isinstance(value, dict) else (section, pattern)
+            problems.append(error(
+                "TP103", f"experts rule '{pattern}' names style '{rule_spec.style}': the experts section places experts "
+                f"over the ep axis with {' or '.join(EXPERT_STYLES)}; put other styles under 'rules'",
+                file, *source.locate(at),
+            ))
+        rules.append(Rule(pattern, rule_spec, glob, file, line, column))
+    return rules, deleted
 
 
 def _load_parent(extends: str, file: str, source: SourceMap, extending: tuple[str, ...]) -> Plan:
@@ -134,8 +163,20 @@ def _extend(parent: Plan, spec: PlanSpec, rules: list[Rule], deleted: list[tuple
     merged = [own.pop(rule.pattern, rule) for rule in parent.rules if rule.pattern not in gone]
     merged += own.values()
     settings = {key: getattr(spec, key) for key in spec.model_fields_set if key not in ("version", "rules", "extends")}
-    merged_spec = parent.spec.model_copy(update={**settings, "rules": {rule.pattern: rule.spec for rule in merged}, "extends": None})
-    return Plan(merged_spec, merged, file, source)
+    update = {**settings, "rules": {rule.pattern: rule.spec for rule in merged}, "extends": None}
+    if parent.spec.version == spec.version:
+        return Plan(parent.spec.model_copy(update=update), merged, file, source)
+    if spec.version < parent.spec.version:
+        raise PlanError([error("TP107", f"a version {spec.version} plan cannot extend {parent.file}, a version "
+                               f"{parent.spec.version} plan: its sections would be lost; make this plan version {parent.spec.version}",
+                               file, *source.locate(("extends",)))])
+    # a version 2 plan extending a version 1 plan: the parent's settings both versions share, and
+    # its promised TP degrees as mesh.tp where this plan does not give one
+    shared = {key: getattr(parent.spec, key) for key in parent.spec.model_fields_set
+              if key in ("src_data_rank", "loss_parallel") and key not in spec.model_fields_set}
+    if parent.spec.mesh.sizes and "tp" not in spec.mesh.model_fields_set:
+        update["mesh"] = spec.mesh.model_copy(update={"tp": list(parent.spec.mesh.sizes)})
+    return Plan(spec.model_copy(update={**shared, **update}), merged, file, source)
 
 
 def _validate_rule(pattern: str, value: Any) -> StyleSpec | None:
@@ -170,15 +211,30 @@ def _data_path(loc: tuple, data: Any) -> tuple:
     return tuple(path)
 
 
+_RULE_SECTIONS = ("rules", "experts")  # mappings of module-path globs to style rules
+
+
 def _model_at(path: tuple, data: Any) -> type[BaseModel] | None:
-    if path == ():
-        return PlanSpec
-    if path == ("mesh",):
-        return MeshSpec
-    if len(path) == 2 and path[0] == "rules":
-        value = data["rules"][path[1]]
+    """The spec class of the mapping at `path`: the plan's version's, a section's, a rule's style's."""
+    if len(path) == 2 and path[0] in _RULE_SECTIONS:
+        value = data[path[0]][path[1]]
         return STYLE_SPECS.get(value.get("style")) if isinstance(value, dict) else None
-    return None
+    model: Any = plan_spec_for(data)
+    for part in path:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        model = _model_class(field.annotation) if field is not None else None
+        if model is None:
+            return None
+    return model
+
+
+def _model_class(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model an annotation holds (`X`, `X | None`)."""
+    from typing import get_args
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((cls for cls in map(_model_class, get_args(annotation)) if cls is not None), None)
 
 
 def _quoted(text) -> str:
@@ -189,8 +245,8 @@ def _quoted(text) -> str:
 
 
 def _where(path: tuple) -> str:
-    if len(path) >= 2 and path[0] == "rules":
-        return f" in rule {_quoted(path[1])}"
+    if len(path) >= 2 and path[0] in _RULE_SECTIONS:
+        return f" in {'experts ' if path[0] == 'experts' else ''}rule {_quoted(path[1])}"
     return f" in {_quoted('.'.join(map(str, path)))}" if path else " at the top level"
 
 
@@ -218,11 +274,11 @@ def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
         key = path[-1]
         message = f"unknown key {_quoted(key)}{_where(path[:-1])}{_did_you_mean(key, allowed)}"
         if model is not None and model in STYLE_SPECS.values():
-            message += f" (options of {data['rules'][path[1]]['style']}: {', '.join(allowed) or 'none'})"
+            message += f" (options of {data[path[0]][path[1]]['style']}: {', '.join(allowed) or 'none'})"
         return error("TP100", message, file, *source.locate(path, key=True))
     if kind == "union_tag_invalid":
         style = err["ctx"]["tag"]
-        at = path + ("style",) if isinstance(data["rules"][path[1]], dict) else path
+        at = path + ("style",) if isinstance(data[path[0]][path[1]], dict) else path
         other_tool = _other_tools_name(style)
         hint = f"; {other_tool}" if other_tool else _did_you_mean(style, list(STYLE_NAMES))
         return error(
@@ -242,17 +298,28 @@ def _schema_problem(err: dict, data: dict, source: SourceMap) -> Problem:
     if kind == "missing":
         return error("TP102", f"missing required key '{loc[-1]}'{_where(path)}", file, *source.locate(path, key=True))
     if loc and loc[0] == "version":
-        return error("TP106", f"unsupported plan version {err['input']!r}: this tpplan reads 'version: 1'", file, *source.locate(path))
-    if kind == "value_error":  # only placements raise ValueError
-        return error("TP104", err["msg"].removeprefix("Value error, "), file, *source.locate(path))
+        return error("TP106", f"unsupported plan version {err['input']!r}: this tpplan reads 'version: 1' and 'version: 2'", file, *source.locate(path))
+    if kind == "value_error":  # placements in rules; sizes and sections' values elsewhere
+        code = "TP104" if path[:1] in (("rules",), ("experts",)) else "TP101"
+        message = err["msg"].removeprefix("Value error, ")
+        if code == "TP101":
+            message = f"{_quoted('.'.join(map(str, path)))}: {message}"
+        return error(code, message, file, *source.locate(path))
+    if kind == "literal_error" and path[:1] not in (("rules",), ("experts",)):
+        import re  # error path only
+
+        choices = re.findall(r"'([^']*)'", err["ctx"]["expected"])
+        hint = _did_you_mean(err["input"], choices) if isinstance(err["input"], str) else ""
+        return error("TP101", f"{_quoted('.'.join(map(str, path)))}: {err['input']!r} is not one of {', '.join(choices)}{hint}",
+                     file, *source.locate(path))
     if "[key]" in loc:
         key = err["input"]
-        if path[:-1] == ("rules",):
+        if path[:-1] in (("rules",), ("experts",)):
             what = "rule keys are module-path globs"
         else:
             what = f"keys of '{path[-2]}' are argument names" if len(path) >= 2 else "keys are names"
         return error("TP101", f"{what} (strings), not {_kind(key)} {key!r}", file, *source.locate(path, key=True))
-    if len(path) == 2 and path[0] == "rules":
+    if len(path) == 2 and path[0] in _RULE_SECTIONS:
         return error("TP101", f"rule '{path[1]}' must be a style name or a mapping with 'style:', not {_kind(err['input'])}", file, *source.locate(path))
     last_key = max((i for i, p in enumerate(path) if isinstance(p, str)), default=0)
     field = "".join([str(path[last_key]) if path else "plan", *(f"[{i}]" for i in path[last_key + 1 :])])

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     # annotations only: `tpplan rules` need not import pydantic
+    from .axes import NamedMesh
     from .schema import PlanSpec, StyleSpec
     from ..sharding.styles import ParallelStyle
     from .yamlsource import SourceMap
@@ -54,11 +55,34 @@ class Plan:
 
     name = property(lambda self: self.spec.name)
     description = property(lambda self: self.spec.description)
-    mesh_axis = property(lambda self: self.spec.mesh.axis)
-    mesh_sizes = property(lambda self: self.spec.mesh.sizes)
+    version = property(lambda self: self.spec.version)
     src_data_rank = property(lambda self: self.spec.src_data_rank)
     loss_parallel = property(lambda self: self.spec.loss_parallel)
 
+    @property
+    def mesh(self) -> "NamedMesh":
+        """Every axis of the plan by name (a version 1 plan: tp alone, every other axis 1)."""
+        from .axes import NamedMesh
+
+        return NamedMesh.of(self.spec)
+
+    @property
+    def mesh_axis(self) -> str:
+        """The mesh dim the TP rules shard over (version 2 names it tp)."""
+        return self.spec.mesh.axis if self.version == 1 else "tp"
+
+    @property
+    def mesh_sizes(self) -> list[int] | None:
+        """The TP degrees the plan promises (version 1's mesh.sizes, version 2's mesh.tp), or None."""
+        degrees = self.mesh.tp_degrees
+        return list(degrees) if degrees else None
+
+    # version 2's sections (None where the plan has none, and in every version 1 plan)
+    experts = property(lambda self: getattr(self.spec, "experts", None))
+    context_parallel = property(lambda self: getattr(self.spec, "context_parallel", None))
+    fsdp = property(lambda self: getattr(self.spec, "fsdp", None))
+    checkpointing = property(lambda self: getattr(self.spec, "checkpointing", None))
+    training = property(lambda self: getattr(self.spec, "training", None))
     def __repr__(self) -> str:
         return f"Plan({self.name or self.file!r}, {len(self.rules)} rules)"
 
@@ -156,8 +180,15 @@ class Plan:
         naming the rule, the module and torch's error). `on_module(fqn)` is called
         after each module is parallelized (progress). The work is sharding/apply.py's
         `apply_plan`, the one applier, which the runtime calls too.
+
+        A version 2 plan that sets other axes or sections than mesh.tp and rules is
+        refused (axes.NotAppliedError, a ValueError located at the first): their
+        runtime does not exist yet, and applying the TP rules alone would ignore them.
         """
         from ..sharding.apply import apply_plan
+        from .axes import refuse_unapplied
+
+        refuse_unapplied(self)
 
         apply_plan(self, model, mesh, None if on_module is None else lambda done, total, fqn: on_module(fqn))
         return model

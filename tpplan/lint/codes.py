@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from .rules import RULES
 
-# code -> (name, what it means and what to do). All are errors; TP001 exits 2.
+# code -> (name, what it means and what to do[, severity]). Errors unless a severity is given;
+# TP001 and TP130 exit 2 (unreadable input, a usage error).
 _PLAN_CODES = {
     "TP001": ("unreadable-plan", """
         The plan file cannot be read: it does not exist, is not readable, is a
@@ -67,7 +68,7 @@ _PLAN_CODES = {
         than shard(0)). Reported at the offending option; the JSON Schema states
         the same rules (both read each style's one declaration).
     """),
-    "TP106": ("plan-version", "The plan's `version` is not 1, the only version this tpplan reads."),
+    "TP106": ("plan-version", "The plan's `version` is not 1 or 2, the versions this tpplan reads (an integer: not `2.0`, not `true`)."),
     "TP107": ("extends-target", """
         The plan named by `extends:` cannot be used: the path (relative to the
         extending plan's directory) cannot be read, is empty, or leads back to a
@@ -79,7 +80,62 @@ _PLAN_CODES = {
         parent plan has no rule with that key (a typo, or a rule the parent
         names differently); the message suggests the closest inherited key.
     """),
+    "TP109": ("pipeline-reserved", """
+        A version 2 plan has a `pipeline:` section. Pipelines (SPEC §8) are
+        not read by this tpplan yet: the section is refused rather than
+        ignored. Remove it; `mesh.pp` is checked with the other axes.
+    """),
     "TP110": ("glob-syntax", "A rule key is not a valid module-path glob (unbalanced `[` or `{`, `**` inside a segment, an empty segment)."),
+    "TP120": ("mesh-rest-axes", """
+        More than one axis of a version 2 plan's `mesh:` is `-1`. `-1` means
+        "world / (product of the other axes)", which only one axis can take:
+        give the others their sizes. (An axis size of 0, or `-1` on `ep`, whose
+        ranks are borrowed from dp_shard·cp·tp, is TP101.)
+    """),
+    "TP121": ("mesh-world-size", """
+        With `validate --world N`: the axes pp·dp_replicate·dp_shard·cp·tp of a
+        version 2 plan do not multiply to N, or the `-1` axis does not resolve
+        to a whole number (N is not divisible by the product of the others).
+        The message shows the product, e.g. `mesh: dp_replicate 2 × dp_shard 3
+        × tp 2 = 12, not the world size 8`. With a list of TP degrees, one of
+        them must fit. `tp` left out takes the rest when no axis is `-1`.
+    """),
+    "TP122": ("expert-degree", """
+        `mesh.ep` does not divide dp_shard·cp·tp. Expert parallelism borrows
+        its ranks from these axes (the expert FSDP degree is dp_shard·cp·tp /
+        ep), so a degree that does not divide them leaves a truncated or empty
+        group: pick a divisor (the message lists them), or raise dp_shard.
+    """),
+    "TP123": ("global-batch-split", """
+        `training.global_batch` is not divisible by dp_replicate·dp_shard, the
+        data-parallel ranks it is split over: each rank's batch would not be a
+        whole number of sequences. The message gives the nearest multiples.
+    """),
+    "TP124": ("sequence-split", """
+        `training.seq` is not divisible by `cp` (by 2·cp with
+        `context_parallel.load_balance: headtail`, the default: each cp rank
+        holds a head and a tail chunk of the sequence).
+    """),
+    "TP125": ("reshard-group", """
+        `fsdp.reshard_after_forward` is an int (the group size parameters are
+        resharded to after forward) that does not divide `mesh.dp_shard`.
+    """),
+    "TP126": ("section-on-degree-1", """
+        A version 2 section whose axis has degree 1 does nothing: `experts` with
+        `mesh.ep: 1`, `context_parallel` with `mesh.cp: 1`, `fsdp` with
+        dp_replicate and dp_shard both 1. Likely a size left out: set it, or
+        remove the section.
+    """, "warning"),
+    "TP130": ("not-applied-yet", """
+        `tpplan apply` (and `Plan.apply`) was given a version 2 plan that sets
+        an axis other than `tp` (to anything but 1) or a section beyond `rules`
+        (`experts`, `context_parallel`, `fsdp`, `checkpointing`, `training`).
+        This tpplan checks them (`tpplan validate`) but does not apply them
+        yet, and applying the TP rules alone would silently ignore them: it is
+        refused as a usage error (exit 2) located at the first such key. A
+        version 2 plan with only `mesh.tp` and `rules` applies exactly as the
+        same version 1 plan.
+    """),
     "TP200": ("rule-matches-nothing", """
         A rule matches no module of the model (torch would only warn). The
         message names the first segment that matches nothing and the closest
@@ -159,7 +215,7 @@ def _checkpoint_entries() -> list[Entry]:
 
 def catalog() -> list[Entry]:
     """Every documented code, in code order."""
-    entries = [_plain(code, name, text) for code, (name, text) in _PLAN_CODES.items()]
+    entries = [_plain(code, *doc) for code, doc in _PLAN_CODES.items()]
     entries += [Entry(rule.code, rule.name, rule.severity, rule.summary, rule.doc()) for rule in RULES.values()]
     entries += _runtime_entries()
     entries += _checkpoint_entries()

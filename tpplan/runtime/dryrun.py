@@ -46,7 +46,7 @@ from ..simulation.layouts import ParamLayout, param_layouts
 from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
-from .options import ApplyOptions, ApplyOptionsError
+from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
 from .report import ApplyReport
 
 if TYPE_CHECKING:
@@ -145,6 +145,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         plan = load_plan(options.plan)
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
+    refuse_unapplied(plan)
     tp, note = dry_run_tp(options, plan)
     planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
     notes = [note] if note and not (planning and plan.mesh_sizes) else []

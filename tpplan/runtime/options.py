@@ -38,6 +38,17 @@ def _rebuild(option: str, kind: str, reason: str, facts: dict) -> ApplyOptionsEr
     return ApplyOptionsError(option, kind, reason, **facts)
 
 
+def refuse_unapplied(plan: Any) -> None:
+    """An ApplyOptionsError (a usage error: exit 2) where a version 2 plan sets axes or
+    sections that this tpplan checks but does not apply yet (core/axes.py says which)."""
+    from ..core.axes import NotAppliedError, refuse_unapplied as refuse
+
+    try:
+        refuse(plan)
+    except NotAppliedError as exc:
+        raise ApplyOptionsError("plan", "not-applied", str(exc.problem)) from None
+
+
 class RanksUsageError(UsageError):
     """Usage errors of the ranks of a torchrun job: (ranks that had it, or None
     when every rank did, the error) each."""

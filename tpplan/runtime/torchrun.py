@@ -32,7 +32,7 @@ from .devices import fsdp_tp, init_process_group, mesh_shape, pick_device, rank_
 from ..simulation.layouts import param_layouts
 from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, make_inputs, module_structure
-from .options import ApplyOptions, RanksUsageError, UsageError
+from .options import ApplyOptions, RanksUsageError, UsageError, refuse_unapplied
 
 if TYPE_CHECKING:
     import torch
@@ -143,6 +143,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     loaded = _Loaded()
     try:
         loaded.plan = load_plan(options.plan)
+        refuse_unapplied(loaded.plan)
         loaded.mesh = mesh_shape(ctx.world, fsdp_tp(ctx.world, options.tp, options.train.fsdp), loaded.plan.mesh_axis)
         event("building the model")
         torch.manual_seed(options.seed)  # the same weights on every rank, even with src_data_rank: null

@@ -1,0 +1,255 @@
+"""The named mesh of a plan (every axis, SPEC §7) and the plan-only checks of its
+sizes: what the axes and sections must satisfy together, each located at the key
+to change, with the numbers and the fix. No pydantic, no torch: `validate` runs
+these on plans alone.
+
+The loader reports the errors it can decide without a world size (`load_problems`);
+`validate --world N` adds the product of the axes and the checks that needed the
+`-1` axis resolved (`world_problems`); `section_warnings` names sections whose axis
+has degree 1. `unapplied` says what of a plan this tpplan does not apply yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from math import prod
+from typing import TYPE_CHECKING, Any
+
+from .axes_spec import AXES, REST, SECTIONS, WORLD_AXES
+from .problems import Problem, error, warning
+
+if TYPE_CHECKING:  # plan.py imports this module: a plan here is any object with .spec, .source, .file
+    from .yamlsource import SourceMap
+
+
+@dataclass(frozen=True)
+class NamedMesh:
+    """The axes a plan declares: {axis: size} with -1 for the rest of the world and
+    tp None when the plan leaves it open (version 1 without mesh.sizes), and the TP
+    degrees the plan promises (version 1's mesh.sizes, version 2's list `tp`)."""
+
+    sizes: dict[str, int | None]
+    tp_degrees: tuple[int, ...] | None
+
+    @classmethod
+    def of(cls, spec: Any) -> "NamedMesh":
+        mesh = spec.mesh
+        if spec.version == 1:  # the TP axis only; its degree comes from the run
+            return cls({**dict.fromkeys(AXES, 1), "tp": None}, tuple(mesh.sizes) if mesh.sizes else None)
+        sizes: dict[str, int | None] = {axis: getattr(mesh, axis) for axis in AXES}
+        tp = sizes["tp"]
+        if isinstance(tp, list):
+            return cls({**sizes, "tp": None}, tuple(tp))
+        return cls(sizes, (tp,) if tp is not None and tp != REST else None)
+
+    @property
+    def rest_axis(self) -> str | None:
+        """The axis that takes world / (product of the others): the one at -1, else an open tp."""
+        rest = [axis for axis in WORLD_AXES if self.sizes[axis] == REST]
+        if rest:
+            return rest[0]
+        return "tp" if self.sizes["tp"] is None and self.tp_degrees is None else None
+
+    def candidates(self) -> Iterator[dict[str, int | None]]:
+        """The sizes once tp is a single degree: one mapping per promised degree (the
+        rest axis still None where it needs the world)."""
+        rest = self.rest_axis
+        for tp in self.tp_degrees or (None,):
+            sizes = dict(self.sizes)
+            sizes["tp"] = tp if tp is not None else (None if rest == "tp" else 1)
+            if rest is not None:
+                sizes[rest] = None
+            yield sizes
+
+    def resolve(self, world: int, tp: int | None = None) -> dict[str, int]:
+        """{axis: size} for a world of `world` ranks (at TP degree `tp` where the plan
+        promises several); ValueError where the sizes do not make that world."""
+        options = list(self.candidates())
+        sizes = next((c for c in options if tp is None or c["tp"] == tp), options[0])
+        if tp is not None and sizes["tp"] is None and self.rest_axis != "tp":
+            sizes = {**sizes, "tp": tp}
+        rest = next((axis for axis in WORLD_AXES if sizes[axis] is None), None)
+        known = prod(size for axis, size in sizes.items() if axis in WORLD_AXES and size is not None)
+        if rest is not None:
+            if world % known:
+                raise ValueError(f"{rest} -1 takes world / {known}: {world} / {known} is not a whole number")
+            sizes[rest] = world // known
+        elif known != world:
+            raise ValueError(f"the axes multiply to {known}, not the world size {world}")
+        return sizes  # type: ignore[return-value]
+
+
+def _product_text(sizes: dict[str, int | None]) -> str:
+    shown = [f"{axis} {sizes[axis]}" for axis in WORLD_AXES if sizes[axis] not in (1, None)]
+    return " × ".join(shown) or "every axis 1"
+
+
+# -- the checks on sizes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Check:
+    """One divisibility check: the axes it reads, the key it is located at, and the
+    function that says what is wrong (None when the sizes are right)."""
+
+    uses: tuple[str, ...]
+    key: tuple[str, ...]
+    code: str
+    find: Any  # (spec, sizes) -> message or None
+
+
+def _ep(spec: Any, s: dict[str, int]) -> str | None:
+    ep, shard = s["ep"], s["dp_shard"] * s["cp"] * s["tp"]
+    if shard % ep == 0:
+        return None
+    divisors = ", ".join(str(d) for d in range(1, shard + 1) if shard % d == 0)
+    return (f"mesh.ep: {ep} does not divide dp_shard·cp·tp = {s['dp_shard']}·{s['cp']}·{s['tp']} = {shard}: "
+            f"expert parallelism borrows its ranks from these axes; make ep one of {divisors}, or raise dp_shard")
+
+
+def _global_batch(spec: Any, s: dict[str, int]) -> str | None:
+    batch, dp = spec.training.global_batch, s["dp_replicate"] * s["dp_shard"]
+    if batch is None or batch % dp == 0:
+        return None
+    lower, upper = batch // dp * dp, (batch // dp + 1) * dp
+    near = f"{lower} or {upper}" if lower else str(upper)
+    return (f"training.global_batch: {batch} sequences do not split evenly over dp_replicate·dp_shard = "
+            f"{s['dp_replicate']}·{s['dp_shard']} = {dp} data-parallel ranks: make it a multiple of {dp} ({near})")
+
+
+def _seq(spec: Any, s: dict[str, int]) -> str | None:
+    seq, cp = spec.training.seq, s["cp"]
+    headtail = spec.context_parallel is None or spec.context_parallel.load_balance == "headtail"
+    chunks = 2 * cp if headtail and cp > 1 else cp
+    if seq is None or seq % chunks == 0:
+        return None
+    by = f"2·cp = 2·{cp} = {chunks} (load_balance: headtail gives each cp rank a head and a tail chunk)" if chunks != cp else f"cp = {cp}"
+    upper = (seq // chunks + 1) * chunks
+    return f"training.seq: {seq} is not divisible by {by}: make it a multiple of {chunks} (e.g. {upper})"
+
+
+def _reshard(spec: Any, s: dict[str, int]) -> str | None:
+    group = spec.fsdp.reshard_after_forward
+    if isinstance(group, bool) or s["dp_shard"] % group == 0:
+        return None
+    return (f"fsdp.reshard_after_forward: {group} does not divide dp_shard = {s['dp_shard']}: the parameters are "
+            f"resharded to groups of {group} ranks within the dp_shard group; give a divisor of {s['dp_shard']}, or true")
+
+
+def _checks(spec: Any) -> list[_Check]:
+    checks = [_Check(("dp_shard", "cp", "tp", "ep"), ("mesh", "ep"), "TP122", _ep)]
+    if spec.training is not None:
+        checks += [
+            _Check(("dp_replicate", "dp_shard"), ("training", "global_batch"), "TP123", _global_batch),
+            _Check(("cp",), ("training", "seq"), "TP124", _seq),
+        ]
+    if spec.fsdp is not None:
+        checks.append(_Check(("dp_shard",), ("fsdp", "reshard_after_forward"), "TP125", _reshard))
+    return checks
+
+
+def _run_checks(spec: Any, source: "SourceMap", mesh: NamedMesh, sized: list[dict[str, int | None]], *, after_world: bool) -> list[Problem]:
+    """The checks whose axes are all known in `sized` (before the world: those not reading
+    the rest axis; after it: only those that do, the others were reported already)."""
+    problems: dict[str, Problem] = {}
+    rest = mesh.rest_axis
+    for check in _checks(spec):
+        if (rest in check.uses) != after_world:
+            continue
+        for sizes in sized:
+            if any(sizes[axis] is None for axis in check.uses):
+                continue
+            message = check.find(spec, sizes)
+            if message is not None:
+                problems.setdefault(message, error(check.code, message, source.file, *source.locate(check.key)))
+    return list(problems.values())
+
+
+def load_problems(spec: Any, source: "SourceMap") -> list[Problem]:
+    """The errors of a version 2 plan's sizes that need no world size."""
+    mesh = NamedMesh.of(spec)
+    rests = [axis for axis in WORLD_AXES if mesh.sizes[axis] == REST]
+    if len(rests) > 1:
+        names = f"{', '.join(rests[:-1])} and {rests[-1]} are {'both' if len(rests) == 2 else 'all'}"
+        return [error("TP120", f"mesh: {names} -1: at most one axis takes the rest of the world; give the others their sizes",
+                      source.file, *source.locate(("mesh", rests[1])))]
+    return _run_checks(spec, source, mesh, list(mesh.candidates()), after_world=False)
+
+
+def world_problems(plan: Any, world: int) -> list[Problem]:
+    """The product of a version 2 plan's axes against `world` ranks (the `-1` axis resolved
+    to a whole number), then the checks that read the resolved axis."""
+    if plan.version != 2:
+        return []
+    spec, source, mesh = plan.spec, plan.source, plan.mesh
+    rest = mesh.rest_axis
+    fits, misses = [], []
+    for sizes in mesh.candidates():
+        known = prod(size for axis, size in sizes.items() if axis in WORLD_AXES and size is not None)
+        if rest is None:
+            (fits if known == world else misses).append((sizes, f"{_product_text(sizes)} = {known}"))
+        elif world % known == 0:
+            fits.append(({**sizes, rest: world // known}, ""))
+        else:
+            misses.append((sizes, f"{world} / ({_product_text(sizes)}) = {world / known:g}"))
+    if fits:
+        return _run_checks(spec, source, mesh, [sizes for sizes, _ in fits], after_world=True) if rest else []
+    if rest is None:
+        found = "; ".join(text for _, text in misses)
+        message = (f"mesh: {found}, not the world size {world}: the axes pp·dp_replicate·dp_shard·cp·tp multiply to the "
+                   "number of ranks; change a size, or set one axis to -1 to take the rest")
+        return [error("TP121", message, source.file, *source.locate(("mesh",), key=True))]
+    found = "; ".join(text for _, text in misses)
+    message = (f"mesh.{rest}: -1 takes world / (the other axes), and {found} is not a whole number: "
+               f"make the other axes' product divide {world}")
+    at = ("mesh", rest) if mesh.sizes[rest] == REST else ("mesh",)
+    return [error("TP121", message, source.file, *source.locate(at, key=at == ("mesh",)))]
+
+
+def section_warnings(plan: Any) -> list[Problem]:
+    """A section whose axis has degree 1 in the plan does nothing there: likely a size forgotten."""
+    if plan.version != 2:
+        return []
+    spec, sizes, source = plan.spec, plan.mesh.sizes, plan.source
+    found = []
+    if spec.experts and sizes["ep"] == 1:
+        found.append(("experts", "mesh.ep is 1, so these rules place no expert on another rank: set mesh.ep, or remove the section"))
+    if spec.context_parallel is not None and sizes["cp"] == 1:
+        found.append(("context_parallel", "mesh.cp is 1, so no sequence is split: set mesh.cp, or remove the section"))
+    if spec.fsdp is not None and sizes["dp_replicate"] == 1 and sizes["dp_shard"] == 1:
+        found.append(("fsdp", "mesh.dp_replicate and mesh.dp_shard are 1, so FSDP shards nothing: set mesh.dp_shard, or remove the section"))
+    return [warning("TP126", f"{key}: {text}", source.file, *source.locate((key,), key=True)) for key, text in found]
+
+
+# -- what is applied ---------------------------------------------------------------------------
+
+
+def unapplied(plan: Any) -> list[tuple[str, ...]]:
+    """The keys of a version 2 plan that this tpplan checks but does not apply yet: any
+    axis other than tp not 1, and the sections beyond the TP rules."""
+    if plan.version != 2:
+        return []
+    axes = [("mesh", axis) for axis in AXES if axis != "tp" and plan.mesh.sizes[axis] != 1]
+    return axes + [(key,) for key in SECTIONS if getattr(plan.spec, key) is not None]
+
+
+class NotAppliedError(ValueError):
+    """A version 2 plan sets axes or sections whose runtime does not exist yet: applying
+    only its TP rules would silently ignore them. `.problem` is located at the first."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        super().__init__(str(problem))
+
+
+def refuse_unapplied(plan: Any) -> None:
+    """NotAppliedError where `plan` says more than its TP rules and mesh.tp."""
+    keys = unapplied(plan)
+    if not keys:
+        return
+    names = ", ".join(".".join(key) for key in keys)
+    message = (f"not applied yet: {names}. This tpplan applies a version 2 plan's mesh.tp and rules only "
+               "(`tpplan validate` checks the rest); remove these to apply the TP rules alone")
+    at = plan.source.locate(keys[0], key=True) if plan.source is not None else (1, 1)
+    raise NotAppliedError(error("TP130", message, plan.file, *at))
