@@ -17,6 +17,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any
 
 from .axes_spec import AXES, REST, SECTIONS, WORLD_AXES
+from .degrees import divisors_text
 from .problems import Problem, error, warning
 
 if TYPE_CHECKING:  # plan.py imports this module: a plan here is any object with .spec, .source, .file
@@ -103,9 +104,8 @@ def _ep(spec: Any, s: dict[str, int]) -> str | None:
     ep, shard = s["ep"], s["dp_shard"] * s["cp"] * s["tp"]
     if shard % ep == 0:
         return None
-    divisors = ", ".join(str(d) for d in range(1, shard + 1) if shard % d == 0)
     return (f"mesh.ep: {ep} does not divide dp_shard·cp·tp = {s['dp_shard']}·{s['cp']}·{s['tp']} = {shard}: "
-            f"expert parallelism borrows its ranks from these axes; make ep one of {divisors}, or raise dp_shard")
+            f"expert parallelism borrows its ranks from these axes; make ep one of {divisors_text(shard)}, or raise dp_shard")
 
 
 def _global_batch(spec: Any, s: dict[str, int]) -> str | None:

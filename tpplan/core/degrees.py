@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
-__all__ = ["DEFAULT_TP_SIZES", "dividing", "tp_degrees"]
+__all__ = ["DEFAULT_TP_SIZES", "dividing", "divisors_text", "tp_degrees"]
 
 # The degrees checked when neither the command line nor the plan names any.
 DEFAULT_TP_SIZES = (2, 4, 8)
@@ -47,3 +47,10 @@ def dividing(candidates: Iterable[int], sizes: Iterable[object]) -> list[int]:
     """The `candidates` that divide every positive int of `sizes` (others are unknown: ignored)."""
     known = [size for size in sizes if isinstance(size, int) and not isinstance(size, bool) and size > 0]
     return [degree for degree in candidates if all(size % degree == 0 for size in known)]
+
+
+def divisors_text(size: int, up_to: int | None = None) -> str:
+    """'1, 2, 3, 6': the divisors of `size` (those up to `up_to` when given), for the
+    fix of a "does not divide" message."""
+    top = size if up_to is None else min(size, up_to)
+    return ", ".join(str(d) for d in range(1, top + 1) if size % d == 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from ..core.degrees import divisors_text
 from ..core.globs import generalize  # noqa: F401  the rules import it from here
 from ..core.local_shapes import shapes_on_mesh
 from ..core.placements import PlacementSpec
@@ -16,8 +17,7 @@ MAX_DEGREE = 64
 
 def degrees_that_work(*sizes: int) -> str:
     """'1, 2, 4, 8': the degrees up to MAX_DEGREE that divide every size."""
-    common = math.gcd(*sizes) if sizes else 1
-    return ", ".join(str(d) for d in range(1, min(common, MAX_DEGREE) + 1) if common % d == 0)
+    return divisors_text(math.gcd(*sizes) if sizes else 1, MAX_DEGREE)
 
 
 def rule_ref(rule: Rule) -> str:

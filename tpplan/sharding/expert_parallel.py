@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from ..core.degrees import divisors_text
 from ..core.problems import StyleInputError
 from .expert_dispatch import Routed, combine, combine_local, combine_sorted, counts_argument, dispatch, route_local, route_sorted
 from ..core.expert_styles import ExpertParallelSpec, expert_count
@@ -72,10 +73,9 @@ class ExpertParallel(LocalForward):
     def _placements(self, module: nn.Module, mesh: DeviceMesh) -> dict[str, Placement]:
         experts, degree = _experts(module), mesh.size()
         if experts % degree:
-            works = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0)
             raise StyleInputError(
                 f"{experts} experts of {type(module).__name__} do not divide over TP degree {degree}",
-                f"degrees that work: {works}, or expert_tp (shards each expert instead)",
+                f"degrees that work: {divisors_text(experts)}, or expert_tp (shards each expert instead)",
             )
         return own_placements(ExpertParallelSpec.model_construct(style=self.name), module)
 
