@@ -350,6 +350,18 @@ def test_a_colwise_shard_fed_to_a_colwise_expecting_replicated_input_is_a_layout
     assert "declare input_layouts: shard(-1)" in problem.message
 
 
+def test_a_layout_declared_and_desired_alike_and_handed_on_local_is_a_label_not_a_mismatch():
+    # transformers' Dots3 plan: its local_params norm of the one shared rotary key head says
+    # shard(1) -> shard(1), local: from_local then to_local moves nothing, and --check passes
+    label = "{style: local_params, input_layouts: shard(1), desired_input_layouts: shard(1), use_local_output: true}"
+    assert not lint(f"version: 1\nrules:\n  layers.*.attention_norm: {label}\n", LLAMA, select=["TP320", "TP321", "TP328"])
+    # the same declaration redistributed (an all-gather of what is whole already) is still wrong
+    gathered = "{style: local_params, input_layouts: shard(1), desired_input_layouts: replicate, use_local_output: true}"
+    problems = lint(f"version: 1\nrules:\n  layers.*.attention_norm: {gathered}\n", LLAMA, select=["TP320"])
+    assert found(problems, "TP320") == [(3, 3), (3, 3)]
+    assert "as shard(1), but it arrives replicated" in problems[0].message
+
+
 def test_a_declared_shard_dim_the_tensor_does_not_have_asks_for_a_dim_in_range():
     problem = only(lint("version: 1\nrules:\n  blocks.*.in_proj: {style: colwise, input_layouts: shard(5)}\n", MLP, select=["TP320"]), "TP320")
     assert problem.message.endswith("takes its input 0 (2, 8, 32) as shard(5), but it arrives replicated: DTensor.from_local "

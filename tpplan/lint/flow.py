@@ -180,18 +180,31 @@ class _Interpreter:
                 return
             if spec.input_layouts is not None:
                 for i, (node, layout, desired) in enumerate(zip(event.args, spec.input_layouts, spec.desired_input_layouts or ())):
-                    if node is not None and layout is not None:
+                    if node is not None and layout is not None and not self.label_only(node, layout, desired, local):
                         frame.save(node, self.value(node))
                         if self.annotate(node, layout, False, frame, f"input {i}"):
                             self.after(node, desired or layout, local, frame)
             for name, layout in (spec.input_kwarg_layouts or {}).items():
                 node = event.kwargs.get(name)
-                if node is not None:
+                desired = (spec.desired_input_kwarg_layouts or {}).get(name)
+                if node is not None and not self.label_only(node, layout, desired, local):
                     frame.save(node, self.value(node))
                     if self.annotate(node, layout, False, frame, f"input '{name}'"):
-                        self.after(node, (spec.desired_input_kwarg_layouts or {}).get(name) or layout, local, frame)
+                        self.after(node, desired or layout, local, frame)
         elif rule is None:
             self.check_unplanned(frame)
+
+    def label_only(self, node: int, layout: PlacementSpec, desired: PlacementSpec | None, local: bool) -> bool:
+        """Whether laying out a plain input is a label that changes nothing: declared and
+        desired alike and handed on local, `DTensor.from_local(x, layout).to_local()` is `x`
+        forward and backward (no redistribution, no grad_placements), so the module computes
+        on the tensor as it arrives, whatever the label says (transformers' Dots3 plan
+        declares its shared one-head rotary key shard(1) for its local_params norm). A shard
+        dim the tensor lacks is still judged (from_local's shape is impossible)."""
+        return (
+            local and (desired is None or desired == layout) and self.value(node).dt is False
+            and placement_lay(layout, len(self.shape(node)), False, None) is not None
+        )
 
     def applicable(self, semantics, fqn: str) -> bool:
         """Whether applying the style to module `fqn` works (TP300 and TP301 report where not)."""
