@@ -362,6 +362,60 @@ def test_a_layout_declared_and_desired_alike_and_handed_on_local_is_a_label_not_
     assert "as shard(1), but it arrives replicated" in problems[0].message
 
 
+class _Tokens(nn.Module):
+    """Qwen3-MoE's sparse block in small: the tokens flattened, (batch, sequence) -> rows, routed, viewed back."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.up = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        batch, sequence, hidden = x.shape
+        rows = x.view(-1, hidden)
+        weights, _ = torch.topk(F.softmax(self.router(rows), dim=-1), 2, dim=-1)
+        return (self.up(rows) * weights.sum(-1, keepdim=True)).view(batch, sequence, hidden)
+
+
+class _SequenceTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.block = _Tokens()
+
+    def forward(self, ids):
+        return self.block(self.embed(ids))
+
+
+_SEQUENCE_TOKENS = """
+    version: 1
+    rules:
+      embed: {style: rowwise, input_layouts: replicate, output_layouts: shard(1), use_local_output: false}
+      block:
+        style: prepare_module_input_output
+        input_layouts: shard(1)
+        desired_input_layouts: shard(1)
+        use_local_input: true
+        output_layouts: shard(1)
+        desired_output_layouts: replicate
+        use_local_output: true
+"""
+
+
+def test_tokens_flattened_from_a_sequence_shard_are_followed_as_a_strided_shard_and_viewed_back():
+    # batch and a sharded sequence merged: each rank's rows are its block of every batch
+    # entry (_StridedShard); the rows are routed and viewed back: shard(1) again, as declared
+    plan = _SEQUENCE_TOKENS + "      block.{router,up}: local_params\n"
+    assert not lint(plan, _SequenceTokens(), select=["TP320", "TP321", "TP324", "TP328"])
+
+
+def test_a_strided_shard_declared_a_contiguous_shard_is_a_layout_mismatch():
+    plan = _SEQUENCE_TOKENS + "      block.router: local_params\n      block.up: {style: colwise, input_layouts: shard(0)}\n"
+    problem = only(lint(plan, _SequenceTokens(), select=["TP320"]), "TP320")
+    assert "takes its input 0 (16, 16) as shard(0), but it arrives as a local strided shard(0) (2 groups)" in problem.message
+    assert "view it back to those dims before handing it on" in problem.message
+
+
 def test_a_declared_shard_dim_the_tensor_does_not_have_asks_for_a_dim_in_range():
     problem = only(lint("version: 1\nrules:\n  blocks.*.in_proj: {style: colwise, input_layouts: shard(5)}\n", MLP, select=["TP320"]), "TP320")
     assert problem.message.endswith("takes its input 0 (2, 8, 32) as shard(5), but it arrives replicated: DTensor.from_local "

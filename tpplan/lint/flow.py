@@ -131,7 +131,10 @@ class _Interpreter:
             self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, declared, default, have, shape, impossible=True))
             self.set(node, DEAD)
             return False
-        if (want.kind, want.dim) != (have.kind, have.dim):
+        # a strided shard's rows are no contiguous shard(d); only a style that hands each row back
+        # where it came from (all_to_all dispatch) does not care which rows a rank holds
+        strided = have.kind == "S" and have.split > 1 and not (what == "input 0" and frame.owned and frame.rule.spec.output_follows_input())
+        if (want.kind, want.dim) != (have.kind, have.dim) or strided:
             self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, declared or _REPLICATE, default, have, shape))
         elif have.kind == "S" and have.blocks is not None:  # [q_r | k_r | v_r] is no contiguous shard
             self.report.fused.append(Fused(have, frame.fqn, frame.rule.pattern, shape, "handoff"))
