@@ -416,6 +416,48 @@ def test_a_strided_shard_declared_a_contiguous_shard_is_a_layout_mismatch():
     assert "view it back to those dims before handing it on" in problem.message
 
 
+class _NormedExperts(nn.Module):
+    """Ergo's experts in small: each route's rows normed (a child RMSNorm) after the down projection."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, inter: int = 4, normed: bool = True):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) * 0.1)
+        self.post_norm = nn.RMSNorm(hidden) if normed else nn.Identity()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            rows = self.post_norm(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            out = out.index_add(0, token, rows * top_k_weights[token, slot, None])
+        return out
+
+
+class _NormedMoE(nn.Module):
+    def __init__(self, normed: bool):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = _NormedExperts(normed=normed)
+
+    def forward(self, x):
+        h = x.reshape(-1, 8)
+        weights, index = torch.topk(self.router(h).softmax(-1), 2, dim=-1)
+        return self.experts(h, index, weights).view(x.shape)
+
+
+def test_a_norm_of_the_partial_sums_inside_an_expert_tp_module_is_a_leak():
+    # transformers' Ergo: expert_tp reduces the experts' output when the module returns, but
+    # each route's rows are normed before that, on every rank's share (--check: TP505)
+    problem = only(lint("version: 1\nrules:\n  experts: expert_tp\n", _NormedMoE(normed=True), select=["TP321"]), "TP321")
+    assert (problem.line, problem.column) == (3, 3)
+    assert problem.message.startswith("the partial sum (")  # the rows routed to the first expert
+    assert "that expert_tp 'experts' (rule 'experts' at plan.yaml:3) computes" in problem.message
+    assert "goes through 'rms_norm' inside 'experts.post_norm', which is not linear" in problem.message
+    assert not lint("version: 1\nrules:\n  experts: expert_tp\n", _NormedMoE(normed=False), select=["TP321", "TP328"])
+
+
 def test_a_declared_shard_dim_the_tensor_does_not_have_asks_for_a_dim_in_range():
     problem = only(lint("version: 1\nrules:\n  blocks.*.in_proj: {style: colwise, input_layouts: shard(5)}\n", MLP, select=["TP320"]), "TP320")
     assert problem.message.endswith("takes its input 0 (2, 8, 32) as shard(5), but it arrives replicated: DTensor.from_local "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..core.placements import PlacementSpec
+from ..core.problems import StyleInputError
 from .facts import module_kind, nested_parameters
 from .layouts import (
     DEAD,
@@ -44,9 +45,11 @@ from .layouts import (
 from .grad_sums import GradSums
 from .ops import ELEMENTWISE, EXPANDS, SHAPE_ONLY_OTHERS, OpSemantics
 from .partial import PartialSums
+from .sharded_body import PartialBody
 from .trace import Call, Op, Return, Trace
 
 _REPLICATE = PlacementSpec("replicate")
+_PARTIAL = PlacementSpec("partial")
 
 if TYPE_CHECKING:
     from torch import nn
@@ -62,6 +65,7 @@ class _Interpreter:
         self.values: dict[int, Lay] = {}
         self.frames: list[_Frame] = []
         self.skip = 0
+        self.body: PartialBody | None = None  # the ops inside a module whose style reduces its partial output
         self.report = FlowReport()
         self.partials = PartialSums()
         self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()), self.partials.layouts)
@@ -105,14 +109,20 @@ class _Interpreter:
             if isinstance(event, Op):
                 if not self.skip:
                     self.op(event)
+                elif self.body is not None:
+                    self.body.op(event)
                 self.partials.seen(event)  # in a module run whole too: it may write into zeros it returns
             elif isinstance(event, Call):
                 if self.skip:
                     self.skip += 1
+                    if self.body is not None:
+                        self.body.enter(event.fqn)
                 else:
                     self.call(event)
             elif self.skip > 1:
                 self.skip -= 1
+                if self.body is not None:
+                    self.body.leave()
             else:
                 self.ret(event)
         return self.report
@@ -164,6 +174,7 @@ class _Interpreter:
                 return
             if semantics.contract.tp.body == "unknown":
                 return  # a class the plan names without `like:` (TP307): its inputs are not judged
+            self.body = self.partial_body(event.fqn, rule)
             first = event.args[0] if event.args else None
             declared_input = spec.declared_input()
             if first is None or declared_input is None:  # no first input, or the contract lays out none
@@ -209,6 +220,22 @@ class _Interpreter:
             and placement_lay(layout, len(self.shape(node)), False, None) is not None
         )
 
+    def partial_body(self, fqn: str, rule: "Rule") -> PartialBody | None:
+        """A watch over the body of a module whose style runs it on its parameters' local
+        slices and reduces its output as a partial sum (expert_tp): sharded_body.py."""
+        contract, module = rule.spec.contract(), self.modules.get(fqn)
+        if module is None or not contract.outputs or contract.outputs[0].src != _PARTIAL:
+            return None
+        try:
+            placed = rule.spec.param_placements(module)
+        except StyleInputError:
+            return None  # parameters the style cannot place: TP30x report it
+        if not placed:
+            return None  # torch's own styles (rowwise): their placements are the table's, their body a Linear's
+        sharded = {node for node, (owner, name) in self.trace.params.items()
+                   if owner == fqn and getattr(placed.get(name), "kind", None) == "shard"}
+        return PartialBody(fqn, rule, sharded, self.partials, self.shape) if sharded else None
+
     def applicable(self, semantics, fqn: str) -> bool:
         """Whether applying the style to module `fqn` works (TP300 and TP301 report where not)."""
         module = self.modules.get(fqn)
@@ -245,6 +272,9 @@ class _Interpreter:
         spec = frame.rule.spec if frame.rule else None
         if frame.owned or frame.dead:
             self.skip = 0
+            if self.body is not None and self.body.leak is not None:
+                self.report.leaks.append(self.body.leak)
+            self.body = None
             self.owned_outputs(frame, spec, event)
             self.sums.passed((*frame.call.args, *frame.call.kwargs.values()), event.flat)
         else:
