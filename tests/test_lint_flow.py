@@ -36,6 +36,7 @@ def test_a_view_moves_a_shard_to_the_outermost_dim_of_its_group(src, dst, dim, m
     ((16, 64), (4, 4, 64), 0, 2, None),  # cut into other groups: not followed
     ((2, 4, 8, 64), (64, 64), 2, 1, (0, 8)),  # two dims merged in front
     ((2, 8, 16, 8), (2, 8, 128), 3, 1, (2, 16)),  # head_dim merged behind heads: its block in each of 16 heads
+    ((2, 1, 8), (2, 8), 1, 1, None),  # a shard of a dim of size 1, squeezed away: nothing to follow
 ])
 def test_a_view_merging_dims_in_front_of_a_local_shard_makes_it_strided_and_splitting_them_back_undoes_it(src, dst, dim, split, moved):
     assert _view_shard(src, dst, dim, split) == moved

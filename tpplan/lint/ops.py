@@ -104,8 +104,8 @@ def _view_shard(src: tuple, dst: tuple, dim: int, split: int = 1) -> tuple[int, 
         if dim in gi:
             outer_src = [d for d in gi if d < len(src) and src[d] != 1]
             outer_dst = [d for d in gj if d < len(dst) and dst[d] != 1]
-            if not outer_src or not outer_dst:
-                return None
+            if dim not in outer_src or not outer_dst:
+                return None  # a shard of a dim of size 1 (nothing to cut), or a group of ones
             if outer_src[0] != dim:  # dims merged in front of the shard's: its blocks strided
                 return (outer_dst[0], math.prod(src[d] for d in outer_src[:outer_src.index(dim)]) * split) if len(outer_dst) == 1 else None
             if split == 1 or len(outer_dst) == 1:
