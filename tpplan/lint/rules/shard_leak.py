@@ -123,7 +123,11 @@ RULE = LintRule(
         a dim as long as the sharded one (a per-feature scale after a colwise
         Linear, per-head attention sinks), the fix is to shard that parameter
         the same way: `local_params` on the module with `params: {NAME:
-        shard(D)}` (`tpplan init` applies it).
+        shard(D)}` (`tpplan init` applies it). Inside a module whose style
+        reduces its output as a partial sum only when it returns (`expert_tp`),
+        a norm or another nonlinear op on that partial sum (transformers'
+        Ergo normalizes each route's rows before the module returns) is
+        reported too: each rank's result is not its share of the result.
     """,
     why="""
         A colwise Linear hands on one rank's slice of its output features. Only a
