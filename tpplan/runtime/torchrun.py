@@ -102,37 +102,45 @@ def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None =
 
 
 def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> ApplyReport:
-    """The one place the report is assembled."""
-    report = ApplyReport(mode="torchrun", plan_file=options.plan, model=options.model, world_size=ctx.world, device=ctx.device.type, backend=ctx.backend)
+    """Load, agree across ranks, apply and run: each step returns what it found."""
     loaded = _load(ctx, options, event)
-    report.plan_name = loaded.plan.name if loaded.plan is not None else None
     event("comparing plans across ranks")
     try:
-        report.problems = _agree(ctx, loaded, options.timeout)
+        stopped = _agree(ctx, loaded, options.timeout)
     except CommFailure as exc:
-        report.problems = [exc.problem]
-    if report.problems:
-        return report
-
+        stopped = [exc.problem]
+    if stopped:
+        return _report(ctx, options, loaded, None, stopped)
     assert loaded.plan is not None and loaded.model is not None and loaded.mesh is not None
     ran = _apply_and_run(ctx, options, loaded.plan, loaded.model, loaded.mesh, event)
-    report.tp, report.dp = ran.tp, ran.dp
-    report.notes += unpromised_tp_note(loaded.plan, ran.tp)
-    report.notes += ran.notes
-    if ran.sharded is not None:
-        report.add_sharding(ran.sharded)
-    report.params, report.comms, report.step_time_s = ran.params, ran.comms, ran.step_time_s
-    report.check, report.steps = ran.check, ran.steps
-    report.checkpoint, report.saved = ran.checkpoint, ran.saved
-    if ran.check is not None and not ran.check.passed:
-        report.problems += check_problems(ran.check, loaded.plan, ran.tp, f"--check failed: {ran.check.problems[0]}")
-    if _data_parallel(options, ran):
-        report.notes.append(f"FSDP2 (fully_shard per block and root) over the dp dim of {ran.dp}, after the plan")
-    if ran.problems:
-        report.problems = ran.problems
-    elif not _data_parallel(options, ran):  # under FSDP2 a rank holds a dp shard of its layout: the memory plan's figure
+    report = _report(ctx, options, loaded, ran, [])
+    if not ran.problems and not _data_parallel(options, ran):  # under FSDP2 a rank holds a dp shard of its layout: the memory plan's figure
         _assert_held(ctx, loaded.model, report)
     return report
+
+
+def _report(ctx: _Rank, options: ApplyOptions, loaded: _Loaded, ran: _Ran | None, stopped: list[Problem]) -> ApplyReport:
+    """The one place the report is assembled: from the problems that stopped every
+    rank before sharding, or from what applying and running found."""
+    plan = loaded.plan
+    found = dict(mode="torchrun", plan_file=options.plan, model=options.model, world_size=ctx.world, device=ctx.device.type,
+                 backend=ctx.backend, plan_name=plan.name if plan is not None else None)
+    if ran is None:
+        return ApplyReport(**found, problems=stopped)
+    assert plan is not None
+    problems = ran.problems
+    if not problems and ran.check is not None and not ran.check.passed:
+        problems = check_problems(ran.check, plan, ran.tp, f"--check failed: {ran.check.problems[0]}")
+    notes = [*unpromised_tp_note(plan, ran.tp), *ran.notes]
+    sharded = ran.sharded
+    if sharded is not None and sharded.note and sharded.note not in notes:
+        notes.append(sharded.note)
+    if _data_parallel(options, ran):
+        notes.append(f"FSDP2 (fully_shard per block and root) over the dp dim of {ran.dp}, after the plan")
+    return ApplyReport(**found, tp=ran.tp, dp=ran.dp, params=ran.params, comms=ran.comms, step_time_s=ran.step_time_s,
+                       check=ran.check, steps=ran.steps, checkpoint=ran.checkpoint, saved=ran.saved, problems=problems, notes=notes,
+                       modules=sharded.modules if sharded else {}, rule_of=sharded.rule_of if sharded else {},
+                       rule_where=sharded.rule_where if sharded else {})
 
 
 def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _Loaded:
