@@ -145,7 +145,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         plan = load_plan(options.plan)
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
-    refuse_unapplied(plan)
+    refuse_unapplied(plan, "dry-run")
     tp, note = dry_run_tp(options, plan)
     planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
     notes = [note] if note and not (planning and plan.mesh_sizes) else []

@@ -62,6 +62,7 @@ class ApplyReport:
     notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
     checkpoint: dict | None = None  # --checkpoint: what was (or would be) loaded, see tpplan.checkpoint.inspect
     saved: dict | None = None  # --save: {"path", "format"}
+    mesh: dict[str, int] | None = None  # torchrun: the device mesh's dims, outermost first {name: size} (SPEC §7)
 
     @property
     def ok(self) -> bool:
@@ -105,6 +106,7 @@ class ApplyReport:
             "checkpoint": self.checkpoint,
             "saved": self.saved,
             "notes": list(self.notes),  # what the run chose or changed for the user (e.g. dropout off for --check)
+            **({"mesh": dict(self.mesh)} if self.mesh is not None else {}),
             **self._memory_json(),
         }
 
