@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.axes_spec import TORCH_DTYPES
-from ..core.globs import ModuleTree, compile_glob
-from ..core.problems import PlanError, error
+from .sections import section_modules
 
 if TYPE_CHECKING:
     from torch import nn
@@ -78,21 +77,11 @@ def data_parallel_of(plan: "Plan | None") -> DataParallel:
 
 
 def unit_modules(plan: "Plan | None", model: "nn.Module", wanted: DataParallel) -> list[str]:
-    """The fqns `fully_shard` wraps, innermost first, the root "" last. A unit glob that
-    matches no module is the plan's TP200, at the glob (SPEC §2: strict globs)."""
+    """The fqns `fully_shard` wraps, innermost first, the root "" last."""
     if wanted.units is None:
         return [*blocks(model), ""]
     assert plan is not None  # units come from a plan's fsdp section
-    tree = ModuleTree(name for name, _ in model.named_modules())
-    found: dict[str, None] = {}
-    for glob in wanted.units:
-        matched = tree.match(compiled := compile_glob(glob))
-        if not matched:
-            index = list(plan.spec.fsdp.units).index(glob)
-            at = plan.source.locate(("fsdp", "units", index)) if plan.source is not None else (1, 1)
-            raise PlanError([error("TP200", f"fsdp.units: '{glob}' matches no module: {tree.explain_no_match(compiled)}", plan.file, *at)])
-        found.update(dict.fromkeys(matched))
-    return [*found, ""]
+    return [*(fqn for fqn in section_modules(plan, model, ("fsdp", "units"), plan.spec.fsdp.units) if fqn), ""]
 
 
 def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
