@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Callable
 
-from ..core.aliases import TRANSFORMERS_STYLES
+from ..core.aliases import TRANSFORMERS_STYLES, flow
 from ..core.axes_spec import WORLD_AXES
 from ..core.problems import Problem, error, warning
 from . import frameworks as fw
@@ -175,7 +175,10 @@ def _transformers(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, 
         style = transformers_style(rule.spec)
         keys = transformers_keys(rule.pattern)
         if style is None:
-            notes.lost_rule(rule, "rules", f"{rule.spec.style} with these options has no transformers tp_plan string")
+            near = "; ".join(f"'{name}' is {flow(TRANSFORMERS_STYLES[name])}" for name, entry in transformers_specs().items()
+                             if entry.style == rule.spec.style)
+            notes.lost_rule(rule, "rules", f"{rule.spec.style} with these options has no transformers tp_plan string"
+                            + (f" ({near})" if near else ""))
         elif keys is None:
             notes.lost_rule(rule, "rules", "transformers' plan keys are module names with '*' for a layer number; this glob is no list of those")
         else:
