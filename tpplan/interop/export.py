@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any, Callable
 
-from ..core.aliases import TRANSFORMERS_STYLES, flow
+from ..core.aliases import TRANSFORMERS_STYLES
 from ..core.axes_spec import WORLD_AXES
 from ..core.problems import Problem, error, warning
+from ..core.yamltext import yaml_flow
 from . import frameworks as fw
 
 NOT_EXPRESSED, SIZE_UNKNOWN = "TP140", "TP141"
@@ -175,7 +176,7 @@ def _transformers(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, 
         style = transformers_style(rule.spec)
         keys = transformers_keys(rule.pattern)
         if style is None:
-            near = "; ".join(f"'{name}' is {flow(TRANSFORMERS_STYLES[name])}" for name, entry in transformers_specs().items()
+            near = "; ".join(f"'{name}' is {yaml_flow(TRANSFORMERS_STYLES[name])}" for name, entry in transformers_specs().items()
                              if entry.style == rule.spec.style)
             notes.lost_rule(rule, "rules", f"{rule.spec.style} with these options has no transformers tp_plan string"
                             + (f" ({near})" if near else ""))

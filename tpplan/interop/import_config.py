@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from difflib import get_close_matches
 from typing import Any, Callable
 
@@ -113,8 +113,27 @@ def import_config(path: str | os.PathLike, source_format: str | None = None, *, 
     try:
         load_plan(text=imported.text, file=str(output) if output is not None else "<imported plan>")
     except PlanError as exc:  # the sizes break a plan's check (mesh.ep not dividing, say): the config's own mistake
-        imported.problems += exc.problems
+        imported.problems += [_at_origin(problem, imported.text, source, kind) for problem in exc.problems]
     return imported
+
+
+def _at_origin(problem: Problem, text: str, source: _Input, kind: str) -> Problem:
+    """A problem of the written plan located at the config field its key came from (a mesh
+    axis: that axis's size field), where there is one; else left in the plan."""
+    lines = text.splitlines()
+    if not 0 < problem.line <= len(lines) or not lines[problem.line - 1].startswith("  "):
+        return problem
+    parent = next((line.split(":")[0] for line in reversed(lines[: problem.line - 1]) if line[:1].isalpha()), None)
+    axis = lines[problem.line - 1].strip().split(":")[0]
+    field = _SIZE_FIELDS[kind].get(axis) if parent == "mesh" else None
+    if field is None:
+        return problem
+    key = ("parallelism", field) if kind == "torchtitan" else (field,)
+    return replace(problem, message=f"{problem.message} (from {'.'.join(key)})", file=source.file, line=source.locate(key)[0],
+                   column=source.locate(key)[1])
+
+
+_SIZE_FIELDS = {"transformers": fw.TRANSFORMERS_SIZES, "accelerate": fw.ACCELERATE_SIZES, "torchtitan": fw.TORCHTITAN_SIZES}
 
 
 # -- reading -----------------------------------------------------------------------------------
