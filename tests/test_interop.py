@@ -345,3 +345,25 @@ def test_unknown_target_is_a_usage_error():
     assert result.exit_code == 2 and "'megatron' is not one of" in result.output
     result = runner.invoke(app, ["import-config", "--from", "deepspeed", "x.json"])
     assert result.exit_code == 2
+
+
+def test_tp_given_where_the_plan_fixes_another_degree_is_refused(tmp_path):
+    plan = plan_at(tmp_path, "version: 2\nmesh: {dp_shard: -1}\nrules: {}\n")  # tp left out with dp_shard -1: tp 1
+    [problem] = export_plan(plan, "torchtitan", tp=4).problems
+    assert problem.code == "TP141" and "TP degree is 1" in problem.message
+    open_tp = plan_at(tmp_path, "version: 1\nrules: {}\n", "v1.yaml")
+    assert export_plan(open_tp, "accelerate", tp=4).config["tp_size"] == 4
+    assert export_plan(open_tp, "accelerate", world=8).config["tp_size"] == 8
+    [problem] = export_plan(open_tp, "accelerate", world=8, tp=4).problems
+    assert problem.code == "TP141"
+
+
+def test_experts_transformers_cannot_say_are_listed(tmp_path):
+    plan = plan_at(tmp_path, "version: 2\nmesh: {dp_shard: 2, tp: 2, ep: 2}\nrules: {}\nexperts:\n"
+                             "  a.*.experts: expert_tp\n  b.*.experts: {style: expert_parallel, dispatch: all_to_all}\n"
+                             "  c.*.experts: {style: expert_parallel, dispatch: all_reduce}\n")
+    exported = export_plan(plan, "transformers")
+    config = json.loads(exported.text)
+    assert config["ep_plan"] == {"b.*.experts": "ep_dispatch_experts", "c.*.experts": "ep_dispatch_experts"}
+    assert "ep_implementation" not in config
+    assert sorted((p.line, p.message.split(":")[0]) for p in exported.not_expressed) == [(4, "experts"), (5, "experts.a.*.experts")]

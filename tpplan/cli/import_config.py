@@ -17,12 +17,12 @@ from .output import exit_with
 
 
 def import_config(
-    file: Annotated[str, typer.Argument(metavar="FILE", help="A torchtitan job TOML ([parallelism], [training]), a transformers "
+    file: Annotated[str, typer.Argument(metavar="FILE", help="A torchtitan job TOML (its parallelism and training tables), a transformers "
                                         "DistributedConfig JSON or an accelerate ParallelismConfig JSON.", show_default=False)],
     source_format: Annotated[
         Optional[Target],
         typer.Option("--from", help="The framework FILE is from; default: told by the file (a JSON object by its fields, "
-                     "TOML by its [parallelism] table).", show_default=False),
+                     "TOML by its parallelism table).", show_default=False),
     ] = None,
     output: Annotated[
         Optional[Path],

@@ -88,16 +88,24 @@ def _sizes(plan: Any, notes: _Notes, world: int | None, tp: int | None, keep_res
         return None
     if world is not None:
         try:
-            return mesh.resolve(world, tp)
+            resolved = mesh.resolve(world, tp)
         except ValueError as exc:
             notes.unsized(("mesh",), f"{exc} (--world {world})")
             return None
+        if tp is not None and resolved["tp"] != tp:
+            notes.unsized(tp_key, f"at --world {world} the plan's TP degree is {resolved['tp']}, not --tp {tp}")
+            return None
+        return resolved
     if tp is None and degrees and len(degrees) > 1:
         notes.unsized(tp_key, f"the plan promises TP {', '.join(map(str, degrees))}; a config holds one degree: pick it with --tp")
         return None
-    sizes = next(c for c in mesh.candidates() if tp is None or c["tp"] in (tp, None))
-    if sizes["tp"] is None and mesh.rest_axis != "tp" or (tp is not None and mesh.rest_axis == "tp"):
-        sizes = {**sizes, "tp": tp if tp is not None else sizes["tp"]}
+    options = list(mesh.candidates())
+    sizes = next((c for c in options if c["tp"] == tp), options[0])
+    if tp is not None and mesh.rest_axis == "tp":  # tp open (version 1 without mesh.sizes, or tp left out): --tp gives it
+        sizes = {**sizes, "tp": tp}
+    if tp is not None and sizes["tp"] != tp:
+        notes.unsized(tp_key, f"the plan's TP degree is {sizes['tp']} (tp left out while another axis is -1), not {tp}: set mesh.tp")
+        return None
     rest = next((axis for axis in WORLD_AXES if sizes[axis] is None), None)
     if rest is None:
         return sizes
@@ -201,15 +209,14 @@ def _transformers_experts(plan: Any, notes: _Notes) -> dict[str, Any]:
     ep_plan: dict[str, str] = {}
     implementations: set[str] = set()
     for pattern, spec in plan.experts.items():
-        rule = _SectionRule(pattern, plan, ("experts", pattern))
         dispatch = getattr(spec, "dispatch", None)
         whole = PlanSpec.model_validate({"version": 1, "rules": {"x": {"style": "expert_parallel", "dispatch": dispatch or "all_reduce"}}}).rules["x"]
         keys = transformers_keys(pattern)
         if spec != whole:
-            notes.lost_rule(rule, "experts", f"{spec.style} with these options: transformers' ep_plan takes whole experts "
-                            f"({fw.TRANSFORMERS_EP_DISPATCH}, expert_parallel with no other option)")
+            notes.lost(("experts", pattern), f"{spec.style} with these options: transformers' ep_plan takes whole experts "
+                       f"({fw.TRANSFORMERS_EP_DISPATCH}, expert_parallel with no other option)")
         elif keys is None:
-            notes.lost_rule(rule, "experts", "transformers' plan keys are module names with '*' for a layer number; this glob is no list of those")
+            notes.lost(("experts", pattern), "transformers' plan keys are module names with '*' for a layer number; this glob is no list of those")
         else:
             ep_plan.update(dict.fromkeys(keys, fw.TRANSFORMERS_EP_DISPATCH))
             implementations.add(dispatch)
@@ -247,23 +254,6 @@ def _transformers_fsdp(plan: Any, notes: _Notes) -> dict[str, Any]:
         wanted = ", ".join(f"{key}: {value}" for key, value in fw.TRANSFORMERS_MIXED_PRECISION.items())
         notes.lost(("fsdp", "mixed_precision"), f"transformers' fsdp_mixed_precision is {{{wanted}}} or nothing")
     return out
-
-
-@dataclass(frozen=True)
-class _SectionRule:
-    """A rule of a section the loader keeps as {pattern: spec} (experts): its position."""
-
-    pattern: str
-    file: str
-    line: int
-    column: int
-
-    def __init__(self, pattern: str, plan: Any, key: tuple[str, ...]):
-        line, column = plan.source.locate(key, key=True) if plan.source is not None else (1, 1)
-        object.__setattr__(self, "pattern", pattern)
-        object.__setattr__(self, "file", plan.file)
-        object.__setattr__(self, "line", line)
-        object.__setattr__(self, "column", column)
 
 
 # -- accelerate --------------------------------------------------------------------------------

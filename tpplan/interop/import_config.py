@@ -206,8 +206,11 @@ def _json_locator(text: str, file: str) -> Callable[[tuple[str, ...]], tuple[int
 def _toml(text: str, file: str, *, named: bool) -> dict:
     try:
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+    except ModuleNotFoundError:  # Python 3.10: the same parser, as the tomli package
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            raise PlanError([error(NO_FORMAT, "reading TOML needs Python 3.11 or the tomli package (pip install tomli)", file)]) from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
