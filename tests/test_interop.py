@@ -241,8 +241,9 @@ def test_sequence_parallel_without_local_output_names_transformers_spelling(tmp_
 
 def test_a_version_1_plan_exports_its_tp_axis(tmp_path):
     plan = plan_at(tmp_path, "version: 1\nmesh: {sizes: [2, 4]}\nrules:\n  layers.*.attn.{wq,wk}: colwise\n")
-    [problem] = export_plan(plan, "transformers").problems
-    assert (problem.code, problem.line) == ("TP141", 2) and "--tp" in problem.message
+    for world in (None, 4):
+        [problem] = export_plan(plan, "transformers", world=world).problems
+        assert (problem.code, problem.line) == ("TP141", 2) and "pick it with --tp" in problem.message
     exported = export_plan(plan, "transformers", tp=4)
     assert json.loads(exported.text) == {
         "tp_size": 4, "fsdp_size": 1, "dp_replicate_size": 1, "pp_size": 1, "ep_size": 1,
@@ -367,3 +368,11 @@ def test_experts_transformers_cannot_say_are_listed(tmp_path):
     assert config["ep_plan"] == {"b.*.experts": "ep_dispatch_experts", "c.*.experts": "ep_dispatch_experts"}
     assert "ep_implementation" not in config
     assert sorted((p.line, p.message.split(":")[0]) for p in exported.not_expressed) == [(4, "experts"), (5, "experts.a.*.experts")]
+
+
+def test_a_plan_check_on_an_imported_training_key_is_located_in_the_config(tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text("[parallelism]\ndata_parallel_shard_degree = 4\ncontext_parallel_degree = 2\n\n[training]\nglobal_batch_size = 6\nseq_len = 102\n")
+    problems = {p.code: p for p in import_config(path).problems}
+    assert (problems["TP123"].file, problems["TP123"].line) == (str(path), 6)
+    assert (problems["TP124"].line, problems["TP124"].column) == (7, 1) and "(from training.seq_len)" in problems["TP124"].message

@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..interop.frameworks import TARGETS
 from .export import ConfigFormat, Target, _write
 from .output import exit_with
 
@@ -21,7 +22,7 @@ def import_config(
                                         "DistributedConfig JSON or an accelerate ParallelismConfig JSON.", show_default=False)],
     source_format: Annotated[
         Optional[Target],
-        typer.Option("--from", help="The framework FILE is from; default: told by the file (a JSON object by its fields, "
+        typer.Option("--from", metavar="|".join(TARGETS), help="The framework FILE is from; default: told by the file (a JSON object by its fields, "
                      "TOML by its parallelism table).", show_default=False),
     ] = None,
     output: Annotated[

@@ -86,6 +86,9 @@ def _sizes(plan: Any, notes: _Notes, world: int | None, tp: int | None, keep_res
     if tp is not None and degrees and tp not in degrees:
         notes.unsized(tp_key, f"the plan promises TP {', '.join(map(str, degrees))}, not {tp}: pick one of these")
         return None
+    if tp is None and degrees and len(degrees) > 1:
+        notes.unsized(tp_key, f"the plan promises TP {', '.join(map(str, degrees))}; a config holds one degree: pick it with --tp")
+        return None
     if world is not None:
         try:
             resolved = mesh.resolve(world, tp)
@@ -96,9 +99,6 @@ def _sizes(plan: Any, notes: _Notes, world: int | None, tp: int | None, keep_res
             notes.unsized(tp_key, f"at --world {world} the plan's TP degree is {resolved['tp']}, not --tp {tp}")
             return None
         return resolved
-    if tp is None and degrees and len(degrees) > 1:
-        notes.unsized(tp_key, f"the plan promises TP {', '.join(map(str, degrees))}; a config holds one degree: pick it with --tp")
-        return None
     options = list(mesh.candidates())
     sizes = next((c for c in options if c["tp"] == tp), options[0])
     if tp is not None and mesh.rest_axis == "tp":  # tp open (version 1 without mesh.sizes, or tp left out): --tp gives it

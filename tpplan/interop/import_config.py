@@ -20,7 +20,9 @@ from difflib import get_close_matches
 from typing import Any, Callable
 
 from ..core.aliases import TRANSFORMERS_NO_RULE, TRANSFORMERS_STYLES, TRANSFORMERS_WITHOUT_EQUIVALENT
+from ..core.loader import load_plan
 from ..core.problems import PlanError, Problem, error, warning
+from ..core.schema_file import schema_comment
 from ..core.yamltext import group_siblings, plan_yaml
 from . import frameworks as fw
 
@@ -104,12 +106,8 @@ def import_config(path: str | os.PathLike, source_format: str | None = None, *, 
     imported = Imported(kind, problems=source.problems)
     if any(p.severity == "error" for p in source.problems):
         return imported
-    from ..core.schema_file import schema_comment
-
     header = [schema_comment(output), f"# imported from {os.path.basename(file)} ({kind}) by tpplan import-config"]
     imported.text = plan_yaml({"version": 2, **top}, group_siblings(rules), after=sections, header=header)
-    from ..core.loader import load_plan
-
     try:
         load_plan(text=imported.text, file=str(output) if output is not None else "<imported plan>")
     except PlanError as exc:  # the sizes break a plan's check (mesh.ep not dividing, say): the config's own mistake
@@ -119,21 +117,27 @@ def import_config(path: str | os.PathLike, source_format: str | None = None, *, 
 
 def _at_origin(problem: Problem, text: str, source: _Input, kind: str) -> Problem:
     """A problem of the written plan located at the config field its key came from (a mesh
-    axis: that axis's size field), where there is one; else left in the plan."""
+    axis: that axis's size field; torchtitan's training keys: its [training] fields), where
+    there is one; else left in the plan."""
     lines = text.splitlines()
     if not 0 < problem.line <= len(lines) or not lines[problem.line - 1].startswith("  "):
         return problem
     parent = next((line.split(":")[0] for line in reversed(lines[: problem.line - 1]) if line[:1].isalpha()), None)
-    axis = lines[problem.line - 1].strip().split(":")[0]
-    field = _SIZE_FIELDS[kind].get(axis) if parent == "mesh" else None
-    if field is None:
+    name = lines[problem.line - 1].strip().split(":")[0]
+    key = _ORIGINS[kind].get((parent, name))
+    if key is None:
         return problem
-    key = ("parallelism", field) if kind == "torchtitan" else (field,)
-    return replace(problem, message=f"{problem.message} (from {'.'.join(key)})", file=source.file, line=source.locate(key)[0],
-                   column=source.locate(key)[1])
+    line, column = source.locate(key)
+    return replace(problem, message=f"{problem.message} (from {'.'.join(key)})", file=source.file, line=line, column=column)
 
 
-_SIZE_FIELDS = {"transformers": fw.TRANSFORMERS_SIZES, "accelerate": fw.ACCELERATE_SIZES, "torchtitan": fw.TORCHTITAN_SIZES}
+# (plan section, key) -> the config field it is read from
+_ORIGINS: dict[str, dict[tuple[str | None, str], tuple[str, ...]]] = {
+    "transformers": {("mesh", axis): (field,) for axis, field in fw.TRANSFORMERS_SIZES.items()},
+    "accelerate": {("mesh", axis): (field,) for axis, field in fw.ACCELERATE_SIZES.items()},
+    "torchtitan": {**{("mesh", axis): ("parallelism", field) for axis, field in fw.TORCHTITAN_SIZES.items()},
+                   **{("training", key): ("training", field) for key, field in fw.TORCHTITAN_TRAINING.items()}},
+}
 
 
 # -- reading -----------------------------------------------------------------------------------
