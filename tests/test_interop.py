@@ -376,3 +376,28 @@ def test_a_plan_check_on_an_imported_training_key_is_located_in_the_config(tmp_p
     problems = {p.code: p for p in import_config(path).problems}
     assert (problems["TP123"].file, problems["TP123"].line) == (str(path), 6)
     assert (problems["TP124"].line, problems["TP124"].column) == (7, 1) and "(from training.seq_len)" in problems["TP124"].message
+
+
+def test_transformers_takes_the_exported_plans_for_its_own_model(tmp_path):
+    """transformers resolves the exported tp_plan and fsdp_plan against a Llama it builds (on
+    meta): every key names its modules (it refuses a key that matches nothing), every style is
+    one of its own."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    plan = plan_at(tmp_path, "version: 2\nmesh: {dp_shard: 2, tp: 2}\nrules:\n"
+                             "  model.layers.*.self_attn.{q_proj,k_proj,v_proj}: colwise\n  model.layers.*.self_attn.o_proj: rowwise\n"
+                             "  model.layers.*.mlp.{gate_proj,up_proj}: colwise\n  model.layers.*.mlp.down_proj: rowwise\n"
+                             "  model.embed_tokens: {style: rowwise, input_layouts: replicate, output_layouts: replicate}\n"
+                             "  lm_head: {style: colwise, output_layouts: replicate}\n"
+                             "fsdp: {units: [model.layers.*, model.embed_tokens, \"\"]}\n")
+    exported = export_plan(plan, "transformers")
+    assert exported.problems == []
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    tp_plan, _, fsdp_plan = model._resolve_parallel_plans(DistributedConfig(**json.loads(exported.text)))
+    assert tp_plan["model.layers.1.self_attn.k_proj"] == "colwise" and tp_plan["model.embed_tokens"] == "embedding_rowwise"
+    assert tp_plan["lm_head"] == "colwise_rep" and tp_plan["model.layers.0.mlp.down_proj"] == "rowwise"
+    assert fsdp_plan["model.layers.1"] == "free_full_weight" and fsdp_plan["model.embed_tokens"] == "free_full_weight"
