@@ -165,6 +165,15 @@ def test_accelerate_round_trip_through_parallelism_config(tmp_path):
     assert config.cp_handler.cp_comm_strategy == "allgather"
     assert imported.problems == []
     assert back.mesh.sizes == {**plan.mesh.sizes, "tp": 2} and back.rules == []
+    # accelerate's own serialisation (to_json: its handlers and a copy of the sizes) reads back the same
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps(config.to_json()))
+    assert import_config(own).text.split("\n", 2)[2] == imported.text.split("\n", 2)[2]
+    edited = config.to_json()
+    edited["tp_size"] = 4
+    own.write_text(json.dumps(edited))
+    [problem] = import_config(own).problems
+    assert problem.code == "TP143" and "disagrees with the size fields on tp" in problem.message
 
 
 def test_torchtitan_round_trip_through_its_toml(tmp_path):

@@ -40,7 +40,9 @@ TRANSFORMERS_EP_IMPLEMENTATIONS = {"all_to_all": "all_to_all", "all_reduce": "al
 
 # tpplan axis -> ParallelismConfig's size field (no pp, no ep: accelerate has neither)
 ACCELERATE_SIZES = {"dp_replicate": "dp_replicate_size", "dp_shard": "dp_shard_size", "tp": "tp_size", "cp": "cp_size"}
-ACCELERATE_FIELDS = (*ACCELERATE_SIZES.values(), "cp_backend", "cp_handler", "sp_size", "sp_backend")
+ACCELERATE_FIELDS = (*ACCELERATE_SIZES.values(), "cp_backend", "cp_handler", "sp_size", "sp_backend", "tp_handler", "sp_handler")
+# what ParallelismConfig.to_json() adds: its sizes again, keyed by axis (derived, so read only for agreement)
+ACCELERATE_DERIVED = "_sizes"
 # cp_handler is TorchContextParallelConfig(cp_comm_strategy=...): the same words as context_parallel.rotate
 ACCELERATE_CP_STRATEGIES = ("allgather", "alltoall")
 ACCELERATE_CP_BACKEND = "torch"

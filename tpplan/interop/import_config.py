@@ -346,8 +346,22 @@ def _transformers_fsdp(source: _Input, mesh: dict[str, int]) -> dict[str, Any]:
 
 def _accelerate(source: _Input) -> Built:
     data = source.data
-    source.known(data, (), fw.ACCELERATE_FIELDS, "accelerate's ParallelismConfig")
+    source.known(data, (), (*fw.ACCELERATE_FIELDS, fw.ACCELERATE_DERIVED), "accelerate's ParallelismConfig")
     sizes = {axis: source.size(data, (field,)) or 1 for axis, field in fw.ACCELERATE_SIZES.items()}
+    derived = data.get(fw.ACCELERATE_DERIVED)
+    if derived is not None:  # to_json()'s copy of the sizes: a hand edit of one and not the other is a mistake
+        differ = sorted(axis for axis in sizes if isinstance(derived, dict) and axis in derived and derived[axis] != sizes[axis])
+        if not isinstance(derived, dict) or differ:
+            source.bad((fw.ACCELERATE_DERIVED,), f"to_json()'s copy of the sizes disagrees with the size fields"
+                                                  f"{' on ' + ', '.join(differ) if differ else ''}: fix one, or delete {fw.ACCELERATE_DERIVED}")
+    async_tp = data.get("tp_handler")
+    if async_tp is not None:
+        if not isinstance(async_tp, dict):
+            source.bad(("tp_handler",), f"TorchTensorParallelConfig's fields as a mapping ({{enable_async_tp: ...}}), not {async_tp!r}")
+        else:
+            source.known(async_tp, ("tp_handler",), ("enable_async_tp",), "accelerate's TorchTensorParallelConfig")
+            if source.flag(async_tp, ("tp_handler", "enable_async_tp")):
+                source.left_out(("tp_handler", "enable_async_tp"), "async TP is a compile-time option of the run, which no plan key says")
     source.choice(data, ("cp_backend",), (fw.ACCELERATE_CP_BACKEND,))
     handler = data.get("cp_handler")
     if handler is not None:
