@@ -192,6 +192,25 @@ def test_torchtitan_round_trip_through_its_toml(tmp_path):
     assert back.fsdp == plan.fsdp and back.training == plan.training
 
 
+def test_torchtitan_0_2_2_reads_the_exported_toml(tmp_path):
+    """torchtitan 0.2.2 (CI's; 0.3 reads no TOML and does not import on torch 2.13) parses the
+    exported job TOML with its own ConfigManager, which refuses a field it does not have."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("torchtitan is not installed")
+    from tpplan.models.titan import titan  # torchtitan without triton (its CUDA kernels)
+
+    plan = plan_at(tmp_path, TORCHTITAN_PLAN)
+    path = tmp_path / "job.toml"
+    path.write_text(export_plan(plan, "torchtitan").text)
+    job = titan("config").ConfigManager().parse_args(["--job.config_file", str(path)])
+    parallelism = {name: getattr(job.parallelism, name) for name in fw.TORCHTITAN_SIZES.values()}
+    assert parallelism == {"data_parallel_replicate_degree": 2, "data_parallel_shard_degree": -1, "context_parallel_degree": 2,
+                           "tensor_parallel_degree": 2, "expert_parallel_degree": 4, "pipeline_parallel_degree": 2}
+    assert job.parallelism.fsdp_reshard_after_forward == "never"
+    assert (job.training.global_batch_size, job.training.seq_len, job.training.dtype) == (64, 8192, "bfloat16")
+    assert (job.training.mixed_precision_param, job.training.mixed_precision_reduce, job.training.enable_cpu_offload) == ("bfloat16", "float32", True)
+
+
 def _torchtitan_fields(cls_name: str) -> set[str] | None:
     """The annotated fields of torchtitan's config class `cls_name`, read from its source
     without importing it (torchtitan 0.3 does not import on torch 2.13)."""

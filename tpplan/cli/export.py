@@ -28,7 +28,7 @@ def export(
     plan: Annotated[str, typer.Argument(metavar="PLAN", help="The plan (version 1: its TP axis; version 2: every axis).", show_default=False)],
     to: Annotated[
         Target,
-        typer.Option("--to", metavar="|".join(TARGETS), help="The framework whose config to print: torchtitan (0.3 job TOML: its parallelism and training tables), "
+        typer.Option("--to", metavar="|".join(TARGETS), help="The framework whose config to print: torchtitan (a job TOML's parallelism and training tables, in the fields 0.3 and 0.2.2 share), "
                      "transformers (5.25 DistributedConfig JSON, with tp_plan/ep_plan/fsdp_plan in its own style strings) or "
                      "accelerate (1.16 ParallelismConfig keyword arguments, JSON).", show_default=False),
     ],

@@ -287,7 +287,6 @@ def _accelerate(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, An
 
 def _torchtitan(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, Any]:
     parallelism: dict[str, Any] = {field: sizes[axis] for axis, field in fw.TORCHTITAN_SIZES.items()}
-    parallelism["enable_sequence_parallel"] = any(rule.spec.style == "sequence_parallel" for rule in plan.rules)
     training: dict[str, Any] = {}
     if plan.rules:
         notes.lost(("rules",), "torchtitan's TP plan is Python code (each model's parallelize.py), not config")

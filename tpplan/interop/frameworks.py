@@ -9,9 +9,13 @@ Read from each framework's own source, at the versions named:
 - accelerate 1.16: `accelerate.parallelism_config.ParallelismConfig` and
   `accelerate.utils.TorchContextParallelConfig` (tests build them too).
 - torchtitan 0.3.0: `torchtitan/config/configs.py`'s `ParallelismConfig` and
-  `TrainingConfig`, the `[parallelism]` and `[training]` tables of a job's
-  TOML. torchtitan 0.3 does not import on torch 2.13, so these names are data
-  copied from its wheel, not read from an installed package.
+  `TrainingConfig`. torchtitan 0.3 does not import on torch 2.13, so these
+  names are data copied from its wheel, not read from an installed package.
+  0.3 builds its config in Python (a config registry) and takes these fields
+  as `--parallelism.KEY VALUE` overrides; 0.2.x reads them from a job TOML's
+  `[parallelism]` and `[training]` tables (`--job.config_file`). Export writes
+  only fields both have, so its TOML is read by 0.2.2's ConfigManager (which
+  refuses an unknown field; tests/test_interop.py runs it) and names 0.3's.
 """
 
 from __future__ import annotations
@@ -67,6 +71,11 @@ TORCHTITAN_PARALLELISM_FIELDS = (
     "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule", "pipeline_parallel_schedule_csv",
     "pipeline_parallel_microbatch_size", "context_parallel_degree", "context_parallel_load_balancer",
     "context_parallel_ptrr_mask_key", "expert_parallel_degree",
+)
+# torchtitan 0.2.2's [parallelism] fields that 0.3 dropped: import reads a 0.2.x job TOML too
+TORCHTITAN_022_PARALLELISM_FIELDS = (
+    "disable_loss_parallel", "enable_async_tensor_parallel", "pipeline_parallel_expert_parallel_overlap",
+    "context_parallel_rotate_method", "expert_tensor_parallel_degree", "expert_parallel_comm_backend",
 )
 # fsdp_reshard_after_forward: tpplan's bool -> torchtitan's policy ("default" is torchtitan's own
 # heuristic, which no tpplan value is; import reads it as tpplan's default, true)

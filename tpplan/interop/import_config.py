@@ -384,7 +384,8 @@ def _accelerate(source: _Input) -> Built:
 
 def _torchtitan(source: _Input) -> Built:
     parallelism, training = source.data["parallelism"], source.data.get("training") or {}
-    source.known(parallelism, ("parallelism",), fw.TORCHTITAN_PARALLELISM_FIELDS, "torchtitan 0.3's [parallelism]")
+    fields = (*fw.TORCHTITAN_PARALLELISM_FIELDS, *fw.TORCHTITAN_022_PARALLELISM_FIELDS)
+    source.known(parallelism, ("parallelism",), fields, "torchtitan's [parallelism] (0.3, or 0.2.2)")
     sizes: dict[str, int | None] = {}
     for axis, name in fw.TORCHTITAN_SIZES.items():
         rest = axis == fw.TORCHTITAN_REST_AXIS
@@ -393,7 +394,7 @@ def _torchtitan(source: _Input) -> Built:
     mesh = _mesh({axis: sizes[axis] for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")})
     used = {*fw.TORCHTITAN_SIZES.values(), "fsdp_reshard_after_forward", "context_parallel_load_balancer", "enable_sequence_parallel"}
     for name in parallelism:
-        if name not in used and name in fw.TORCHTITAN_PARALLELISM_FIELDS:
+        if name not in used and name in fields:
             source.left_out(("parallelism", name), f"{parallelism[name]!r}: no plan key says it (pipeline schedules: SPEC §8)")
     if source.flag(parallelism, ("parallelism", "enable_sequence_parallel")) and mesh["tp"] != 1:
         source.left_out(("parallelism", "enable_sequence_parallel"), "torchtitan's sequence parallelism is in its model code: the plan's rules "
