@@ -388,7 +388,7 @@ def test_tp_given_where_the_plan_fixes_another_degree_is_refused(tmp_path):
 
 
 def test_experts_transformers_cannot_say_are_listed(tmp_path):
-    plan = plan_at(tmp_path, "version: 2\nmesh: {dp_shard: 2, tp: 2, ep: 2}\nrules: {}\nexperts:\n"
+    plan = plan_at(tmp_path, "version: 2\nmesh: {tp: 2, ep: 2}\nrules: {}\nexperts:\n"
                              "  a.*.experts: expert_tp\n  b.*.experts: {style: expert_parallel, dispatch: all_to_all}\n"
                              "  c.*.experts: {style: expert_parallel, dispatch: all_reduce}\n")
     exported = export_plan(plan, "transformers")
@@ -429,3 +429,15 @@ def test_transformers_takes_the_exported_plans_for_its_own_model(tmp_path):
     assert tp_plan["model.layers.1.self_attn.k_proj"] == "colwise" and tp_plan["model.embed_tokens"] == "embedding_rowwise"
     assert tp_plan["lm_head"] == "colwise_rep" and tp_plan["model.layers.0.mlp.down_proj"] == "rowwise"
     assert fsdp_plan["model.layers.1"] == "free_full_weight" and fsdp_plan["model.embed_tokens"] == "free_full_weight"
+
+
+def test_default_fsdp_units_are_torchtitans_and_listed_for_transformers(tmp_path):
+    """Without fsdp.units tpplan wraps each block, then the root: torchtitan's own choice;
+    transformers would use the model's base_model_fsdp_plan instead, so it is listed."""
+    plan = plan_at(tmp_path, "version: 2\nmesh: {dp_shard: 2, tp: 2}\nrules: {}\nfsdp: {offload: true}\n")
+    assert export_plan(plan, "torchtitan").not_expressed == []
+    [problem] = export_plan(plan, "transformers").not_expressed
+    assert problem.message.startswith("fsdp: not expressed in transformers: tpplan's default fully_shard units") and problem.line == 4
+    bare = plan_at(tmp_path, "version: 2\nmesh: {dp_shard: 2, tp: 2}\nrules: {}\n", "bare.yaml")
+    [problem] = export_plan(bare, "transformers").not_expressed
+    assert problem.message.startswith("mesh.dp_shard: not expressed")

@@ -194,7 +194,7 @@ def _transformers(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, 
             tp_plan.update(dict.fromkeys(keys, style))
     config["tp_plan"] = tp_plan
     config.update(_transformers_experts(plan, notes))
-    config.update(_transformers_fsdp(plan, notes))
+    config.update(_transformers_fsdp(plan, sizes, notes))
     _common_losses(plan, notes, ("context_parallel",), "transformers has no context parallelism")
     _common_losses(plan, notes, ("checkpointing",), "DistributedConfig has no activation checkpointing (the model's gradient_checkpointing_enable does it)")
     _common_losses(plan, notes, ("training",), "DistributedConfig holds no training step (TrainingArguments does)")
@@ -228,15 +228,22 @@ def _transformers_experts(plan: Any, notes: _Notes) -> dict[str, Any]:
     return out
 
 
-def _transformers_fsdp(plan: Any, notes: _Notes) -> dict[str, Any]:
+# tpplan's units without fsdp.units, which transformers has no key list for
+_DEFAULT_UNITS = ("tpplan's default fully_shard units (each block of the largest ModuleList, then the root) are no list of "
+                  "keys: transformers shards the model's own base_model_fsdp_plan units instead; list the units in fsdp.units")
+
+
+def _transformers_fsdp(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, Any]:
     fsdp = plan.fsdp
     if fsdp is None:
+        if sizes["dp_replicate"] * sizes["dp_shard"] > 1:
+            notes.lost(("mesh", "dp_shard"), _DEFAULT_UNITS)
         return {}
     out: dict[str, Any] = {"fsdp_cpu_offload": fsdp.offload}
     reshard = fsdp.reshard_after_forward
     if not isinstance(reshard, bool):
         notes.lost(("fsdp", "reshard_after_forward"), f"{reshard}: transformers' fsdp_plan frees a unit's full weight or keeps it (true or false), no group size")
-    units = [unit for unit in fsdp.units if unit != ""]
+    units = [unit for unit in fsdp.units or () if unit != ""]
     fsdp_plan: dict[str, str] = {}
     for unit in units:
         keys = transformers_keys(unit)
@@ -246,7 +253,9 @@ def _transformers_fsdp(plan: Any, notes: _Notes) -> dict[str, Any]:
             fsdp_plan.update(dict.fromkeys(keys, fw.TRANSFORMERS_FSDP_STYLES[reshard if isinstance(reshard, bool) else True]))
     if fsdp_plan:
         out["fsdp_plan"] = fsdp_plan
-    else:
+    elif fsdp.units is None:
+        notes.lost(("fsdp",), _DEFAULT_UNITS)
+    elif not units:
         notes.lost(("fsdp", "units"), "the root alone: transformers shards the model's own base_model_fsdp_plan units then")
     precision = fsdp.mixed_precision.model_dump(exclude_none=True) if fsdp.mixed_precision is not None else {}
     out["fsdp_mixed_precision"] = precision == fw.TRANSFORMERS_MIXED_PRECISION
@@ -311,7 +320,7 @@ def _torchtitan(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, An
             parallelism["fsdp_reshard_after_forward"] = fw.TORCHTITAN_RESHARD[reshard]
         else:
             notes.lost(("fsdp", "reshard_after_forward"), f"{reshard}: torchtitan's policy is always, never or default, no group size")
-        if fsdp.units != [""]:
+        if fsdp.units is not None:  # without them, tpplan's units are torchtitan's: each block, then the root
             notes.lost(("fsdp", "units"), "torchtitan chooses its fully_shard units in code (each block, then the root)")
         if fsdp.offload:
             training[fw.TORCHTITAN_OFFLOAD] = True

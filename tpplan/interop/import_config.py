@@ -336,7 +336,8 @@ def _transformers_fsdp(source: _Input, mesh: dict[str, int]) -> dict[str, Any]:
         fsdp["reshard_after_forward"] = reshards.pop() if len(reshards) == 1 else True
     elif mesh["dp_replicate"] * mesh["dp_shard"] > 1:
         source.left_out(("fsdp_size",), "no fsdp_plan: transformers shards the model's own base_model_fsdp_plan units, "
-                                        "which this config does not name (the plan's fsdp.units default to the root)")
+                                        "which this config does not name (the plan's default: each block of the largest "
+                                        "ModuleList, then the root)")
     if mixed:
         fsdp["mixed_precision"] = dict(fw.TRANSFORMERS_MIXED_PRECISION)
     if offload:
