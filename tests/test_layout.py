@@ -141,6 +141,7 @@ MAY_IMPORT = {
     "lint": {"core", "sharding", "simulation", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},
     "init": {"core", "sharding", "simulation", "runtime", "lint", "hf"},  # tpplan init: infers, lints, dry-runs, compares with transformers' plan
+    "interop": {"core"},  # other frameworks' configs: export and import-config, plan-side, no torch
     "models": set(),  # the reference models: model code, importing no tpplan module
 }
 # The one way down a layer: Plan.apply and Plan.resolve (SPEC §5's API) call the applier, lazily

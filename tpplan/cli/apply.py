@@ -242,6 +242,8 @@ _WORDING = {
     ("save", "needs-ranks"): "--save writes real weights: run under torchrun (--dry-run has none)",
     ("fsdp", "not-a-divisor"): "--fsdp ({fsdp}) must divide the world size ({world})",
     ("fsdp", "world-mismatch"): "--fsdp ({fsdp}) x --tp ({tp}) must be the world size ({world})",
+    ("fsdp", "version-2"): "--fsdp is a version 1 plan's shorthand: a version 2 plan sets mesh.dp_shard (and its fsdp section) instead",
+    ("tp", "plan-mismatch"): "--tp {tp}: the plan's mesh gives tp {plan_tp} on {world} ranks ({dims}); leave --tp out, or change mesh.tp",
 }
 
 

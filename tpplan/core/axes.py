@@ -225,13 +225,47 @@ def section_warnings(plan: Any) -> list[Problem]:
 # -- what is applied ---------------------------------------------------------------------------
 
 
-def unapplied(plan: Any) -> list[tuple[str, ...]]:
-    """The keys of a version 2 plan that this tpplan checks but does not apply yet: any
-    axis other than tp not 1, and the sections beyond the TP rules."""
+# What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply activation
+# checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run simulates the TP axis only.
+APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing"), "dry-run": ("tp",)}
+_DOES = {"torchrun": "This tpplan applies", "dry-run": "The dry run simulates"}
+
+
+def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
+    """The keys of a version 2 plan that this tpplan checks but `by` (a key of APPLIED)
+    does not apply yet: an axis not 1, or a section, beyond what it applies."""
     if plan.version != 2:
         return []
-    axes = [("mesh", axis) for axis in AXES if axis != "tp" and plan.mesh.sizes[axis] != 1]
-    return axes + [(key,) for key in SECTIONS if getattr(plan.spec, key) is not None]
+    applied = APPLIED[by]
+    axes = [("mesh", axis) for axis in AXES if axis not in applied and plan.mesh.sizes[axis] != 1]
+    return axes + [(key,) for key in SECTIONS if key not in applied and getattr(plan.spec, key) is not None]
+
+
+def mesh_dims(plan: Any, world: int, tp: int | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The device mesh a plan runs on over `world` ranks, outermost first, tp the fastest
+    dim: version 2's data axes above 1 (dp_replicate, dp_shard) then tp; version 1's
+    tp alone, or (dp, tp) below the world (--fsdp's shorthand). ValueError where the
+    sizes do not make the world."""
+    if plan.version == 2:
+        sizes = plan.mesh.resolve(world, tp)
+        hsdp = sizes["dp_replicate"] > 1  # FSDP2's HSDP takes a 2-D mesh: dp_shard kept even at 1
+        dims = [(axis, sizes[axis]) for axis in ("dp_replicate", "dp_shard") if plan.mesh.sizes[axis] != 1 or hsdp]
+        dims.append((plan.mesh_axis, sizes["tp"]))
+        return tuple(size for _, size in dims), tuple(name for name, _ in dims)
+    tp = world if tp is None else tp
+    if tp < 1 or tp > world or world % tp:
+        raise ValueError(f"tp {tp} does not divide the world size ({world})")
+    return tp_dims(world, tp, plan.mesh_axis)
+
+
+def tp_dims(world: int, tp: int, axis: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """A version 1 plan's mesh: the TP axis alone, or (dp, tp) with --fsdp's data-parallel
+    dim when tp is below the world (tp dividing it)."""
+    return ((tp,), (axis,)) if tp == world else ((world // tp, tp), ("dp", axis))
+
+
+def _keys_text(keys: tuple[str, ...]) -> str:
+    return ", ".join("mesh.tp and rules" if key == "tp" else f"mesh.{key}" if key in AXES else key for key in keys)
 
 
 class NotAppliedError(ValueError):
@@ -243,13 +277,15 @@ class NotAppliedError(ValueError):
         super().__init__(str(problem))
 
 
-def refuse_unapplied(plan: Any) -> None:
-    """NotAppliedError where `plan` says more than its TP rules and mesh.tp."""
-    keys = unapplied(plan)
+def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
+    """NotAppliedError where `plan` says more than `by` applies."""
+    keys = unapplied(plan, by)
     if not keys:
         return
     names = ", ".join(".".join(key) for key in keys)
-    message = (f"not applied yet: {names}. This tpplan applies a version 2 plan's mesh.tp and rules only "
-               "(`tpplan validate` checks the rest); remove these to apply the TP rules alone")
+    message = (f"not applied yet: {names}. {_DOES[by]} a version 2 plan's {_keys_text(APPLIED[by])} only "
+               "(`tpplan validate` checks the rest); remove these to apply the others alone")
+    if by != "torchrun" and all(key[-1] in APPLIED["torchrun"] for key in keys):
+        message += f"; under torchrun, `tpplan apply` applies {_keys_text(APPLIED['torchrun'])}"
     at = plan.source.locate(keys[0], key=True) if plan.source is not None else (1, 1)
     raise NotAppliedError(error("TP130", message, plan.file, *at))

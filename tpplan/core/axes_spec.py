@@ -18,7 +18,8 @@ AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 WORLD_AXES = AXES[:-1]
 REST = -1  # "the rest of the world": world / (product of the other axes)
 
-DTYPES = ("bf16", "fp16", "fp32")  # the spellings of apply's --dtype
+TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the spellings of apply's --dtype: torch's names
+DTYPES = tuple(TORCH_DTYPES)
 OPTIMIZERS = ("adamw", "sgd", "none")  # the spellings of apply's --optimizer
 EXPERT_STYLES = ("expert_parallel", "expert_tp")  # the styles an `experts:` rule may name
 
@@ -102,7 +103,7 @@ class MixedPrecisionSpec(_Strict):
 
 
 class FSDPSpec(_Strict):
-    units: Globs = Field(default_factory=lambda: [""], description='fully_shard units, innermost first; "" is the root (always last).')
+    units: Globs | None = Field(None, description='fully_shard units, innermost first; "" is the root (always last). Default: each block of the largest ModuleList, then the root.')
     reshard_after_forward: Annotated[bool | int, BeforeValidator(_reshard), WithJsonSchema(
         {"anyOf": [{"type": "boolean"}, {"type": "integer", "minimum": 2}]}
     )] = Field(True, description="true, false, or an int: the group size (dividing dp_shard) to reshard to after forward.")

@@ -181,14 +181,29 @@ class Plan:
         after each module is parallelized (progress). The work is sharding/apply.py's
         `apply_plan`, the one applier, which the runtime calls too.
 
-        A version 2 plan that sets other axes or sections than mesh.tp and rules is
-        refused (axes.NotAppliedError, a ValueError located at the first): their
-        runtime does not exist yet, and applying the TP rules alone would ignore them.
+        With a mesh that has data-parallel dims (`build_mesh`: dp_replicate,
+        dp_shard), FSDP2 (HSDP with dp_replicate) follows the TP rules, on the plan's
+        `fsdp` units and policies (sharding/data_parallel.py), after activation
+        checkpointing of the `checkpointing` section's modules (torchtitan's order).
+        A version 2 plan that sets axes or sections not applied yet (pp, cp, ep,
+        experts, context_parallel, training) is refused (axes.NotAppliedError, a ValueError located
+        at the first): applying the rest alone would ignore them.
         """
-        from ..sharding.apply import apply_plan
+        from ..sharding.apply import apply_every_axis
         from .axes import refuse_unapplied
 
         refuse_unapplied(self)
-
-        apply_plan(self, model, mesh, None if on_module is None else lambda done, total, fqn: on_module(fqn))
+        apply_every_axis(self, model, mesh, None if on_module is None else lambda done, total, fqn: on_module(fqn))
         return model
+
+    def build_mesh(self, world: int, device_type: str = "cpu", tp: int | None = None) -> "DeviceMesh":
+        """The named device mesh this plan runs on over `world` ranks (in a process group
+        of that size): a version 2 plan's data axes above 1, then tp, the fastest;
+        ValueError where its sizes do not make the world (`tpplan validate --world N`
+        says where)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from .axes import mesh_dims
+
+        shape, names = mesh_dims(self, world, tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)

@@ -6,6 +6,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ..core.axes import tp_dims
 from .options import ApplyOptionsError
 
 if TYPE_CHECKING:
@@ -77,11 +78,9 @@ def mesh_shape(world_size: int, tp: int | None, axis: str) -> tuple[tuple[int, .
     tp = world_size if tp is None else tp
     if tp < 1 or tp > world_size or world_size % tp:
         raise ApplyOptionsError("tp", "not-a-divisor", f"{tp} does not divide the world size ({world_size})", tp=tp, world=world_size)
-    if tp == world_size:
-        return (tp,), (axis,)
-    if axis == "dp":
+    if tp < world_size and axis == "dp":
         raise ApplyOptionsError("plan", "dp-axis", "the plan's mesh.axis is 'dp', the name of the data-parallel dim of a 2-D mesh: rename it (e.g. 'tp')")
-    return (world_size // tp, tp), ("dp", axis)
+    return tp_dims(world_size, tp, axis)
 
 
 def fsdp_tp(world_size: int, tp: int | None, fsdp: int | None) -> int | None:

@@ -145,7 +145,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         plan = load_plan(options.plan)
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
-    refuse_unapplied(plan)
+    refuse_unapplied(plan, "dry-run")
     tp, note = dry_run_tp(options, plan)
     planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
     notes = [note] if note and not (planning and plan.mesh_sizes) else []
@@ -377,14 +377,11 @@ def _fake_pass(options: ApplyOptions, plan: Plan, tp: int, factory, event, built
             except PlanError as exc:
                 return _Run(failure=exc)
             event("forward and backward on fake tensors")
-            with locator.tracking():
-                try:
-                    _, comms = forward_backward(model, inputs)
-                    return _Run(applied=(applied,), comms=comms)
-                except Exception as exc:  # the model or torch, on fake tensors: located below, or retried with values
-                    if raised_by_tpplan(exc):
-                        raise  # tpplan's own code: a bug, shown as one
-                    failure, problem = exc, locator.problem(exc)
+            try:
+                _, comms = run_located(locator, lambda: forward_backward(model, inputs))
+                return _Run(applied=(applied,), comms=comms)
+            except PlanError as exc:  # the model or torch, on fake tensors: located, or retried with values below
+                failure, problem = exc.__cause__, exc.problems[0]
     # Above the limit, a model fake tensors cannot run is not retried with real
     # values: the retry would hold the whole model in memory. Whether it fails
     # without the plan too is decided shape-only, on fake tensors.

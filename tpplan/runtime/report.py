@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..check.result import CheckResult
 from ..core.problems import Problem
 from ..simulation.layouts import ParamLayout
 
-if TYPE_CHECKING:
-    from ..simulation.locate import Sharded
 
 
 @dataclass
@@ -64,13 +62,7 @@ class ApplyReport:
     notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
     checkpoint: dict | None = None  # --checkpoint: what was (or would be) loaded, see tpplan.checkpoint.inspect
     saved: dict | None = None  # --save: {"path", "format"}
-
-    def add_sharding(self, sharded: "Sharded") -> None:
-        """The modules, rules and where they are; once, the note of rules applied under
-        peft's wrapper (the dry run may shard twice: fake tensors, then values)."""
-        self.modules, self.rule_of, self.rule_where = sharded.modules, sharded.rule_of, sharded.rule_where
-        if sharded.note and sharded.note not in self.notes:
-            self.notes.append(sharded.note)
+    mesh: dict[str, int] | None = None  # torchrun: the device mesh's dims, outermost first {name: size} (SPEC §7)
 
     @property
     def ok(self) -> bool:
@@ -114,6 +106,7 @@ class ApplyReport:
             "checkpoint": self.checkpoint,
             "saved": self.saved,
             "notes": list(self.notes),  # what the run chose or changed for the user (e.g. dropout off for --check)
+            **({"mesh": dict(self.mesh)} if self.mesh is not None else {}),
             **self._memory_json(),
         }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from .devices import fsdp_tp, init_process_group, mesh_shape, pick_device, rank_
 from ..simulation.layouts import param_layouts
 from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, make_inputs, module_structure
-from .options import ApplyOptions, RanksUsageError, UsageError, refuse_unapplied
+from .options import ApplyOptions, ApplyOptionsError, RanksUsageError, UsageError, refuse_unapplied
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +67,9 @@ class _Ran:
     (`problems`: why it stopped)."""
 
     tp: int
-    dp: int
+    dp: int  # the data-parallel ranks: dp_replicate·dp_shard, or --fsdp's dp
+    mesh: dict[str, int] = field(default_factory=dict)
+    data_parallel: bool = False  # FSDP2 (HSDP) shards the data axes
     sharded: Sharded | None = None
     params: list[ParamLayout] = field(default_factory=list)
     comms: dict | None = None
@@ -102,37 +105,43 @@ def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None =
 
 
 def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> ApplyReport:
-    """The one place the report is assembled."""
-    report = ApplyReport(mode="torchrun", plan_file=options.plan, model=options.model, world_size=ctx.world, device=ctx.device.type, backend=ctx.backend)
+    """Load, agree across ranks, apply and run: each step returns what it found."""
     loaded = _load(ctx, options, event)
-    report.plan_name = loaded.plan.name if loaded.plan is not None else None
     event("comparing plans across ranks")
     try:
-        report.problems = _agree(ctx, loaded, options.timeout)
+        stopped = _agree(ctx, loaded, options.timeout)
     except CommFailure as exc:
-        report.problems = [exc.problem]
-    if report.problems:
-        return report
-
+        stopped = [exc.problem]
+    if stopped:
+        return _report(ctx, options, loaded, None, stopped)
     assert loaded.plan is not None and loaded.model is not None and loaded.mesh is not None
     ran = _apply_and_run(ctx, options, loaded.plan, loaded.model, loaded.mesh, event)
-    report.tp, report.dp = ran.tp, ran.dp
-    report.notes += unpromised_tp_note(loaded.plan, ran.tp)
-    report.notes += ran.notes
-    if ran.sharded is not None:
-        report.add_sharding(ran.sharded)
-    report.params, report.comms, report.step_time_s = ran.params, ran.comms, ran.step_time_s
-    report.check, report.steps = ran.check, ran.steps
-    report.checkpoint, report.saved = ran.checkpoint, ran.saved
-    if ran.check is not None and not ran.check.passed:
-        report.problems += check_problems(ran.check, loaded.plan, ran.tp, f"--check failed: {ran.check.problems[0]}")
-    if _data_parallel(options, ran):
-        report.notes.append(f"FSDP2 (fully_shard per block and root) over the dp dim of {ran.dp}, after the plan")
-    if ran.problems:
-        report.problems = ran.problems
-    elif not _data_parallel(options, ran):  # under FSDP2 a rank holds a dp shard of its layout: the memory plan's figure
+    report = _report(ctx, options, loaded, ran, [])
+    if not ran.problems and not ran.data_parallel:  # under FSDP2 a rank holds a dp shard of its layout: the memory plan's figure
         _assert_held(ctx, loaded.model, report)
     return report
+
+
+def _report(ctx: _Rank, options: ApplyOptions, loaded: _Loaded, ran: _Ran | None, stopped: list[Problem]) -> ApplyReport:
+    """The one place the report is assembled: from the problems that stopped every
+    rank before sharding, or from what applying and running found."""
+    plan = loaded.plan
+    found = dict(mode="torchrun", plan_file=options.plan, model=options.model, world_size=ctx.world, device=ctx.device.type,
+                 backend=ctx.backend, plan_name=plan.name if plan is not None else None)
+    if ran is None:
+        return ApplyReport(**found, problems=stopped)
+    assert plan is not None
+    problems = ran.problems
+    if not problems and ran.check is not None and not ran.check.passed:
+        problems = check_problems(ran.check, plan, ran.tp, f"--check failed: {ran.check.problems[0]}")
+    notes = [*unpromised_tp_note(plan, ran.tp), *ran.notes]
+    sharded = ran.sharded
+    if sharded is not None and sharded.note and sharded.note not in notes:
+        notes.append(sharded.note)
+    return ApplyReport(**found, tp=ran.tp, dp=ran.dp, params=ran.params, comms=ran.comms, step_time_s=ran.step_time_s,
+                       check=ran.check, steps=ran.steps, checkpoint=ran.checkpoint, saved=ran.saved, problems=problems, notes=notes,
+                       modules=sharded.modules if sharded else {}, rule_of=sharded.rule_of if sharded else {},
+                       rule_where=sharded.rule_where if sharded else {}, mesh=ran.mesh)
 
 
 def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _Loaded:
@@ -144,7 +153,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     try:
         loaded.plan = load_plan(options.plan)
         refuse_unapplied(loaded.plan)
-        loaded.mesh = mesh_shape(ctx.world, fsdp_tp(ctx.world, options.tp, options.train.fsdp), loaded.plan.mesh_axis)
+        loaded.mesh = _mesh(ctx.world, options, loaded.plan)
         event("building the model")
         torch.manual_seed(options.seed)  # the same weights on every rank, even with src_data_rank: null
         loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device, real_buffers=True)
@@ -159,6 +168,26 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     except (UsageError, ModelRefError) as exc:
         loaded.usage = exc
     return loaded
+
+
+def _mesh(world: int, options: ApplyOptions, plan: Plan) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The mesh's (shape, dim names): a version 2 plan's named axes (its sizes checked
+    against the world first, located), or version 1's tp with --fsdp's dp."""
+    if plan.version == 1:
+        return mesh_shape(world, fsdp_tp(world, options.tp, options.train.fsdp), plan.mesh_axis)
+    from ..core.axes import mesh_dims, world_problems
+
+    if options.train.fsdp:
+        raise ApplyOptionsError("fsdp", "version-2", "FSDP on a dp dim is a version 1 plan's shorthand: a version 2 plan sets "
+                                "mesh.dp_shard (and its fsdp section) instead")
+    if problems := world_problems(plan, world):
+        raise PlanError(problems)
+    shape, names = mesh_dims(plan, world, options.tp)
+    if options.tp is not None and shape[-1] != options.tp:
+        dims = " × ".join(f"{name} {size}" for name, size in zip(names, shape))
+        raise ApplyOptionsError("tp", "plan-mismatch", f"tp {options.tp}: the plan's mesh gives tp {shape[-1]} on {world} ranks ({dims})",
+                                tp=options.tp, plan_tp=shape[-1], world=world, dims=dims)
+    return shape, names
 
 
 def _agree(ctx: _Rank, loaded: _Loaded, timeout: float) -> list[Problem]:
@@ -179,7 +208,9 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
 
     shape, names = mesh_spec
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-    ran = _Ran(tp=shape[-1], dp=shape[0] if len(shape) == 2 else 1)
+    dp = math.prod(shape[:-1])
+    # FSDP2 on a version 2 plan's data axes, or on --fsdp's dp (without --fsdp, v1's dp ranks are replicas)
+    ran = _Ran(tp=shape[-1], dp=dp, mesh=dict(zip(names, shape)), data_parallel=dp > 1 and (plan.version == 2 or bool(options.train.fsdp)))
     try:
         if options.check:  # both sides in eval mode: dropout would draw different masks on each
             from ..check.dropout import for_check
@@ -193,11 +224,10 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
             if reference is not None:
                 reference.eval()  # as the sharded side (for_check above)
         ran.params = param_layouts(model, ran.tp)  # after a load: the checkpoint's dtypes
-        if _data_parallel(options, ran):  # FSDP2 after the plan (and a load)
-            from ..simulation.fsdp import shard_data_parallel
+        from ..simulation.fsdp import after_rules
 
-            event(f"FSDP2 over dp {ran.dp}")
-            shard_data_parallel(model, mesh)
+        event("activation checkpointing and FSDP2" if ran.data_parallel else "activation checkpointing")
+        ran.notes += after_rules(plan, model, mesh, ran.data_parallel)  # after the plan (and a load)
         torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
         inputs = make_inputs(options.inputs, model, ctx.device)
         locator = FailureLocator(plan, model, ran.sharded.rules, ran.tp)
@@ -233,10 +263,6 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     except CommFailure as exc:
         ran.problems = [exc.problem]
     return ran
-
-
-def _data_parallel(options: ApplyOptions, ran: _Ran) -> bool:
-    return bool(options.train.fsdp) and ran.dp > 1
 
 
 def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocator, model, reference, inputs: tuple, tp: int, event):

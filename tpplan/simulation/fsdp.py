@@ -1,11 +1,7 @@
-"""FSDP2 on the data-parallel dim of a (dp, tp) mesh, after the plan.
-
-As torchtitan's `apply_fsdp`: `fully_shard` on each block (the children of the
-model's largest `nn.ModuleList`, e.g. `layers.N`) and then on the root, over
-the `dp` mesh dim. The plan's DTensor parameters (on the `tp` dim) become
-2-D DTensors, sharded on dp as well; FSDP all-gathers a block's parameters
-before its forward (and again before its backward) and reduce-scatters its
-gradients after.
+"""What follows the TP rules, in the simulated world as on real ranks: `train_mesh`
+(the (dp, tp) mesh memory planning simulates), `after_rules` (activation
+checkpointing, then FSDP2), and `shard_data_parallel`, which runs
+sharding/data_parallel.py with FSDP2's mesh bookkeeping kept outside fake mode.
 """
 
 from __future__ import annotations
@@ -16,18 +12,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from torch import nn
+
+    from ..core.plan import Plan
     from torch.distributed.device_mesh import DeviceMesh
-
-
-def blocks(model: "nn.Module") -> list[str]:
-    """The repeated blocks FSDP wraps one by one: the children of the largest ModuleList."""
-    from torch import nn
-
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
-        return []
-    name, largest = max(lists, key=lambda item: len(item[1]))
-    return [f"{name}.{child}" if name else child for child, _ in largest.named_children()]
 
 
 def train_mesh(device_type: str, dp: int, tp: int, axis: str) -> "DeviceMesh":
@@ -41,18 +28,37 @@ def train_mesh(device_type: str, dp: int, tp: int, axis: str) -> "DeviceMesh":
     return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", axis))
 
 
-def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", reshard_after_forward: bool = True, wrap: list[str] | None = None) -> list[str]:
-    """`fully_shard` each block (`wrap`, default `blocks(model)`) and the root over
-    `mesh["dp"]`; returns the wrapped fqns (root: "")."""
-    from torch.distributed.fsdp import fully_shard
+def blocks(model: "nn.Module") -> list[str]:
+    """FSDP2's default units (sharding/data_parallel.py): memory's block reuse reads them here."""
+    from ..sharding.data_parallel import blocks as default_units
 
-    dp_mesh = mesh["dp"]
-    wrapped = blocks(model) if wrap is None else wrap
+    return default_units(model)
+
+
+def after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool) -> list[str]:
+    """What follows the TP rules, in torchtitan's order: activation checkpointing (a
+    version 2 plan's `checkpointing`), then FSDP2/HSDP (`data_parallel`: the data axes,
+    or --fsdp's dp). Returns the report's notes of what was done."""
+    from ..sharding.activation_checkpoint import apply_activation_checkpointing
+    from ..sharding.data_parallel import data_parallel_of
+
+    notes = []
+    if checkpointed := apply_activation_checkpointing(plan, model):
+        mode = plan.spec.checkpointing.mode
+        notes.append(f"activation checkpointing ({mode}) on {len(checkpointed)} module(s) ({', '.join(plan.spec.checkpointing.modules)})")
+    if data_parallel:
+        shard_data_parallel(model, mesh, plan)
+        notes.append(data_parallel_of(plan).describe(dict(zip(mesh.mesh_dim_names or (), mesh.shape))))
+    return notes
+
+
+def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | None" = None, wrap: list[str] | None = None) -> list[str]:
+    """FSDP2 after the plan (sharding/data_parallel.py), on fake tensors as on real ones;
+    returns the wrapped fqns (root: "")."""
+    from ..sharding.data_parallel import apply_data_parallel
+
     with _meshes_outside_fake_mode():
-        for fqn in wrapped:
-            fully_shard(model.get_submodule(fqn), mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    return [*wrapped, ""]
+        return apply_data_parallel(plan, model, mesh, wrap)
 
 
 @contextlib.contextmanager

@@ -237,4 +237,4 @@ def run_located(locator: FailureLocator, fn: Callable[[], Any]) -> Any:
                 raise  # tpplan's own code (the hooks, the loss): a bug, shown as one
             if is_comm_failure(exc):
                 raise CommFailure(comm_problem(locator.plan, "the forward or backward", exc)) from None
-            raise PlanError([locator.problem(exc)]) from None
+            raise PlanError([locator.problem(exc)]) from exc  # the cause kept: a caller may quote torch's own words

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..core.axes_spec import TORCH_DTYPES
 from ..core.problems import ModelError
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 OPTIMIZERS = ("adamw", "sgd", "none")
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 LEARNING_RATE = 1e-3
 
 
@@ -65,7 +65,7 @@ class TrainOptions:
 def torch_dtype(name: str | None) -> "torch.dtype | None":
     import torch
 
-    return None if name is None else getattr(torch, DTYPES[name])
+    return None if name is None else getattr(torch, TORCH_DTYPES[name])
 
 
 def param_groups(model: "nn.Module") -> list[dict]:

@@ -1,0 +1,124 @@
+"""FSDP2 / HSDP after the TP rules: a version 2 plan's `fsdp` section over its
+dp_replicate and dp_shard axes (SPEC §7), and `--fsdp N`'s shorthand (a `dp` dim).
+
+As torchtitan's `apply_fsdp`: `fully_shard` on each unit, innermost first, then on
+the root, over the data-parallel mesh: 1-D (`dp_shard`, or `--fsdp`'s `dp`) for
+FSDP, 2-D (`dp_replicate`, `dp_shard`) for HSDP, where FSDP2 replicates across the
+first dim and shards across the second. The plan's DTensor parameters on `tp`
+become 2-D (or 3-D) DTensors, sharded on the data axes as well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..core.axes_spec import TORCH_DTYPES
+from .sections import section_modules
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+class Plan(Protocol):
+    """What this module reads of a plan (core.plan's Plan, named by shape as in apply.py:
+    Plan.apply calls down here)."""
+
+    version: int
+    spec: Any
+    source: Any
+    file: str
+
+
+# The data-parallel mesh dims, outermost first: HSDP's two, or --fsdp's one.
+DP_DIMS = ("dp_replicate", "dp_shard")
+SHORTHAND_DIM = "dp"
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """What FSDP2 is asked to do: its unit globs (innermost first; None: each block of
+    the largest ModuleList), always followed by the root, and its policies."""
+
+    units: tuple[str, ...] | None = None
+    reshard_after_forward: bool | int = True
+    mixed_precision: Any = None  # the plan's MixedPrecisionSpec, or None
+    offload: bool = False
+
+    def describe(self, mesh: dict[str, int]) -> str:
+        """A note for the report: what FSDP2 did, over which dims of `mesh` ({dim: size})."""
+        where = "per block and root" if self.units is None else f"on {', '.join(self.units)} and the root"
+        if SHORTHAND_DIM in mesh:  # --fsdp N
+            return f"FSDP2 (fully_shard {where}) over the dp dim of {mesh[SHORTHAND_DIM]}, after the plan"
+        kind = "HSDP" if mesh.get("dp_replicate", 1) > 1 else "FSDP2"
+        over = " × ".join(f"{dim} {mesh[dim]}" for dim in DP_DIMS if dim in mesh)
+        return f"{kind} (fully_shard {where}) over {over}, after the plan"
+
+
+def blocks(model: "nn.Module") -> list[str]:
+    """The repeated blocks FSDP wraps one by one: the children of the largest ModuleList."""
+    from torch import nn
+
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, largest = max(lists, key=lambda item: len(item[1]))
+    return [f"{name}.{child}" if name else child for child, _ in largest.named_children()]
+
+
+def data_parallel_of(plan: "Plan | None") -> DataParallel:
+    """The plan's `fsdp` section, or today's default without one (each block, then the root)."""
+    spec = plan.spec.fsdp if plan is not None and plan.version == 2 else None
+    if spec is None:
+        return DataParallel()
+    units = None if spec.units is None else tuple(glob for glob in spec.units if glob != "")  # the root comes last anyway
+    return DataParallel(units, spec.reshard_after_forward, spec.mixed_precision, spec.offload)
+
+
+def unit_modules(plan: "Plan | None", model: "nn.Module", wanted: DataParallel) -> list[str]:
+    """The fqns `fully_shard` wraps, innermost first, the root "" last."""
+    if wanted.units is None:
+        return [*blocks(model), ""]
+    assert plan is not None  # units come from a plan's fsdp section
+    return [*(fqn for fqn in section_modules(plan, model, ("fsdp", "units"), plan.spec.fsdp.units) if fqn), ""]
+
+
+def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
+    """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, dp_shard (or
+    --fsdp's dp) alone for FSDP; None where the mesh has no data-parallel dim."""
+    names = mesh.mesh_dim_names or ()
+    if "dp_replicate" in names:
+        if "dp_shard" not in names:
+            raise ValueError(f"HSDP needs a dp_shard dim beside dp_replicate (size 1 for pure replication); the mesh has {names}")
+        return mesh["dp_replicate", "dp_shard"]
+    for name in ("dp_shard", SHORTHAND_DIM):
+        if name in names:
+            return mesh[name]
+    return None
+
+
+def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None) -> list[str]:
+    """`fully_shard` the plan's units (`wrap`: these fqns instead, as memory planning's
+    block reuse asks) and the root over the mesh's data-parallel dims; returns the
+    wrapped fqns (root: ""), none where the mesh has no data-parallel dim."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    dp_mesh = data_parallel_mesh(mesh)
+    if dp_mesh is None:
+        return []
+    wanted = data_parallel_of(plan)
+    kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": wanted.reshard_after_forward}
+    if (mp := wanted.mixed_precision) is not None:
+        def dtype(name):
+            return None if name is None else getattr(torch, TORCH_DTYPES[name])
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype(mp.param_dtype), reduce_dtype=dtype(mp.reduce_dtype),
+                                                   output_dtype=dtype(mp.output_dtype))
+    if wanted.offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    wrapped = unit_modules(plan, model, wanted) if wrap is None else [*wrap, ""]
+    for fqn in wrapped:
+        fully_shard(model.get_submodule(fqn) if fqn else model, **kwargs)
+    return wrapped
