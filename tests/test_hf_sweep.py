@@ -164,7 +164,7 @@ def test_per_head_norms_are_declared_on_the_dim_their_heads_are_on(tmp_path, mod
             f"desired_input_layouts: {layout}, use_local_output: true}}\n") in text
 
 
-def test_a_per_head_norm_on_its_real_dim_gets_the_gradients_of_one_device_and_a_wrong_dim_is_tp320(tmp_path):
+def test_a_per_head_norm_on_its_real_dim_gets_the_gradients_of_one_device_and_a_wrong_dim_is_tp320_only_when_it_moves(tmp_path):
     import torch
 
     from tpplan.hf.importer import import_hf
@@ -179,13 +179,22 @@ def test_a_per_head_norm_on_its_real_dim_gets_the_gradients_of_one_device_and_a_
     # outputs and every gradient (q_norm/k_norm's summed: local_params) as one device, replicas equal
     report = dry_run(ApplyOptions(plan=str(tmp_path / "hf.yaml"), model="tpplan.models.hf_any:exaone4", tp=2, check=True))
     assert report.problems == [] and report.check.passed
-    (tmp_path / "wrong.yaml").write_text(text.replace("input_layouts: shard(1), desired_input_layouts: shard(1)",
-                                                      "input_layouts: shard(-2), desired_input_layouts: shard(-2)"))
     with torch.device("meta"):
         model = build("exaone4")
+    declared = "input_layouts: shard(1), desired_input_layouts: shard(1)"
+    # a wrong dim declared and desired alike, handed on local, is a label: from_local then
+    # to_local moves nothing, the norm computes on its heads as they arrive (--check agrees)
+    (tmp_path / "label.yaml").write_text(text.replace(declared, "input_layouts: shard(-2), desired_input_layouts: shard(-2)"))
+    assert [p for p in check_model(load_plan(tmp_path / "label.yaml"), model, [2]) if p.code == "TP320"] == []
+    label = dry_run(ApplyOptions(plan=str(tmp_path / "label.yaml"), model="tpplan.models.hf_any:exaone4", tp=2, check=True))
+    assert label.problems == [] and label.check.passed
+    # redistributed from the wrong dim, it gathers the sequence: TP320 at the rule, and the run fails
+    (tmp_path / "wrong.yaml").write_text(text.replace(declared, "input_layouts: shard(-2), desired_input_layouts: replicate"))
     wrong = [p for p in check_model(load_plan(tmp_path / "wrong.yaml"), model, [2]) if p.code == "TP320"]
     assert [(p.line, p.column) for p in wrong] == [(12, 3), (12, 3)]
     assert "takes its input 0 (2, 8, 8, 8) as shard(-2), but it arrives as a local shard(1)" in wrong[0].message
+    failed = dry_run(ApplyOptions(plan=str(tmp_path / "wrong.yaml"), model="tpplan.models.hf_any:exaone4", tp=2, check=True))
+    assert [p.code for p in failed.problems] == ["TP502"]
 
 
 if __name__ == "__main__":  # python tests/test_hf_sweep.py [TYPE...]: one table row per family

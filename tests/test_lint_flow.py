@@ -11,7 +11,7 @@ from torch import nn
 
 from tpplan import load_plan
 from tpplan.lint.context import LintContext
-from tpplan.lint.ops import _index_dim, _view_dim
+from tpplan.lint.ops import _index_dim, _view_dim, _view_shard
 from tpplan.lint.trace import Call, Op, Return, TraceError, _Tracer, trace_model
 from tpplan.models.mlp import MLP
 from tpplan.simulation.simulate import count_collectives, default_inputs, simulated_world, tp_mesh
@@ -27,6 +27,19 @@ from tpplan.simulation.simulate import count_collectives, default_inputs, simula
 ])
 def test_a_view_moves_a_shard_to_the_outermost_dim_of_its_group(src, dst, dim, moved):
     assert _view_dim(src, dst, dim) == moved
+
+
+@pytest.mark.parametrize("src, dst, dim, split, moved", [
+    ((2, 8, 64), (16, 64), 1, 1, (0, 2)),  # batch merged in front of a sequence shard: each rank's block of both entries
+    ((16, 64), (2, 8, 64), 0, 2, (1, 1)),  # viewed back: a contiguous sequence shard again
+    ((16, 64), (16, 64), 0, 2, (0, 2)),  # the same shape: still strided
+    ((16, 64), (4, 4, 64), 0, 2, None),  # cut into other groups: not followed
+    ((2, 4, 8, 64), (64, 64), 2, 1, (0, 8)),  # two dims merged in front
+    ((2, 8, 16, 8), (2, 8, 128), 3, 1, (2, 16)),  # head_dim merged behind heads: its block in each of 16 heads
+    ((2, 1, 8), (2, 8), 1, 1, None),  # a shard of a dim of size 1, squeezed away: nothing to follow
+])
+def test_a_view_merging_dims_in_front_of_a_local_shard_makes_it_strided_and_splitting_them_back_undoes_it(src, dst, dim, split, moved):
+    assert _view_shard(src, dst, dim, split) == moved
 
 
 @pytest.mark.parametrize("shape, index, dim, moved", [

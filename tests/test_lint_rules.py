@@ -350,6 +350,114 @@ def test_a_colwise_shard_fed_to_a_colwise_expecting_replicated_input_is_a_layout
     assert "declare input_layouts: shard(-1)" in problem.message
 
 
+def test_a_layout_declared_and_desired_alike_and_handed_on_local_is_a_label_not_a_mismatch():
+    # transformers' Dots3 plan: its local_params norm of the one shared rotary key head says
+    # shard(1) -> shard(1), local: from_local then to_local moves nothing, and --check passes
+    label = "{style: local_params, input_layouts: shard(1), desired_input_layouts: shard(1), use_local_output: true}"
+    assert not lint(f"version: 1\nrules:\n  layers.*.attention_norm: {label}\n", LLAMA, select=["TP320", "TP321", "TP328"])
+    # the same declaration redistributed (an all-gather of what is whole already) is still wrong
+    gathered = "{style: local_params, input_layouts: shard(1), desired_input_layouts: replicate, use_local_output: true}"
+    problems = lint(f"version: 1\nrules:\n  layers.*.attention_norm: {gathered}\n", LLAMA, select=["TP320"])
+    assert found(problems, "TP320") == [(3, 3), (3, 3)]
+    assert "as shard(1), but it arrives replicated" in problems[0].message
+
+
+class _Tokens(nn.Module):
+    """Qwen3-MoE's sparse block in small: the tokens flattened, (batch, sequence) -> rows, routed, viewed back."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(16, 4, bias=False)
+        self.up = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        batch, sequence, hidden = x.shape
+        rows = x.view(-1, hidden)
+        weights, _ = torch.topk(F.softmax(self.router(rows), dim=-1), 2, dim=-1)
+        return (self.up(rows) * weights.sum(-1, keepdim=True)).view(batch, sequence, hidden)
+
+
+class _SequenceTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.block = _Tokens()
+
+    def forward(self, ids):
+        return self.block(self.embed(ids))
+
+
+_SEQUENCE_TOKENS = """
+    version: 1
+    rules:
+      embed: {style: rowwise, input_layouts: replicate, output_layouts: shard(1), use_local_output: false}
+      block:
+        style: prepare_module_input_output
+        input_layouts: shard(1)
+        desired_input_layouts: shard(1)
+        use_local_input: true
+        output_layouts: shard(1)
+        desired_output_layouts: replicate
+        use_local_output: true
+"""
+
+
+def test_tokens_flattened_from_a_sequence_shard_are_followed_as_a_strided_shard_and_viewed_back():
+    # batch and a sharded sequence merged: each rank's rows are its block of every batch
+    # entry (_StridedShard); the rows are routed and viewed back: shard(1) again, as declared
+    plan = _SEQUENCE_TOKENS + "      block.{router,up}: local_params\n"
+    assert not lint(plan, _SequenceTokens(), select=["TP320", "TP321", "TP324", "TP328"])
+
+
+def test_a_strided_shard_declared_a_contiguous_shard_is_a_layout_mismatch():
+    plan = _SEQUENCE_TOKENS + "      block.router: local_params\n      block.up: {style: colwise, input_layouts: shard(0)}\n"
+    problem = only(lint(plan, _SequenceTokens(), select=["TP320"]), "TP320")
+    assert "takes its input 0 (16, 16) as shard(0), but it arrives as a local strided shard(0) (2 groups)" in problem.message
+    assert "view it back to those dims before handing it on" in problem.message
+
+
+class _NormedExperts(nn.Module):
+    """Ergo's experts in small: each route's rows normed (a child RMSNorm) after the down projection."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, inter: int = 4, normed: bool = True):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) * 0.1)
+        self.post_norm = nn.RMSNorm(hidden) if normed else nn.Identity()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            rows = self.post_norm(F.linear(F.silu(gate) * up, self.down_proj[e]))
+            out = out.index_add(0, token, rows * top_k_weights[token, slot, None])
+        return out
+
+
+class _NormedMoE(nn.Module):
+    def __init__(self, normed: bool):
+        super().__init__()
+        self.router = nn.Linear(8, 4)
+        self.experts = _NormedExperts(normed=normed)
+
+    def forward(self, x):
+        h = x.reshape(-1, 8)
+        weights, index = torch.topk(self.router(h).softmax(-1), 2, dim=-1)
+        return self.experts(h, index, weights).view(x.shape)
+
+
+def test_a_norm_of_the_partial_sums_inside_an_expert_tp_module_is_a_leak():
+    # transformers' Ergo: expert_tp reduces the experts' output when the module returns, but
+    # each route's rows are normed before that, on every rank's share (--check: TP505)
+    problem = only(lint("version: 1\nrules:\n  experts: expert_tp\n", _NormedMoE(normed=True), select=["TP321"]), "TP321")
+    assert (problem.line, problem.column) == (3, 3)
+    assert problem.message.startswith("the partial sum (")  # the rows routed to the first expert
+    assert "that expert_tp 'experts' (rule 'experts' at plan.yaml:3) computes" in problem.message
+    assert "goes through 'rms_norm' inside 'experts.post_norm', which is not linear" in problem.message
+    assert not lint("version: 1\nrules:\n  experts: expert_tp\n", _NormedMoE(normed=False), select=["TP321", "TP328"])
+
+
 def test_a_declared_shard_dim_the_tensor_does_not_have_asks_for_a_dim_in_range():
     problem = only(lint("version: 1\nrules:\n  blocks.*.in_proj: {style: colwise, input_layouts: shard(5)}\n", MLP, select=["TP320"]), "TP320")
     assert problem.message.endswith("takes its input 0 (2, 8, 32) as shard(5), but it arrives replicated: DTensor.from_local "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..core.placements import PlacementSpec
+from ..core.problems import StyleInputError
 from .facts import module_kind, nested_parameters
 from .layouts import (
     DEAD,
@@ -44,9 +45,11 @@ from .layouts import (
 from .grad_sums import GradSums
 from .ops import ELEMENTWISE, EXPANDS, SHAPE_ONLY_OTHERS, OpSemantics
 from .partial import PartialSums
+from .sharded_body import PartialBody
 from .trace import Call, Op, Return, Trace
 
 _REPLICATE = PlacementSpec("replicate")
+_PARTIAL = PlacementSpec("partial")
 
 if TYPE_CHECKING:
     from torch import nn
@@ -62,6 +65,7 @@ class _Interpreter:
         self.values: dict[int, Lay] = {}
         self.frames: list[_Frame] = []
         self.skip = 0
+        self.body: PartialBody | None = None  # the ops inside a module whose style reduces its partial output
         self.report = FlowReport()
         self.partials = PartialSums()
         self.ops = OpSemantics(self.shape, self.where, lambda node: self.uniform.get(node, frozenset()), self.partials.layouts)
@@ -105,14 +109,20 @@ class _Interpreter:
             if isinstance(event, Op):
                 if not self.skip:
                     self.op(event)
+                elif self.body is not None:
+                    self.body.op(event)
                 self.partials.seen(event)  # in a module run whole too: it may write into zeros it returns
             elif isinstance(event, Call):
                 if self.skip:
                     self.skip += 1
+                    if self.body is not None:
+                        self.body.enter(event.fqn)
                 else:
                     self.call(event)
             elif self.skip > 1:
                 self.skip -= 1
+                if self.body is not None:
+                    self.body.leave()
             else:
                 self.ret(event)
         return self.report
@@ -131,7 +141,10 @@ class _Interpreter:
             self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, declared, default, have, shape, impossible=True))
             self.set(node, DEAD)
             return False
-        if (want.kind, want.dim) != (have.kind, have.dim):
+        # a strided shard's rows are no contiguous shard(d); only a style that hands each row back
+        # where it came from (all_to_all dispatch) does not care which rows a rank holds
+        strided = have.kind == "S" and have.split > 1 and not (what == "input 0" and frame.owned and frame.rule.spec.output_follows_input())
+        if (want.kind, want.dim) != (have.kind, have.dim) or strided:
             self.report.mismatches.append(Mismatch(frame.fqn, frame.rule, what, declared or _REPLICATE, default, have, shape))
         elif have.kind == "S" and have.blocks is not None:  # [q_r | k_r | v_r] is no contiguous shard
             self.report.fused.append(Fused(have, frame.fqn, frame.rule.pattern, shape, "handoff"))
@@ -161,6 +174,7 @@ class _Interpreter:
                 return
             if semantics.contract.tp.body == "unknown":
                 return  # a class the plan names without `like:` (TP307): its inputs are not judged
+            self.body = self.partial_body(event.fqn, rule)
             first = event.args[0] if event.args else None
             declared_input = spec.declared_input()
             if first is None or declared_input is None:  # no first input, or the contract lays out none
@@ -180,18 +194,47 @@ class _Interpreter:
                 return
             if spec.input_layouts is not None:
                 for i, (node, layout, desired) in enumerate(zip(event.args, spec.input_layouts, spec.desired_input_layouts or ())):
-                    if node is not None and layout is not None:
+                    if node is not None and layout is not None and not self.label_only(node, layout, desired, local):
                         frame.save(node, self.value(node))
                         if self.annotate(node, layout, False, frame, f"input {i}"):
                             self.after(node, desired or layout, local, frame)
             for name, layout in (spec.input_kwarg_layouts or {}).items():
                 node = event.kwargs.get(name)
-                if node is not None:
+                desired = (spec.desired_input_kwarg_layouts or {}).get(name)
+                if node is not None and not self.label_only(node, layout, desired, local):
                     frame.save(node, self.value(node))
                     if self.annotate(node, layout, False, frame, f"input '{name}'"):
-                        self.after(node, (spec.desired_input_kwarg_layouts or {}).get(name) or layout, local, frame)
+                        self.after(node, desired or layout, local, frame)
         elif rule is None:
             self.check_unplanned(frame)
+
+    def label_only(self, node: int, layout: PlacementSpec, desired: PlacementSpec | None, local: bool) -> bool:
+        """Whether laying out a plain input is a label that changes nothing: declared and
+        desired alike and handed on local, `DTensor.from_local(x, layout).to_local()` is `x`
+        forward and backward (no redistribution, no grad_placements), so the module computes
+        on the tensor as it arrives, whatever the label says (transformers' Dots3 plan
+        declares its shared one-head rotary key shard(1) for its local_params norm). A shard
+        dim the tensor lacks is still judged (from_local's shape is impossible)."""
+        return (
+            local and (desired is None or desired == layout) and self.value(node).dt is False
+            and placement_lay(layout, len(self.shape(node)), False, None) is not None
+        )
+
+    def partial_body(self, fqn: str, rule: "Rule") -> PartialBody | None:
+        """A watch over the body of a module whose style runs it on its parameters' local
+        slices and reduces its output as a partial sum (expert_tp): sharded_body.py."""
+        contract, module = rule.spec.contract(), self.modules.get(fqn)
+        if module is None or not contract.outputs or contract.outputs[0].src != _PARTIAL:
+            return None
+        try:
+            placed = rule.spec.param_placements(module)
+        except StyleInputError:
+            return None  # parameters the style cannot place: TP30x report it
+        if not placed:
+            return None  # torch's own styles (rowwise): their placements are the table's, their body a Linear's
+        sharded = {node for node, (owner, name) in self.trace.params.items()
+                   if owner == fqn and getattr(placed.get(name), "kind", None) == "shard"}
+        return PartialBody(fqn, rule, sharded, self.partials, self.shape) if sharded else None
 
     def applicable(self, semantics, fqn: str) -> bool:
         """Whether applying the style to module `fqn` works (TP300 and TP301 report where not)."""
@@ -229,6 +272,9 @@ class _Interpreter:
         spec = frame.rule.spec if frame.rule else None
         if frame.owned or frame.dead:
             self.skip = 0
+            if self.body is not None and self.body.leak is not None:
+                self.report.leaks.append(self.body.leak)
+            self.body = None
             self.owned_outputs(frame, spec, event)
             self.sums.passed((*frame.call.args, *frame.call.kwargs.values()), event.flat)
         else:

@@ -56,9 +56,14 @@ class Lay:
     dim: int | None = None  # S: the sharded dim of the full shape
     src: Source | None = None
     blocks: tuple | None = None  # S of a packed colwise: the full sizes of the blocks along `dim`
+    # S: > 1 for a strided shard: `dim` read as (split, rest), each rank holding its block of
+    # `rest` in every one of the `split` groups (DTensor's _StridedShard(dim, split_factor=split)),
+    # what a view merging the dims in front of a local shard's dim into it makes of the shard
+    split: int = 1
 
     def text(self, ndim: int) -> str:
         base = shard_text(self.dim, ndim) if self.kind == "S" else {"R": "replicated", "P": "partial", "?": "unknown"}[self.kind]
+        base = f"strided {base} ({self.split} groups)" if self.kind == "S" and self.split > 1 else base
         return f"{base} DTensor" if self.dt else base
 
 

@@ -43,6 +43,7 @@ FRESH = frozenset({"new_empty", "new_zeros", "new_ones", "new_full"})  # x.new_z
 SHAPE_ONLY_OTHERS = frozenset({"type_as", "to", "view_as", "reshape_as", "expand_as"}) | FRESH
 SPLITS = frozenset({"chunk", "split", "tensor_split", "unbind", "split_with_sizes"})
 CATS = frozenset({"cat", "concat", "concatenate", "stack"})
+SORTS = frozenset({"topk", "sort", "argsort"})  # along one dim; topk's is its third argument
 
 
 def _arg(op: Op, index: int, name: str, default: Any = None) -> Any:
@@ -62,12 +63,26 @@ def _dims(value: Any, ndim: int) -> tuple | None:
 
 
 def _view_dim(src: tuple, dst: tuple, dim: int) -> int | None:
-    """Where a shard of `dim` goes when a tensor of shape `src` is viewed as `dst`.
+    """Where a (contiguous) shard of `dim` goes, staying contiguous, when a tensor of
+    shape `src` is viewed as `dst`; None where it does not stay a plain shard."""
+    moved = _view_shard(src, dst, dim)
+    return moved[0] if moved is not None and moved[1] == 1 else None
 
-    Dims are matched in groups of equal products. A shard of the outermost
-    non-trivial dim of a group stays contiguous on the outermost non-trivial dim
-    of the matching group (heads split out of features, features merged back);
-    a shard of an inner dim of a merged group is interleaved: unknown.
+
+def _view_shard(src: tuple, dst: tuple, dim: int, split: int = 1) -> tuple[int, int] | None:
+    """(dim, split) of a local shard of `dim` (strided in `split` groups, `Lay.split`)
+    once a tensor of shape `src` is viewed as `dst`: what each rank's local view holds.
+
+    Dims are matched in groups of equal products. A contiguous shard of the outermost
+    non-trivial dim of a group stays contiguous on the outermost non-trivial dim of the
+    matching group (heads split out of features, features merged back). Merged behind
+    dims of `outer` elements (batch and a sharded sequence flattened into tokens), each
+    rank's local view holds its block in each of the `outer` groups: a strided shard,
+    as DTensor's _StridedShard(split_factor=outer) says (DTensor's own view of a Shard
+    would redistribute instead; a local tensor just views its rows). Split back into
+    dims whose leading ones make up the `split` groups, it is a contiguous shard of the
+    next dim again. A shard of a dim merged in front of others it is interleaved with
+    (head_dim before heads), or a strided one cut any other way: None.
     """
     i = j = 0
     while i < len(src) or j < len(dst):
@@ -89,9 +104,18 @@ def _view_dim(src: tuple, dst: tuple, dim: int) -> int | None:
         if dim in gi:
             outer_src = [d for d in gi if d < len(src) and src[d] != 1]
             outer_dst = [d for d in gj if d < len(dst) and dst[d] != 1]
-            if not outer_src or outer_src[0] != dim or not outer_dst:
-                return None
-            return outer_dst[0]
+            if dim not in outer_src or not outer_dst:
+                return None  # a shard of a dim of size 1 (nothing to cut), or a group of ones
+            if outer_src[0] != dim:  # dims merged in front of the shard's: its blocks strided
+                return (outer_dst[0], math.prod(src[d] for d in outer_src[:outer_src.index(dim)]) * split) if len(outer_dst) == 1 else None
+            if split == 1 or len(outer_dst) == 1:
+                return outer_dst[0], split
+            groups = 1
+            for d in outer_dst:  # the leading dims that make up the groups, then the shard's
+                if groups == split:
+                    return d, 1
+                groups *= dst[d]
+            return None
     return None
 
 
@@ -168,7 +192,7 @@ class OpSemantics:
                 # ones instead, whatever meets the shard fails on shapes, loudly, in the dry run.
                 dim, out = values[0].dim, [self.shape(n) for n in op.outputs]
                 same = all(len(o) == len(shapes[0]) and o[dim] == shapes[0][dim] for o in out)
-                return [Lay("S", False, dim, values[0].src)] * len(out) if same else None
+                return [Lay("S", False, dim, values[0].src, split=values[0].split)] * len(out) if same else None
         first = values[0]
         out_shapes = [self.shape(n) for n in op.outputs]
         if not out_shapes:
@@ -185,15 +209,17 @@ class OpSemantics:
             return self.leak(sharded[0][1], "reduce", op, op.inputs[sharded[0][0]])
         if len(sharded) != 1 or sharded[0][0] != 0 or name in CATS:
             return self.multi(op, values, shapes, out_shapes)
-        if first.kind == "S" and _packable(first):
+        if first.kind == "S" and _packable(first) and first.split == 1:
             cut = self.kinds(op, first, shapes[0], out_shapes)
             if cut is not None:
                 return cut
         dim, src, shape = first.dim, first.src, shapes[0]
         out = out_shapes[0]
         moved: int | None = None
+        split = first.split
         if name in VIEWS:
-            moved = _view_dim(shape, out, dim) if math.prod(shape) == math.prod(out) else None
+            viewed = _view_shard(shape, out, dim, split) if math.prod(shape) == math.prod(out) else None
+            moved, split = viewed if viewed is not None else (None, split)
         elif name in EXPANDS:
             new = dim + len(out) - len(shape)
             moved = new if out[new] == shape[dim] else None
@@ -246,6 +272,10 @@ class OpSemantics:
             if along is None or along[0] == dim:
                 return None
             moved = dim if name != "unbind" else dim - (1 if along[0] < dim else 0)
+        elif name in SORTS:
+            # along another dim (a router's top-k experts of each token): each rank's rows, sorted
+            along = _dims(_arg(op, 2 if name == "topk" else 1, "dim", -1), len(shape))
+            moved = dim if along is not None and along[0] != dim else None
         elif name == "setitem":
             # x[index] = value: a shard stays one where the index keeps its dim and the value
             # is the same everywhere (a number, or a replicated one-element tensor)
@@ -257,7 +287,7 @@ class OpSemantics:
             moved = dim
         if moved is None or not all(len(s) > moved and s[moved] != 1 for s in out_shapes):
             return None
-        return [Lay("S", False, moved, src, first.blocks)] * len(out_shapes)
+        return [Lay("S", False, moved, src, first.blocks, split)] * len(out_shapes)
 
     def kinds(self, op: Op, first: Lay, shape: tuple, out_shapes: list[tuple]) -> "list[Lay] | Fused | None":
         """An op that cuts a fused projection's shard along its sharded dim into kinds
@@ -308,17 +338,17 @@ class OpSemantics:
 
     def elementwise(self, op: Op, values: list[Lay], shapes: list[tuple], out_shapes: list[tuple]) -> "list[Lay] | Leak | None":
         out = out_shapes[0]
-        aligned: set[int] = set()
+        aligned: set[tuple[int, int]] = set()
         shard_index = None
         for i, v in enumerate(values):
             if v.kind == "S":
-                aligned.add(v.dim + len(out) - len(shapes[i]))
+                aligned.add((v.dim + len(out) - len(shapes[i]), v.split))
                 # the most recently made shard names the source: the rule that last touched it
                 if shard_index is None or op.inputs[i] > op.inputs[shard_index]:
                     shard_index = i
         if len(aligned) != 1:
             return self.leak(values[shard_index], "op", op, op.inputs[shard_index])  # two shards of different dims meet
-        dim = aligned.pop()
+        dim, split = aligned.pop()
         if not 0 <= dim < len(out):
             return None
         for i, v in enumerate(values):
@@ -328,13 +358,15 @@ class OpSemantics:
                     return self.leak(values[shard_index], "op", op, op.inputs[shard_index], (op.inputs[i], j))
         if not all(s == out for s in out_shapes):
             return None
-        return [Lay("S", False, dim, values[shard_index].src, values[shard_index].blocks)] * len(out_shapes)
+        return [Lay("S", False, dim, values[shard_index].src, values[shard_index].blocks, split)] * len(out_shapes)
 
     def multi(self, op: Op, values: list[Lay], shapes: list[tuple], out_shapes: list[tuple]) -> "list[Lay] | Leak | None":
         """Ops with several inputs or the shard not first: matmul, attention, cat, stack."""
         name = op.name
         shards = [(i, v) for i, v in enumerate(values) if v.kind == "S"]
         src = shards[0][1].src
+        if any(v.split != 1 for _, v in shards):  # a strided shard's rows in a product or a cat: not modelled
+            return self.elementwise(op, values, shapes, out_shapes) if name in ELEMENTWISE else None
         if name in ("matmul", "bmm", "mm") and len(values) == 2 and all(len(s) >= 2 for s in shapes):
             (a, b), (sa, sb) = values, shapes
             n = len(out_shapes[0])

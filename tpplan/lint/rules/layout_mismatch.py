@@ -13,7 +13,7 @@ _VOCAB_SHARD = PlacementSpec("shard", 0)  # of an Embedding's weight [vocab, dim
 def describe(lay, ndim: int) -> str:
     """A plain (local) layout as the plan would spell it."""
     if lay.kind == "S":
-        return f"as a local {shard_text(lay.dim, ndim)}"
+        return f"as a local {lay.text(ndim)}"
     return "replicated" if lay.kind == "R" else "as a local partial sum"
 
 
@@ -42,6 +42,9 @@ def _fix(ctx, m, ndim: int) -> str:
     if have.kind == "R":
         producer = f"give '{have.src.rule.pattern}' output_layouts: {m.declared} so that it arrives that way, or " if have.src else ""
         return f"{producer}declare {key}: replicate"
+    if have.kind == "S" and have.split > 1:  # no placement a plan can declare says which rows each rank holds
+        return (f"a view merged the dims in front of dim {have.dim}'s shard into it, so each rank holds its block in each of "
+                f"{have.split} groups: view it back to those dims before handing it on (or gather before the view)")
     actual = shard_text(have.dim, ndim) if have.kind == "S" else "partial"
     producer = f", or make '{have.src.rule.pattern}' return it {m.declared}" if have.src else ""
     return f"declare {key}: {actual} (torch then redistributes it){producer}"

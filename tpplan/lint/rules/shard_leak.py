@@ -16,6 +16,10 @@ def leak_message(leak) -> str:
         return f"{what} reaches '{leak.fqn}' ({leak.detail}), a module with parameters that no rule covers"
     if leak.where == "output":
         return f"{what} is what the model returns: callers get one rank's piece"
+    if leak.where == "partial":
+        return (f"the partial sum {leak.shape} that {styled(lay.src.fqn, lay.src.rule)} computes (each rank's share, reduced when "
+                f"the module returns) goes through '{leak.detail}'{inside}, which is not linear: the ranks' results do not add up "
+                "to the result")
     if leak.where == "reduce":
         return f"{what} is reduced over its sharded dim by '{leak.detail}'{inside}: each rank computes on its part only"
     return f"{what} meets a tensor of full size in '{leak.detail}'{inside}: a shape error at run time, or wrong values"
@@ -91,6 +95,9 @@ def check(ctx):
         elif leak.where == "output":
             fix = (f"give '{src.rule.pattern}' output_layouts: replicate, or use_local_output: false to return a "
                    "DTensor (with loss_parallel)")
+        elif leak.where == "partial":
+            fix = ("keep whole experts per rank instead (expert_parallel with dispatch: all_to_all: each token's rows computed "
+                   f"whole), or leave '{src.rule.pattern}' unsharded")
         elif leak.param is not None:
             yield Finding(ctx.at(src.rule), f"{leak_message(leak)}; {own_param_fix(ctx, leak)}", fixes=own_param_fixes(ctx, leak))
             continue
@@ -116,7 +123,11 @@ RULE = LintRule(
         a dim as long as the sharded one (a per-feature scale after a colwise
         Linear, per-head attention sinks), the fix is to shard that parameter
         the same way: `local_params` on the module with `params: {NAME:
-        shard(D)}` (`tpplan init` applies it).
+        shard(D)}` (`tpplan init` applies it). Inside a module whose style
+        reduces its output as a partial sum only when it returns (`expert_tp`),
+        a norm or another nonlinear op on that partial sum (transformers'
+        Ergo normalizes each route's rows before the module returns) is
+        reported too: each rank's result is not its share of the result.
     """,
     why="""
         A colwise Linear hands on one rank's slice of its output features. Only a
