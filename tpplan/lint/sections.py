@@ -50,12 +50,15 @@ def _expert_counts(ctx: "LintContext", claimed: dict) -> list[Problem]:
     plan, problems = ctx.plan, []
     ep = plan.mesh.sizes["ep"]
     uneven: dict[tuple[int, str], list[str]] = {}  # (E, the rule's pattern) -> the modules
+    no_experts: set[str] = set()  # the rules already reported on a module without experts: once each
     for fqn, entry in claimed.items():
         module = ctx.modules[fqn]
         count = expert_count(module)
         if count is None:
-            exc = not_experts(entry.spec.style, module)  # its text ends with the fix
-            problems.append(entry.problem("TP127", f"experts rule '{entry.pattern}' on '{fqn or '<root>'}': {exc}"))
+            if entry.pattern not in no_experts:
+                exc = not_experts(entry.spec.style, module)  # its text ends with the fix
+                problems.append(entry.problem("TP127", f"experts rule '{entry.pattern}' on '{fqn or '<root>'}': {exc}"))
+                no_experts.add(entry.pattern)
         elif entry.spec.semantics.experts == "whole" and count % ep:
             uneven.setdefault((count, entry.pattern), []).append(fqn)
     for (count, pattern), fqns in uneven.items():
