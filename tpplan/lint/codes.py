@@ -127,20 +127,24 @@ _PLAN_CODES = {
         remove the section.
     """, "warning"),
     "TP127": ("expert-count", """
-        With `validate --model`: a module an `experts` rule of a version 2 plan
-        matches does not hold stacked experts (its own parameters must all have
-        the expert dim first, as transformers' fused `experts` and torchtitan's
-        `GroupedExperts`), located at the rule; or `mesh.ep` does not divide the
-        number of experts E of a module an `expert_parallel` rule matches
-        (each ep rank holds E / ep whole experts), located at `mesh.ep`: the
-        message names the module, the rule and the degrees that work
-        (`mesh.ep: 8 does not divide the 6 experts of 'layers.1.moe.experts'
-        ... make ep one of 1, 2, 3, 6`). E is read as the expert styles read it.
+        A module an `experts` rule matches holds no stacked experts, or
+        `mesh.ep` does not divide its expert count. With `validate --model`:
+        each module an `experts` rule matches must hold stacked experts (its
+        own parameters all have the expert dim first, as transformers' fused
+        `experts` and torchtitan's `GroupedExperts`; located at the rule), and
+        `mesh.ep` must divide the number of experts E of each module an
+        `expert_parallel` rule matches (each ep rank holds E / ep whole
+        experts; located at `mesh.ep`, the message naming the module, the rule
+        and the degrees that work: `mesh.ep: 8 does not divide the 6 experts of
+        'layers.1.moe.experts' ... make ep one of 1, 2, 3, 6`). E is read as
+        the expert styles read it (the parameters' first dim).
     """),
     "TP128": ("cp-without-attention", """
-        With `validate --model`: a module `context_parallel.modules` matches
-        does not call `torch.nn.functional.scaled_dot_product_attention` in the
-        model's traced forward (itself or a submodule). torch's
+        A `context_parallel` module calls no attention that context
+        parallelism can shard. With `validate --model`: a module
+        `context_parallel.modules` matches does not call
+        `torch.nn.functional.scaled_dot_product_attention` in the model's
+        traced forward (itself or a submodule). torch's
         `context_parallel` shards the sequence only through SDPA's flash,
         efficient and cudnn CUDA kernels; an eager attention (matmul, softmax)
         or a module that is no attention has no CP rule. Located at the glob
