@@ -181,3 +181,12 @@ def test_apply_refuses_units_out_of_order_before_sharding_anything(tmp_path):
         unit_modules(plan, tiny(), data_parallel_of(plan))
     [problem] = info.value.problems
     assert (problem.code, problem.line, problem.column) == ("TP129", 5, 21)
+
+
+def test_without_a_trace_cp_is_not_decided_and_the_warning_says_so(tmp_path):
+    # conv_first's forward has no default inputs: nothing is claimed about its attention either way
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(v2("dp_shard: 2, cp: 2", "context_parallel:\n  modules: proj\n"))
+    found = check_model(load_plan(plan), model("tpplan.models.rule_examples:conv_first"), [2], select=ONLY)
+    assert [p.code for p in found] == ["TP329"]
+    assert found[0].message.endswith("and context parallelism's attention (TP128)")
