@@ -150,6 +150,28 @@ def test_from_applies_the_fixes_the_lint_is_sure_of(tmp_path):
     check_written(out, model, 2)
 
 
+def test_from_gives_a_shared_expert_its_input_once_where_its_block_must_keep_it_plain(tmp_path):
+    """The experts run before the shared expert (tests/shared_expert_moe.py, as Qwen3-Next): the block's
+    router takes its input plain, so TP340's fix goes on the shared expert, whose gate_proj and up_proj
+    then all-reduce that input's gradient once a block, not twice; the values still match one device."""
+    hand = tmp_path / "hand.yaml"
+    hand.write_text(
+        "version: 1\nmesh: {axis: tp, sizes: [2]}\nrules:\n"
+        "  blocks.*.experts: {style: expert_tp, params: {w1: shard(2), w2: shard(1)}}\n"
+        "  blocks.*.shared_expert.{gate_proj,up_proj}: colwise\n  blocks.*.shared_expert.down_proj: rowwise\n"
+    )
+    model = "shared_expert_moe:build"
+    out = tmp_path / "fixed.yaml"
+    result = run("init", "--model", model, "--from", str(hand), "-o", str(out))
+    assert result.exit_code == 0, result.output
+    rules = rules_of(out.read_text())
+    assert rules["blocks.*.shared_expert"] == {"style": "prepare_module_input", "input_layouts": "replicate",
+                                              "desired_input_layouts": "replicate", "use_local_output": False}
+    assert "blocks.*" not in rules  # the block itself keeps its input plain (its router takes it)
+    before = check_written(hand, model, 2)["comms"]["backward"]["all_reduce"]
+    assert check_written(out, model, 2)["comms"]["backward"]["all_reduce"] == before - 2  # one saved in each of the 2 blocks
+
+
 def test_a_residual_mlp_stack_gets_column_row_pairs_not_an_output_head(tmp_path):
     """The last out_proj's output is the model's output summed into the residual stream (the
     model's input): a pair's row half, not a head. Without --tp, the degrees that divide the

@@ -141,12 +141,12 @@ MAY_IMPORT = {
     "lint": {"core", "sharding", "simulation", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},
     "init": {"core", "sharding", "simulation", "runtime", "lint", "hf"},  # tpplan init: infers, lints, dry-runs, compares with transformers' plan
+    "interop": {"core"},  # other frameworks' configs: export and import-config, plan-side, no torch
     "models": set(),  # the reference models: model code, importing no tpplan module
 }
-# The one way down a layer: Plan.apply and Plan.resolve (SPEC §5's API) call the appliers (the TP
-# rules', then FSDP2's over the data axes), lazily (and name the styles' type for their annotations).
-ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.apply"), ("tpplan.core.plan", "tpplan.sharding.data_parallel"),
-                 ("tpplan.core.plan", "tpplan.sharding.styles")}
+# The one way down a layer: Plan.apply and Plan.resolve (SPEC §5's API) call the applier, lazily
+# (and name the styles' type for their annotations).
+ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.apply"), ("tpplan.core.plan", "tpplan.sharding.styles")}
 
 
 def _layer(module: str) -> str:

@@ -591,6 +591,29 @@ def test_colwise_siblings_each_reducing_one_input_get_a_hint_with_the_fix_and_th
     assert "save 2 all-reduces per call (4 all-reduces per forward-backward, over 2 calls)" in problem.message
 
 
+def test_siblings_whose_common_parent_cannot_take_a_dtensor_get_the_fix_where_some_of_them_can():
+    """Experts run before the shared expert (tests/shared_expert_moe.py): the experts and the shared
+    expert's gate_proj and up_proj sum the block's input gradient each, but the block's router must
+    get that input plain, so the fix goes on the shared expert, for its two projections only."""
+    from tpplan import load_plan
+    from tpplan.lint.context import LintContext
+    from tpplan.lint.edits import lint_edits
+
+    plan = ("version: 1\nrules:\n  blocks.*.experts: {style: expert_tp, params: {w1: shard(2), w2: shard(1)}}\n"
+            "  blocks.*.shared_expert.{gate_proj,up_proj}: colwise\n  blocks.*.shared_expert.down_proj: rowwise\n")
+    problem = only(lint(plan, "shared_expert_moe:build", select=["TP340"]), "TP340")
+    assert "'blocks.0.experts', 'blocks.0.shared_expert.gate_proj', 'blocks.0.shared_expert.up_proj'" in problem.message
+    edits = lint_edits(LintContext(load_plan(text=plan), meta_model("shared_expert_moe:build"), [2]), ["TP340"])
+    prepare = {"style": "prepare_module_input", "input_layouts": "replicate", "desired_input_layouts": "replicate",
+               "use_local_output": False}
+    assert [(e.key, e.options, e.add, e.why) for e in edits] == [
+        (f"blocks.{i}.shared_expert", prepare, True, "gate_proj, up_proj share one replicate DTensor input: one backward "
+         "all-reduce, not 2") for i in (0, 1)]
+    fixed = plan + "  blocks.*.shared_expert: {style: prepare_module_input, input_layouts: replicate, " \
+                   "desired_input_layouts: replicate, use_local_output: false}\n"
+    assert not lint(fixed, "shared_expert_moe:build", select=["TP340"])  # the experts alone are left to sum theirs
+
+
 def test_siblings_sharing_one_dtensor_input_get_no_hint():
     plan = "version: 1\nrules:\n" + ATTENTION_PREPARED + "  layers.*.attention.w{q,k,v}: colwise\n  layers.*.attention.wo: rowwise\n"
     assert not lint(plan, LLAMA, select=["TP340"])

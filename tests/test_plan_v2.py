@@ -186,19 +186,19 @@ def test_apply_refuses_a_section_it_does_not_apply_yet_located_exit_2(tmp_path):
     result = CliRunner().invoke(app, ["apply", "--dry-run", "--tp", "2", "--plan", str(plan), "--model", "tpplan.models.llama:tiny"])
     assert result.exit_code == 2
     line = next(n for n, text in enumerate(plan.read_text().splitlines(), 1) if "dp_shard" in text)
-    assert f"{plan}:{line}:3: TP130 not applied yet: mesh.dp_shard, fsdp." in result.output
+    assert f"{plan}:{line}:3: TP130 not applied yet: mesh.dp_shard, fsdp. The dry run simulates" in result.output
     assert "Traceback" not in result.output
 
 
 def test_plan_apply_refuses_before_touching_the_model():
     import torch
 
-    plan = load_plan(text="version: 2\nmesh:\n  tp: 2\nrules:\n  '': colwise\ncheckpointing:\n  modules: ''\n")
+    plan = load_plan(text="version: 2\nmesh:\n  tp: 2\nrules:\n  '': colwise\ncontext_parallel:\n  modules: ''\n")
     model = torch.nn.Linear(4, 4)
     with pytest.raises(NotAppliedError) as info:
         plan.apply(model, None)
     assert (info.value.problem.code, info.value.problem.line, info.value.problem.column) == ("TP130", 6, 1)
-    assert "not applied yet: checkpointing" in str(info.value)
+    assert "not applied yet: context_parallel" in str(info.value)
     assert type(model.weight) is torch.nn.Parameter  # untouched
 
 

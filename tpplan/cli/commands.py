@@ -10,6 +10,8 @@ regenerate it with `python -m tpplan.docs`.
 from collections.abc import Callable
 
 from .apply import apply
+from .export import export
+from .import_config import import_config
 from .import_hf import import_hf
 from .init import init
 from .rules import rules
@@ -22,5 +24,7 @@ COMMANDS: list[tuple[str, Callable[..., None]]] = [
     ("apply", apply),
     ("init", init),
     ("import-hf", import_hf),
+    ("export", export),
+    ("import-config", import_config),
     ("rules", rules),
 ]

@@ -4,7 +4,8 @@
 
 The transformers entries are the one table of transformers' style strings:
 tpplan.hf.importer maps (or leaves out, with these reasons) each string by
-them; kept here because the plan core cannot import the hf layer.
+them, and tpplan.interop's export writes a rule back as the string whose
+entry it equals; kept here because the plan core cannot import the hf layer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ TORCH_CLASSES = {
     "NoParallel": "no_parallel",
 }
 
-# transformers' tp_plan strings with a tpplan equivalent -> the rule value to write
+# transformers' tp_plan strings that name a tpplan style of the same name -> the rule value to write
+# (transformers' sequence_parallel hands on local tensors: use_local_output)
+TRANSFORMERS_SAME_NAME: dict[str, Any] = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "sequence_parallel": {"style": "sequence_parallel", "use_local_output": True},
+}
+
+# transformers' tp_plan strings with a tpplan equivalent of another name -> the rule value to write
 TRANSFORMERS_EQUIVALENTS: dict[str, Any] = {
     "colwise_rep": {"style": "colwise", "output_layouts": "replicate"},
     "colwise_gather_output": {"style": "colwise", "output_layouts": "replicate"},
@@ -45,6 +54,10 @@ TRANSFORMERS_EQUIVALENTS: dict[str, Any] = {
     # base_model_ep_plan (--ep): whole experts per rank, tokens replicated.
     "ep_dispatch_experts": {"style": "expert_parallel", "dispatch": "all_reduce"},
 }
+
+# Every transformers string with a sound tpplan equivalent, in the order export prefers one
+# where several strings mean the same rule (colwise_rep before colwise_gather_output).
+TRANSFORMERS_STYLES: dict[str, Any] = {**TRANSFORMERS_SAME_NAME, **TRANSFORMERS_EQUIVALENTS}
 
 # transformers' tp_plan strings whose tpplan equivalent takes an option from the model
 # config -> (style, option, config attribute)

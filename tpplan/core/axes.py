@@ -225,9 +225,9 @@ def section_warnings(plan: Any) -> list[Problem]:
 # -- what is applied ---------------------------------------------------------------------------
 
 
-# What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply FSDP2/HSDP
-# after the TP rules (sharding/data_parallel.py); the dry run simulates the TP axis only.
-APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp"), "dry-run": ("tp",)}
+# What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply activation
+# checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run simulates the TP axis only.
+APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing"), "dry-run": ("tp",)}
 _DOES = {"torchrun": "This tpplan applies", "dry-run": "The dry run simulates"}
 
 

@@ -161,25 +161,17 @@ class Plan:
 
         With a mesh that has data-parallel dims (`build_mesh`: dp_replicate,
         dp_shard), FSDP2 (HSDP with dp_replicate) follows the TP rules, on the plan's
-        `fsdp` units and policies (sharding/data_parallel.py). A version 2 plan that
-        sets axes or sections not applied yet (pp, cp, ep, experts, context_parallel,
-        checkpointing, training) is refused (axes.NotAppliedError, a ValueError located
+        `fsdp` units and policies (sharding/data_parallel.py), after activation
+        checkpointing of the `checkpointing` section's modules (torchtitan's order).
+        A version 2 plan that sets axes or sections not applied yet (pp, cp, ep,
+        experts, context_parallel, training) is refused (axes.NotAppliedError, a ValueError located
         at the first): applying the rest alone would ignore them.
         """
-        from ..sharding.apply import apply_plan
-        from ..sharding.data_parallel import apply_data_parallel
+        from ..sharding.apply import apply_every_axis
         from .axes import refuse_unapplied
 
         refuse_unapplied(self)
-
-        if self.version == 2 and (self.mesh.sizes["dp_replicate"] != 1 or self.mesh.sizes["dp_shard"] != 1):
-            names = mesh.mesh_dim_names or ()
-            if "dp_shard" not in names:  # checked before any module is touched
-                raise ValueError(f"the plan has data-parallel axes but the mesh has dims {tuple(names)}: "
-                                 "build it with plan.build_mesh(world), or name its dims dp_replicate, dp_shard and tp")
-        apply_plan(self, model, mesh, None if on_module is None else lambda done, total, fqn: on_module(fqn))
-        if self.version == 2:  # a version 1 plan is the TP axis alone: the caller shards its data axes (examples/train.py)
-            apply_data_parallel(self, model, mesh)
+        apply_every_axis(self, model, mesh, None if on_module is None else lambda done, total, fqn: on_module(fqn))
         return model
 
     def build_mesh(self, world: int, device_type: str = "cpu", tp: int | None = None) -> "DeviceMesh":

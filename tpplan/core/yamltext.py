@@ -50,17 +50,13 @@ def plan_fields(name: str, description: str, sizes) -> dict[str, Any]:
 
 
 def plan_yaml(top: Mapping[str, Any], rules: Mapping[str, Any], *, notes: Mapping[str, str] | None = None,
-              header: tuple[str, ...] | list[str] = (), footer: tuple[str, ...] | list[str] = ()) -> str:
+              header: tuple[str, ...] | list[str] = (), footer: tuple[str, ...] | list[str] = (),
+              after: Mapping[str, Any] | None = None) -> str:
     """A plan file (SPEC §2): `header` lines, the top-level keys in order (a mapping one
     key per line), then one line per rule, shorthand or a flow mapping; a rule's note
-    (`notes`) is a comment written once before the run of rules it explains; `footer`
-    lines as comments."""
-    lines = list(header)
-    for key, value in top.items():
-        if isinstance(value, Mapping):
-            lines += [f"{key}:", *(f"  {k}: {yaml_flow(v)}" for k, v in value.items())]
-        else:
-            lines.append(f"{key}: {yaml_flow(value)}")
+    (`notes`) is a comment written once before the run of rules it explains; then the
+    keys of `after` as `top`'s (version 2's sections); `footer` lines as comments."""
+    lines = list(header) + _top_lines(top)
     lines.append("rules:" if rules else "rules: {}")
     last_note = None
     for key, value in rules.items():
@@ -69,5 +65,17 @@ def plan_yaml(top: Mapping[str, Any], rules: Mapping[str, Any], *, notes: Mappin
             lines.append(f"  # {note}")
         last_note = note
         lines.append(f"  {yaml_scalar(key)}: {yaml_flow(value)}")
+    lines += _top_lines(after or {})
     lines += [f"# {line}" if line else "#" for line in footer]
     return "\n".join(lines) + "\n"
+
+
+def _top_lines(top: Mapping[str, Any]) -> list[str]:
+    """Top-level keys, a mapping one key per line (its keys quoted where YAML needs it: globs)."""
+    lines = []
+    for key, value in top.items():
+        if isinstance(value, Mapping):
+            lines += [f"{key}:", *(f"  {yaml_scalar(k)}: {yaml_flow(v)}" for k, v in value.items())]
+        else:
+            lines.append(f"{key}: {yaml_flow(value)}")
+    return lines

@@ -30,7 +30,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..core.aliases import TRANSFORMERS_EQUIVALENTS, TRANSFORMERS_FROM_CONFIG, TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT
+from ..core.aliases import TRANSFORMERS_FROM_CONFIG, TRANSFORMERS_STYLES, TRANSFORMERS_NO_RULE, TRANSFORMERS_WITHOUT_EQUIVALENT
 from .config import HfConfigError, load_config
 from .local_params import NAMES_A_PARAMETER, local_params_rules
 from ..core.yamltext import group_siblings, plan_fields, plan_yaml
@@ -41,13 +41,8 @@ if TYPE_CHECKING:
 
 # transformers style string -> tpplan rule value. transformers' styles with these
 # names do what torch's do with these options (checked by tests/test_hf.py).
-SOUND_STYLES: dict[str, Any] = {
-    "colwise": "colwise",
-    "rowwise": "rowwise",
-    "sequence_parallel": {"style": "sequence_parallel", "use_local_output": True},
-    # the strings that name no tpplan style: one table, which "did you mean" reads too
-    **TRANSFORMERS_EQUIVALENTS,
-}
+# core.aliases holds the one table (the "did you mean" and interop's export read it too).
+SOUND_STYLES: dict[str, Any] = TRANSFORMERS_STYLES
 
 # Parameter entries of an experts module (EXPERT_MODULE_STYLES) that its module rule above already
 # lays out (expert_tp's and expert_parallel's defaults are these): folded in, not skipped.

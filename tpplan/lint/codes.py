@@ -172,6 +172,42 @@ _PLAN_CODES = {
         version 2 plan with only `mesh.tp` and `rules` applies exactly as the
         same version 1 plan.
     """),
+    "TP140": ("not-expressed", """
+        `tpplan export --to FRAMEWORK`: a key of the plan that the framework's
+        config has no field for (transformers has no context parallelism,
+        accelerate no pipeline or expert parallelism, torchtitan's TP plans are
+        Python code, a style with no transformers string, a glob that is no
+        list of transformers' plan keys, fsdp units, checkpointing). Listed at
+        the key, never dropped: the exported config leaves it out, so set it in
+        the framework's own way. `--strict` makes it exit 1.
+    """, "warning"),
+    "TP141": ("export-size-unknown", """
+        `tpplan export`: the framework needs a size the plan leaves to the run:
+        a `-1` axis (torchtitan keeps `data_parallel_shard_degree = -1` itself),
+        a `tp` left out, or several promised TP degrees. Give `--world N`, or
+        pick the degree with `--tp N`.
+    """),
+    "TP142": ("config-format-unknown", """
+        `tpplan import-config`: the file is no config tpplan reads: not a JSON
+        object with the fields of transformers' `DistributedConfig` or of
+        accelerate's `ParallelismConfig`, nor TOML with torchtitan's
+        `[parallelism]` table (or invalid JSON / TOML, at the mistake). Name
+        the framework with `--from` where the fields do not tell. Exits 2
+        (unreadable input).
+    """),
+    "TP143": ("config-bad-field", """
+        `tpplan import-config`: a field of the config has the wrong type or
+        value (`"tp_size": "2"`, a size of 0, a dtype the framework does not
+        take), or is no field of that framework's config (its constructor
+        would refuse it; transformers' `from_dict` would drop it silently).
+    """),
+    "TP144": ("config-left-out", """
+        `tpplan import-config`: a field that no plan key says (accelerate's
+        DeepSpeed `sp_size`, torchtitan's pipeline schedule, a transformers
+        style with no tpplan equivalent, `tp_plan: "auto"`), or one whose plan
+        key needs what the config does not name (a CP rotate needs the
+        attention modules). Left out of the plan and listed here.
+    """, "warning"),
     "TP200": ("rule-matches-nothing", """
         A rule matches no module of the model (torch would only warn). The
         message names the first segment that matches nothing and the closest

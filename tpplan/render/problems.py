@@ -16,7 +16,7 @@ from typing import TextIO
 from ..core.problems import Problem, sort_problems
 
 # Problems that mean "could not read the input" rather than "the input is wrong".
-UNREADABLE_INPUT = frozenset({"TP001", "TP600"})  # an unreadable plan, an unreadable --checkpoint
+UNREADABLE_INPUT = frozenset({"TP001", "TP142", "TP600"})  # an unreadable plan or config, a config of no known format, an unreadable --checkpoint
 
 
 @dataclass

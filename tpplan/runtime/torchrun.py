@@ -138,10 +138,6 @@ def _report(ctx: _Rank, options: ApplyOptions, loaded: _Loaded, ran: _Ran | None
     sharded = ran.sharded
     if sharded is not None and sharded.note and sharded.note not in notes:
         notes.append(sharded.note)
-    if ran.data_parallel:
-        from ..simulation.fsdp import data_parallel_note
-
-        notes.append(data_parallel_note(plan, ran.mesh))
     return ApplyReport(**found, tp=ran.tp, dp=ran.dp, params=ran.params, comms=ran.comms, step_time_s=ran.step_time_s,
                        check=ran.check, steps=ran.steps, checkpoint=ran.checkpoint, saved=ran.saved, problems=problems, notes=notes,
                        modules=sharded.modules if sharded else {}, rule_of=sharded.rule_of if sharded else {},
@@ -228,11 +224,10 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
             if reference is not None:
                 reference.eval()  # as the sharded side (for_check above)
         ran.params = param_layouts(model, ran.tp)  # after a load: the checkpoint's dtypes
-        if ran.data_parallel:  # FSDP2/HSDP after the plan (and a load)
-            from ..simulation.fsdp import shard_data_parallel
+        from ..simulation.fsdp import after_rules
 
-            event(f"FSDP2 over {ran.dp} data-parallel ranks")
-            shard_data_parallel(model, mesh, plan)
+        event("activation checkpointing and FSDP2" if ran.data_parallel else "activation checkpointing")
+        ran.notes += after_rules(plan, model, mesh, ran.data_parallel)  # after the plan (and a load)
         torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
         inputs = make_inputs(options.inputs, model, ctx.device)
         locator = FailureLocator(plan, model, ran.sharded.rules, ran.tp)

@@ -37,6 +37,10 @@ class Rule(Protocol):
 
 
 class Plan(Protocol):
+    version: int
+    spec: Any  # the plan's sections (version 2: fsdp, checkpointing)
+    mesh: Any  # core.axes.NamedMesh: every axis by name
+
     @property
     def src_data_rank(self) -> int | None: ...
 
@@ -135,3 +139,23 @@ def _claiming_rule(claimed: dict[str, "Rule"], fqn: str) -> "Rule | None":
     while fqn not in claimed and fqn:
         fqn = fqn.rpartition(".")[0]
     return claimed.get(fqn)
+
+
+def apply_every_axis(
+    plan: "Plan", model: nn.Module, mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None
+) -> None:
+    """`Plan.apply`: the TP rules, then a version 2 plan's activation checkpointing and
+    FSDP2/HSDP over its data axes, in torchtitan's order. A version 1 plan is the TP
+    axis alone: its caller shards the data axes (examples/train.py)."""
+    from .activation_checkpoint import apply_activation_checkpointing
+    from .data_parallel import apply_data_parallel
+
+    if plan.version == 2 and (plan.mesh.sizes["dp_replicate"] != 1 or plan.mesh.sizes["dp_shard"] != 1):
+        names = mesh.mesh_dim_names or ()
+        if "dp_shard" not in names:  # before any module is touched
+            raise ValueError(f"the plan has data-parallel axes but the mesh has dims {tuple(names)}: "
+                             "build it with plan.build_mesh(world), or name its dims dp_replicate, dp_shard and tp")
+    apply_plan(plan, model, mesh, on_module)
+    if plan.version == 2:
+        apply_activation_checkpointing(plan, model)
+        apply_data_parallel(plan, model, mesh)

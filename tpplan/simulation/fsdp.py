@@ -1,5 +1,6 @@
-"""FSDP2 after the plan, in the simulated world as on real ranks: `train_mesh` (the
-(dp, tp) mesh memory planning simulates) and `shard_data_parallel`, which runs
+"""What follows the TP rules, in the simulated world as on real ranks: `train_mesh`
+(the (dp, tp) mesh memory planning simulates), `after_rules` (activation
+checkpointing, then FSDP2), and `shard_data_parallel`, which runs
 sharding/data_parallel.py with FSDP2's mesh bookkeeping kept outside fake mode.
 """
 
@@ -34,11 +35,21 @@ def blocks(model: "nn.Module") -> list[str]:
     return default_units(model)
 
 
-def data_parallel_note(plan: "Plan | None", mesh: dict[str, int]) -> str:
-    """The report's note of what FSDP2 did over `mesh` ({dim: size})."""
+def after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool) -> list[str]:
+    """What follows the TP rules, in torchtitan's order: activation checkpointing (a
+    version 2 plan's `checkpointing`), then FSDP2/HSDP (`data_parallel`: the data axes,
+    or --fsdp's dp). Returns the report's notes of what was done."""
+    from ..sharding.activation_checkpoint import apply_activation_checkpointing
     from ..sharding.data_parallel import data_parallel_of
 
-    return data_parallel_of(plan).describe(mesh)
+    notes = []
+    if checkpointed := apply_activation_checkpointing(plan, model):
+        mode = plan.spec.checkpointing.mode
+        notes.append(f"activation checkpointing ({mode}) on {len(checkpointed)} module(s) ({', '.join(plan.spec.checkpointing.modules)})")
+    if data_parallel:
+        shard_data_parallel(model, mesh, plan)
+        notes.append(data_parallel_of(plan).describe(dict(zip(mesh.mesh_dim_names or (), mesh.shape))))
+    return notes
 
 
 def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | None" = None, wrap: list[str] | None = None) -> list[str]:

@@ -9,17 +9,25 @@ from ..registry import Finding, LintRule
 from ..text import generalize, plural, rule_ref, shard_text
 
 
+def _receivers(enclosing, node):
+    """The modules running around a call (`enclosing`) that take `node` as an argument,
+    innermost first: (fqn, positional index or keyword, call)."""
+    for fqn, call in reversed(enclosing):
+        for index, arg in enumerate(call.args):
+            if arg == node:
+                yield fqn, index, call
+                break
+        else:
+            for key, arg in call.kwargs.items():
+                if arg == node:
+                    yield fqn, key, call
+                    break
+
+
 def _receiver(siblings, node):
     """The innermost module running around the siblings that takes `node` as an
     argument: (fqn, positional index or keyword, call), or None."""
-    for fqn, call in reversed(siblings[0].enclosing):
-        for index, arg in enumerate(call.args):
-            if arg == node:
-                return fqn, index, call
-        for key, arg in call.kwargs.items():
-            if arg == node:
-                return fqn, key, call
-    return None
+    return next(_receivers(siblings[0].enclosing, node), None)
 
 
 def _fix(ctx, siblings, node, layout: str) -> str:
@@ -46,21 +54,40 @@ def _fix(ctx, siblings, node, layout: str) -> str:
 
 
 def shared_input_fix(ctx, siblings, node) -> tuple[Fix, ...]:
-    """The rule _fix proposes, where it is sure of it: a prepare_module_input for the
-    innermost module that receives the shared input as an argument, when no rule plans that
-    module yet and no child of it holding parameters is left unplanned (it would receive
-    the input as a DTensor it cannot take: a MoE router, a norm)."""
-    lay = siblings[0].value
-    found = _receiver(siblings, node)
-    if found is None or not siblings[0].needs_grad:
+    """The rules _fix proposes, where it is sure of them: a prepare_module_input for the
+    innermost module that receives the shared input as an argument around all the siblings,
+    when no rule plans that module yet and no child of it holding parameters is left
+    unplanned (it would receive the input as a DTensor it cannot take: a MoE router, a norm).
+    Where that module cannot take one, the siblings are split by the innermost module that
+    receives the input around each, and each part of two or more gets its own: a MoE block's
+    experts and its shared expert's gate_proj and up_proj share the block's input, which its
+    router must get plain, so the shared expert's two pay one all-reduce, not two."""
+    if not siblings[0].needs_grad:
         return ()
-    fqn, where, call = found
-    if fqn in ctx.matched or _has_unplanned_params(ctx, fqn, {s.fqn for s in siblings}):
-        return ()
-    layout = "replicate" if lay.kind == "R" else f"shard({lay.dim})"
-    value = {**replicating_input(where, len(call.args), layout), "use_local_output": False}
-    return (Fix(fqn, value, True,
-                f"{', '.join(s.fqn.rpartition('.')[2] for s in siblings)} share one {layout} DTensor input: one backward all-reduce, not {len(siblings)}"),)
+    found = _common_receiver(siblings, node)
+    if found is not None:
+        fqn, where, call = found
+        if fqn not in ctx.matched and not _has_unplanned_params(ctx, fqn, {s.fqn for s in siblings}):
+            lay = siblings[0].value
+            layout = "replicate" if lay.kind == "R" else f"shard({lay.dim})"
+            value = {**replicating_input(where, len(call.args), layout), "use_local_output": False}
+            return (Fix(fqn, value, True,
+                        f"{', '.join(s.fqn.rpartition('.')[2] for s in siblings)} share one {layout} DTensor input: "
+                        f"one backward all-reduce, not {len(siblings)}"),)
+    parts = defaultdict(list)
+    for sibling in siblings:
+        inner = _receiver([sibling], node)
+        if inner is not None:
+            parts[inner[0]].append(sibling)
+    # a part of them all has the receiver that could not take the DTensor: each smaller part of two or more is tried
+    return tuple(fix for part in parts.values() if 1 < len(part) < len(siblings) for fix in shared_input_fix(ctx, part, node))
+
+
+def _common_receiver(siblings, node):
+    """The innermost module running around every sibling that takes `node` as an argument:
+    (fqn, positional index or keyword, call), or None."""
+    around = set.intersection(*({fqn for fqn, _ in s.enclosing} for s in siblings))
+    return next((found for found in _receivers(siblings[0].enclosing, node) if found[0] in around), None)
 
 
 def replicating_input(where: int | str, positional: int, layout: str) -> dict:
