@@ -10,6 +10,7 @@ from pydantic import BaseModel, ValidationError
 from .globs import GlobSyntaxError, compile_glob
 from .plan import Plan, Rule
 from .problems import PlanError, Problem, error
+from .sections import glob_syntax_problems
 from .schema import EXPERT_STYLES, STYLE_NAMES, STYLE_SPECS, PlanSpec, StyleSpec, plan_spec_for
 from .yamlsource import SourceMap, parse_yaml, text_position
 
@@ -68,6 +69,8 @@ def parse_plan(text: str, file: str, _extending: tuple[str, ...] = ()) -> Plan:
     rules, deleted = _section_rules("rules", data, spec, source, problems)
     if spec_class is not PlanSpec:
         _section_rules("experts", data, spec, source, problems)
+        if spec is not None:
+            problems += glob_syntax_problems(spec, source)
         if spec is not None and not problems:
             from .axes import load_problems
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from .globs import Glob, ModuleTree
-from .problems import PlanError, Problem, error, sort_problems
+from .problems import PlanError, Problem, error
+from .sections import claim
 
 if TYPE_CHECKING:
     from torch import nn
@@ -112,30 +113,7 @@ class Plan:
         matches it}, in module order, and the problems (TP200, TP201), sorted. The
         model checks run on the claimed modules even when there are problems."""
         tree, under = self.module_tree(model_or_names)
-        claimed: dict[str, Rule] = {}
-        problems: list[Problem] = []
-        for rule in self.rules:
-            matched = tree.match(rule.glob, under)
-            if not matched:
-                at = f" of the model at '{under}'" if under else ""
-                problems.append(rule.problem("TP200", f"rule '{rule.pattern}' matches no module{at}: {tree.explain_no_match(rule.glob, under)}"))
-                continue
-            conflicts: dict[str, list[str]] = {}
-            for fqn in matched:
-                if fqn in claimed:
-                    conflicts.setdefault(claimed[fqn].pattern, []).append(fqn)
-                else:
-                    claimed[fqn] = rule
-            for other_pattern, fqns in conflicts.items():
-                other = next(r for r in self.rules if r.pattern == other_pattern)
-                shown = ", ".join(repr(f or "<root>") for f in fqns[:3]) + (f" and {len(fqns) - 3} more" if len(fqns) > 3 else "")
-                other_at = f"line {other.line}" if other.file == rule.file else other.where  # inherited with extends
-                problems.append(rule.problem(
-                    "TP201",
-                    f"rule '{rule.pattern}' (line {rule.line}) and rule '{other.pattern}' ({other_at}) "
-                    f"both match {shown}: a module takes one style, narrow one of the globs",
-                ))
-        return dict(sorted(claimed.items(), key=lambda item: tree.order[item[0]])), sort_problems(problems)
+        return claim(tree, self.rules, under)
 
     def module_tree(self, model_or_names: "nn.Module | Iterable[str]") -> tuple[ModuleTree, str]:
         """The model's module paths as a tree, and the module the rules' paths start

@@ -27,14 +27,16 @@ def ordered_rules() -> list[LintRule]:
 
 def lint_model(plan: "Plan", model: "nn.Module", tp_sizes: Sequence[int], select: Sequence[str] | None = None,
                inputs: str | None = None) -> list["Problem"]:
-    """Strict resolution (TP200, TP201) and every lint rule (or those whose codes are
+    """Strict resolution (TP200, TP201), a version 2 plan's sections (TP127-TP129) and every lint rule (or those whose codes are
     in `select`), for `model` (best built on the meta device) at each TP degree;
     `inputs`: MOD:FN of the example inputs to trace with."""
     from .context import LintContext
+    from .sections import section_problems
 
     ctx = LintContext(plan, model, tp_sizes, inputs=inputs)
     chosen = [rule for rule in ordered_rules() if select is None or rule.code in select]
-    return ctx.resolution_problems + run_rules(ctx, chosen, earlier=ctx.resolution_problems)
+    before = ctx.resolution_problems + section_problems(ctx)  # version 2's sections: always, as resolution
+    return before + run_rules(ctx, chosen, earlier=before)
 
 
 __all__ = ["RULES", "Finding", "LintRule", "lint_model", "ordered_rules"]

@@ -1,8 +1,9 @@
 """Checks of a plan against a model (what `tpplan validate --model` runs).
 
 `check_model(plan, model, tp_sizes)` returns every problem as data and never
-raises on a bad plan or model: strict resolution (TP200, TP201), then the
-model-aware lint rules (TP3xx, see `tpplan rules` and tpplan/lint/).
+raises on a bad plan or model: strict resolution (TP200, TP201), a version 2
+plan's sections against the model (lint/sections.py: TP200, TP201, TP127-TP129),
+then the model-aware lint rules (TP3xx, see `tpplan rules` and tpplan/lint/).
 `select` / `ignore` choose the rules (ruff's convention: codes, code prefixes
 or rule names, comma-separated lists accepted); an entry that names no rule
 raises `UnknownRuleError` before anything runs (`selected_codes` checks them alone).

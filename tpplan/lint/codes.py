@@ -126,6 +126,42 @@ _PLAN_CODES = {
         dp_replicate and dp_shard both 1. Likely a size left out: set it, or
         remove the section.
     """, "warning"),
+    "TP127": ("expert-count", """
+        A module an `experts` rule matches holds no stacked experts, or
+        `mesh.ep` does not divide its expert count. With `validate --model`:
+        each module an `experts` rule matches must hold stacked experts (its
+        own parameters all have the expert dim first, as transformers' fused
+        `experts` and torchtitan's `GroupedExperts`; located at the rule), and
+        `mesh.ep` must divide the number of experts E of each module an
+        `expert_parallel` rule matches (each ep rank holds E / ep whole
+        experts; located at `mesh.ep`, the message naming the module, the rule
+        and the degrees that work: `mesh.ep: 8 does not divide the 6 experts of
+        'layers.1.moe.experts' ... make ep one of 1, 2, 3, 6`). E is read as
+        the expert styles read it (the parameters' first dim).
+    """),
+    "TP128": ("cp-without-attention", """
+        A `context_parallel` module calls no attention that context
+        parallelism can shard. With `validate --model`: a module
+        `context_parallel.modules` matches does not call
+        `torch.nn.functional.scaled_dot_product_attention` in the model's
+        traced forward (itself or a submodule). torch's
+        `context_parallel` shards the sequence only through SDPA's flash,
+        efficient and cudnn CUDA kernels; an eager attention (matmul, softmax)
+        or a module that is no attention has no CP rule. Located at the glob
+        that names the module: name the attention modules, or make them call
+        SDPA (transformers: `attn_implementation="sdpa"`). Not decided when the
+        forward cannot be traced (TP329 says so).
+    """),
+    "TP129": ("fsdp-unit-order", """
+        `fsdp.units` of a version 2 plan do not nest innermost first: a unit
+        glob matches a module inside a module of a glob listed before it (or
+        one glob matches both), or `""` (the root) is listed before another
+        unit. FSDP2's `fully_shard` groups a unit's parameters when it is
+        applied, so an outer unit wrapped first would already hold the inner
+        one's: list inner units first and the root last (or leave `""` out, it
+        is always wrapped last). Checked by `validate --model` and before
+        `apply` shards anything, at the glob.
+    """),
     "TP130": ("not-applied-yet", """
         `tpplan apply` (and `Plan.apply`) was given a version 2 plan that sets
         an axis other than `tp` (to anything but 1) or a section beyond `rules`
@@ -175,11 +211,17 @@ _PLAN_CODES = {
     "TP200": ("rule-matches-nothing", """
         A rule matches no module of the model (torch would only warn). The
         message names the first segment that matches nothing and the closest
-        real module paths.
+        real module paths. The same holds for every glob of a version 2 plan's
+        sections (`experts` keys, `context_parallel.modules`, `fsdp.units`
+        but `""`, the root, and `checkpointing.modules`), each located at the
+        glob.
     """),
     "TP201": ("module-matched-twice", """
         A module is matched by two rules: a module takes one style, so narrow
-        one of the globs. (torch would apply both and fail deep inside.)
+        one of the globs. (torch would apply both and fail deep inside.) In a
+        version 2 plan, likewise a module two globs of one section match (two
+        `experts` rules, two `checkpointing.modules` globs, ...), at the later
+        glob.
     """),
     "TP210": ("tied-layout-at-apply", """
         `Plan.apply` keeps tied parameters tied after sharding, and refuses when

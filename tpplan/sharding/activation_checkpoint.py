@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .sections import section_modules
+from ..core.problems import PlanError
+from ..core.sections import claim_section
 
 if TYPE_CHECKING:
     from torch import nn
@@ -43,13 +44,17 @@ def _selective_context():
 
 def apply_activation_checkpointing(plan: Any, model: "nn.Module") -> list[str]:
     """Checkpoint the modules the plan's `checkpointing.modules` match (a glob matching
-    none is TP200 at the glob); returns their fqns, none without the section."""
+    none is TP200 at the glob, a module two globs match TP201); returns their fqns, none without the section."""
     from torch.distributed._composable import checkpoint
 
     spec = plan.spec.checkpointing if plan.version == 2 else None
     if spec is None:
         return []
-    fqns = section_modules(plan, model, ("checkpointing", "modules"), spec.modules)
+    tree, under = plan.module_tree(model)
+    claimed, problems = claim_section(plan, tree, under, "checkpointing.modules")
+    if problems:  # what `validate --model` reports: TP200/TP201 at the glob
+        raise PlanError(problems)
+    fqns = list(claimed)
     kwargs = {"context_fn": _selective_context} if spec.mode == "selective" else {}
     for fqn in fqns:
         checkpoint(model.get_submodule(fqn) if fqn else model, **kwargs)

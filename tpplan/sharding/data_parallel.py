@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.axes_spec import TORCH_DTYPES
-from .sections import section_modules
+from ..core.problems import PlanError
+from ..core.sections import fsdp_units
 
 if TYPE_CHECKING:
     from torch import nn
@@ -29,6 +30,8 @@ class Plan(Protocol):
     spec: Any
     source: Any
     file: str
+
+    def module_tree(self, model: Any) -> Any: ...
 
 
 # The data-parallel mesh dims, outermost first: HSDP's two, or --fsdp's one.
@@ -77,11 +80,18 @@ def data_parallel_of(plan: "Plan | None") -> DataParallel:
 
 
 def unit_modules(plan: "Plan | None", model: "nn.Module", wanted: DataParallel) -> list[str]:
-    """The fqns `fully_shard` wraps, innermost first, the root "" last."""
+    """The fqns `fully_shard` wraps, innermost first, the root "" last: the plan's
+    `fsdp.units` as `validate --model` checks them (core/sections.py's `fsdp_units`: a
+    glob matching nothing is TP200, a module two globs match TP201, a unit listed after
+    one that holds it TP129, each at its glob), or each block and the root."""
     if wanted.units is None:
         return [*blocks(model), ""]
     assert plan is not None  # units come from a plan's fsdp section
-    return [*(fqn for fqn in section_modules(plan, model, ("fsdp", "units"), plan.spec.fsdp.units) if fqn), ""]
+    tree, under = plan.module_tree(model)
+    units, problems = fsdp_units(plan, tree, under)
+    if problems:
+        raise PlanError(problems)
+    return units
 
 
 def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":

@@ -10,7 +10,7 @@ def check(ctx):
         yield Finding(ctx.plan_location(), (
             f"cannot trace the model's forward on example inputs ({ctx.trace_error}), so the checks that follow "
             "tensors through it were skipped: layout flow (TP320-TP324), observed arity (TP303, TP304) and "
-            "communication (TP340)"
+            "communication (TP340)" + (", and context parallelism's attention (TP128)" if ctx.plan.context_parallel is not None else "")
         ))
 
 
