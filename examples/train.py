@@ -1,5 +1,6 @@
 """A short trainer to copy: torchrun, a tpplan plan on the tp dim, FSDP2 on the
-dp dim, AdamW, and torch's loss_parallel() when the plan asks for it.
+dp dim (or a version 2 plan's every axis), AdamW, and torch's loss_parallel() when
+the plan asks for it.
 
 Any causal LM `tpplan apply` takes: `--model MOD:FN` (a function returning the
 model) or `--model hf:SPEC` (a transformers config: a directory, a config.json
@@ -14,6 +15,10 @@ or a model type), whose output is the logits or has `.logits`.
     # stop after 10 steps, then resume: the same curve as 20 steps in one go
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 10 --save ckpt
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_tp_sp.yaml --tp 2 --steps 20 --resume ckpt
+
+    # a version 2 plan: its named mesh (dp_shard -1: the rest of the world, tp 2), FSDP2 on
+    # its units and the TP rules, all from the file
+    torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_fsdp_tp.yaml --tp 2 --steps 20
 
     # a transformers model with its plan
     torchrun --nproc-per-node 2 examples/train.py --model tpplan.models.hf:qwen3 --plan plans/hf/qwen3_tp.yaml --tp 2
@@ -94,9 +99,20 @@ class Batches:
         return stream[:, :-1], stream[:, 1:]
 
 
-def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int, device: torch.device):
-    """The (dp, tp) mesh; the plan on tp, FSDP2 on dp. Returns the mesh."""
+def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int | None, device: torch.device):
+    """Shard `model` over every rank; returns the mesh. A version 2 plan names every
+    axis: its mesh (dp_replicate, dp_shard, tp) is built once and `apply` lays out all
+    of it (the TP rules, activation checkpointing, FSDP2/HSDP on its units). A version 1
+    plan is the tp dim of a (dp, tp) mesh, FSDP2 per block then the root on dp."""
     world = dist.get_world_size()
+    if plan.version == 2:
+        try:
+            mesh = plan.build_mesh(world, device.type, tp)
+        except ValueError as exc:  # its sizes do not make the world: the message has the numbers
+            raise SystemExit(f"{plan.file}: {exc}") from None
+        plan.apply(model, mesh)
+        return mesh
+    tp = tp or 2
     if world % tp:
         raise SystemExit(f"--tp ({tp}) must divide the world size ({world})")
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", plan.mesh_axis))
@@ -106,6 +122,19 @@ def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int, device: torc
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return mesh
+
+
+DATA_DIMS = ("dp", "dp_replicate", "dp_shard")  # v1's dp, v2's data axes: the ranks that split the batch
+
+
+def data_rank(mesh) -> tuple[int, int]:
+    """(this rank's index among the data-parallel ranks, their count): its coordinate
+    on the mesh's data dims, outermost first (tp ranks share one batch)."""
+    index, count = 0, 1
+    for name, size, coordinate in zip(mesh.mesh_dim_names, mesh.shape, mesh.get_coordinate()):
+        if name in DATA_DIMS:
+            index, count = index * size + coordinate, count * size
+    return index, count
 
 
 def save(model, optimizer, step: int, data: Batches, args) -> "tpplan.AsyncSave | str":
@@ -149,7 +178,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--plan", required=True)
     parser.add_argument("--model", default="tpplan.models.llama:tiny", help="MOD:FN returning the model, or hf:SPEC (as tpplan apply)")
-    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tp", type=int, help="the tp degree (default 2; a version 2 plan: its mesh.tp, or one of its listed degrees)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4, help="global batch (split over dp ranks)")
     parser.add_argument("--seq", type=int, default=32)
@@ -172,7 +201,7 @@ def main() -> None:
             torch.cuda.set_device(device)
         init_process_group("nccl" if device.type == "cuda" else "gloo")
         mesh = parallelize(model, plan, args.tp, device)
-        dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+        dp_rank, dp = data_rank(mesh)
         use_loss_parallel = plan.loss_parallel  # the head keeps the logits sharded on the vocabulary
     # a group for the DTensors and one for what the plan leaves whole: AdamW's default foreach
     # step on a GPU refuses one call mixing them
@@ -195,9 +224,9 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
 
         value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-        if distributed and dp > 1:  # the mean over dp ranks: the loss of the whole batch
-            dist.all_reduce(value, group=mesh["dp"].get_group())
-            value /= dp
+        if distributed and dp > 1:  # the mean over dp ranks (each tp rank holds its dp rank's): the whole batch's loss
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
         if not distributed or dist.get_rank() == 0:
             print(f"step {step} loss {value.item()!r}", flush=True)  # every digit: resumed runs compare bitwise
         if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):

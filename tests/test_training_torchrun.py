@@ -77,3 +77,22 @@ def test_the_example_trainer_trains_a_transformers_model_with_loss_parallel_on_i
     got, want = _losses(sharded.stdout), _losses(capsys.readouterr().out)
     assert len(got) == len(want) == 3 and want[-1] < want[0]
     assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)
+
+
+def test_the_example_trainer_takes_a_version_2_plan_fsdp_and_checkpointing_from_the_file(tmp_path):
+    # dp_shard 2 x tp 2 from the plan's mesh, FSDP2 on its units and selective activation
+    # checkpointing of each block, with no flag but --plan: each step's loss is the
+    # one-device run's (no torchrun, no plan), so the data split over the plan's data axes
+    # and the loss's mean over them are right.
+    plan = tmp_path / "llama_fsdp_tp_ac.yaml"
+    plan.write_text(f"version: 2\nextends: {ROOT / 'plans/llama_fsdp_tp.yaml'}\nrules: {{}}\n"
+                    "mesh: {dp_shard: -1, tp: 2}\ncheckpointing: {modules: layers.*, mode: selective}\n")
+    args = ["examples/train.py", "--plan", str(plan), "--steps", "3", "--lr", "0.02"]
+    sharded = torchrun(4, *args, timeout=300)
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    single = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    got, want = _losses(sharded.stdout), _losses(single.stdout)
+    assert len(got) == len(want) == 3  # a fresh random batch each step: the curve need not fall
+    assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)
