@@ -354,11 +354,13 @@ def test_import_lists_what_no_plan_key_says(tmp_path):
     ("ep.toml", "[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 2\nexpert_parallel_degree = 3\n", [],
      "TP122", (4, 1), "mesh.ep: 3 does not divide"),
     ("missing.json", None, [], "TP001", (1, 1), "cannot read the config"),
+    ("latin1.json", '{\n  "tp_size": 2, "name": "caf\xe9"\n}\n'.encode("latin-1"), [], "TP001", (2, 29), "the config is not UTF-8 text (byte 0xe9)"),
+    ("weights.json", b"PK\x03\x04\0\0", [], "TP001", (1, 1), "this is a binary file, not a config file"),
 ])
 def test_bad_input_is_a_located_code_without_a_traceback(tmp_path, name, text, args, code, at, words):
     path = tmp_path / name
     if text is not None:
-        path.write_text(text)
+        path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     result = runner.invoke(app, ["import-config", str(path), "--format", "json", *args])
     assert result.exit_code == (2 if code in ("TP001", "TP142") else 1), result.output
     assert "Traceback" not in result.output

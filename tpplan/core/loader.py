@@ -27,20 +27,27 @@ def load_plan(path: str | os.PathLike | None = None, *, text: str | None = None,
 
 
 def read_plan_text(path: str | os.PathLike) -> str:
+    return read_text(path)
+
+
+def read_text(path: str | os.PathLike, code: str = "TP001", noun: str = "plan", kind: str = "a YAML plan") -> str:
+    """The text of a file tpplan reads (a plan; `tpplan import-config`'s config, with its
+    own code and noun): unreadable, binary or not UTF-8 is `code` at the file, or at the
+    first bad byte's line and column."""
     file = str(path)
     try:
         with open(path, "rb") as handle:
             raw = handle.read()
     except OSError as exc:
-        raise PlanError([error("TP001", f"cannot read the plan: {exc.strerror or exc}", file)]) from None
+        raise PlanError([error(code, f"cannot read the {noun}: {exc.strerror or exc}", file)]) from None
     if b"\0" in raw:
-        raise PlanError([error("TP001", "this is a binary file, not a YAML plan", file)])
+        raise PlanError([error(code, f"this is a binary file, not {kind}", file)])
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         before = raw[: exc.start].decode("utf-8-sig")  # valid up to the bad byte; columns count characters
         line, column = text_position(before, len(before))
-        raise PlanError([error("TP001", f"the plan is not UTF-8 text (byte 0x{raw[exc.start]:02x})", file, line, column)]) from None
+        raise PlanError([error(code, f"the {noun} is not UTF-8 text (byte 0x{raw[exc.start]:02x})", file, line, column)]) from None
 
 
 def parse_plan(text: str, file: str, _extending: tuple[str, ...] = ()) -> Plan:

@@ -20,7 +20,7 @@ from difflib import get_close_matches
 from typing import Any, Callable
 
 from ..core.aliases import TRANSFORMERS_NO_RULE, TRANSFORMERS_STYLES, TRANSFORMERS_WITHOUT_EQUIVALENT
-from ..core.loader import load_plan
+from ..core.loader import load_plan, read_text
 from ..core.problems import PlanError, Problem, error, warning
 from ..core.schema_file import schema_comment
 from ..core.yamltext import group_siblings, plan_yaml
@@ -98,7 +98,7 @@ def import_config(path: str | os.PathLike, source_format: str | None = None, *, 
     for the `$schema` pointer and the file named in the loader's problems)."""
     file = str(path)
     try:
-        text = _read(path)
+        text = read_text(path, UNREADABLE, "config", "a config file")
         kind, source = _parse(text, file, source_format)
     except PlanError as exc:
         return Imported(problems=exc.problems)
@@ -141,19 +141,6 @@ _ORIGINS: dict[str, dict[tuple[str | None, str], tuple[str, ...]]] = {
 
 
 # -- reading -----------------------------------------------------------------------------------
-
-
-def _read(path: str | os.PathLike) -> str:
-    file = str(path)
-    try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
-    except OSError as exc:
-        raise PlanError([error(UNREADABLE, f"cannot read the config: {exc.strerror or exc}", file)]) from None
-    try:
-        return raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise PlanError([error(UNREADABLE, "the config is not UTF-8 text", file)]) from None
 
 
 _JSON_FORMATS = ("transformers", "accelerate")
