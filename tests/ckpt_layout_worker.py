@@ -9,7 +9,8 @@ same third step. Every comparison is of full tensors (DTensors gathered), key by
 the model's parameters and AdamW's exp_avg, exp_avg_sq and step. Rank 0 prints one
 JSON line: per target plan the largest |difference| after the load and after the
 step, the loss difference of the step, the keys compared, the layout the load
-reports, and the loaded parameters' placements.
+reports, the loaded parameters' placements, and per rank the bytes the load read
+and the bytes of its local shards.
 
     torchrun --nproc-per-node 4 tests/ckpt_layout_worker.py ROOT SOURCE TARGET...
 """
@@ -70,6 +71,10 @@ def state(model, optimizer) -> dict:
     return {**full(get_model_state_dict(model), "model."), **full(optim["state"], "optimizer.")}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def largest_difference(a: dict, b: dict) -> float:
     """The largest |a - b| over every tensor; infinity where keys, shapes or plain values differ."""
     if set(a) != set(b):
@@ -102,6 +107,9 @@ def main() -> None:
         model, optimizer = laid_out(load_plan(target), 99)
         info = load_checkpoint(model, Path(root) / "ckpt", optimizer=optimizer)
         loaded = state(model, optimizer)
+        held = sum(_local(t).numel() * t.element_size() for t in model.state_dict().values())
+        reads = [None] * dist.get_world_size()
+        dist.all_gather_object(reads, (info.read_bytes, held))
         again = step(model, optimizer, BATCHES[2])
         results[Path(target).stem] = {
             "loaded": largest_difference(saved, loaded),
@@ -111,6 +119,7 @@ def main() -> None:
             "steps": sorted({int(v) for k, v in loaded.items() if k.endswith(".step")}),
             "layout": info.layout,
             "placements": str(model.layers[0].attention.wq.weight.placements),
+            "reads": reads,  # per rank: (the bytes the load says it read, the bytes of its local shards)
         }
     if dist.get_rank() == 0:
         print(json.dumps({"losses": losses, "keys": len(saved), "targets": results}), flush=True)

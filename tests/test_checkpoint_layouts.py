@@ -65,6 +65,7 @@ def test_each_layout_loads_the_parameters_and_adamw_state_bitwise_and_steps_as_t
         assert got["keys"] == 84 and got["steps"] == [2], name
         assert got["loaded"] == 0.0, name  # every byte of every slice, whatever the layout
         assert got["stepped"] < 1e-5 and got["loss"] < 1e-6, name
+        assert all(read == held for read, held in got["reads"]), name  # each rank read exactly its local shards
         assert got["layout"] == {"mesh": {"dp_shard": 2, "tp": 2}, "plan": {
             "name": "source", "file": str(directory / "source.yaml"), "version": 2, "fingerprint": got["layout"]["plan"]["fingerprint"]}}
     # the target layouts are what they say: TP only, FSDP2 over 4, HSDP's replicate × shard
