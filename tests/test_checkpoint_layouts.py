@@ -123,3 +123,18 @@ def test_a_layout_without_sizes_for_the_dry_run_is_a_usage_error(resharded, tmp_
     result = dry_run("--plan", str(path), "--model", TINY, "--checkpoint", str(directory / "ckpt"))
     assert result.exit_code == 2
     assert "mesh.dp_shard is -1 (the rest of the world)" in " ".join(result.output.split())
+
+
+@pytest.mark.slow  # one more 4-rank torchrun (~12 s)
+def test_tpplan_apply_loads_it_under_hsdp_checks_against_one_device_and_saves_its_own_layout(resharded):
+    directory, _ = resharded
+    out = directory / "hsdp-out"
+    result = torchrun(4, "-m", "tpplan", "apply", "--model", TINY, "--plan", str(directory / "hsdp.yaml"), "--checkpoint",
+                      str(directory / "ckpt"), "--check", "--save", str(out), "--format", "json", timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["check"]["passed"] and report["mesh"] == {"dp_replicate": 2, "dp_shard": 2, "tp": 1}
+    layout = report["checkpoint"]["layout"]
+    assert (layout["saved"]["mesh"], layout["target"], layout["reshards"]) == ({"dp_shard": 2, "tp": 2}, report["mesh"], True)
+    saved = json.loads((out / ".tpplan-checkpoint.json").read_text())["layout"]
+    assert saved["mesh"] == report["mesh"] and saved["plan"]["name"] == "hsdp"
