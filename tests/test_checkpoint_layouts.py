@@ -125,6 +125,35 @@ def test_a_layout_without_sizes_for_the_dry_run_is_a_usage_error(resharded, tmp_
     assert "mesh.dp_shard is -1 (the rest of the world)" in " ".join(result.output.split())
 
 
+def test_optimizer_state_of_another_shape_is_refused_from_headers_before_anything_is_allocated(tmp_path):
+    """A training checkpoint whose model tensors fit but whose AdamW moments do not (written
+    by DCP directly: tpplan's saves cannot disagree with themselves) is TP603 at its
+    .metadata, naming the state, and the model is left as it was."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from tpplan import CheckpointError, load_checkpoint
+    from tpplan.models.llama import tiny
+
+    torch.manual_seed(0)
+    model = tiny()
+    optimizer = torch.optim.AdamW(model.parameters())
+    held = get_optimizer_state_dict(model, optimizer)
+    held["state"]["output.weight"]["exp_avg"] = torch.zeros(128, 128)  # the head's rows halved
+    dcp.save({**model.state_dict(), "_tpplan": {"optimizer": held}}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    torch.manual_seed(1)
+    fresh = tiny()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(fresh, tmp_path / "ckpt", optimizer=torch.optim.AdamW(fresh.parameters()))
+    problem = info.value.problems[0]
+    assert (problem.code, problem.file) == ("TP603", str(tmp_path / "ckpt" / ".metadata"))
+    assert "does not fit the model: exp_avg of output.weight is (128, 128), the parameter (256, 128)" in problem.message
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+    load_checkpoint(fresh, tmp_path / "ckpt")  # the model alone loads: only the optimizer state is wrong
+
+
 @pytest.mark.slow  # one more 4-rank torchrun (~12 s)
 def test_tpplan_apply_loads_it_under_hsdp_checks_against_one_device_and_saves_its_own_layout(resharded):
     directory, _ = resharded
