@@ -46,6 +46,7 @@ from ..simulation.layouts import ParamLayout, param_layouts
 from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
+from .checkpoint_layout import applies, checkpoint_dry_run
 from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
 from .report import ApplyReport
 
@@ -145,8 +146,6 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         plan = load_plan(options.plan)
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
-    from .checkpoint_layout import applies, checkpoint_dry_run
-
     if applies(options, plan):  # a layout not simulated yet: the checkpoint checked against it from headers alone
         return checkpoint_dry_run(options, plan, event)
     refuse_unapplied(plan, "dry-run")
