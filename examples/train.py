@@ -137,10 +137,12 @@ def data_rank(mesh) -> tuple[int, int]:
     return index, count
 
 
-def save(model, optimizer, step: int, data: Batches, args) -> "tpplan.AsyncSave | str":
-    """DIR/step-N: weights and AdamW state (each rank its shards), the data position and RNG (every rank calls it)."""
+def save(model, optimizer, step: int, data: Batches, args, plan: tpplan.Plan) -> "tpplan.AsyncSave | str":
+    """DIR/step-N: weights and AdamW state (each rank its shards), the data position and RNG, and the
+    plan and mesh it was saved under (it loads under any other: every rank calls it)."""
     extra = {"data": data.generator.get_state(), "rng": torch.get_rng_state()}
-    return tpplan.save_checkpoint(model, args.save, step=step, keep=args.keep, optimizer=optimizer, extra=extra, async_save=args.async_save)
+    return tpplan.save_checkpoint(model, args.save, step=step, keep=args.keep, optimizer=optimizer, extra=extra,
+                                  async_save=args.async_save, plan=plan)
 
 
 def resume(model, optimizer, data: Batches, path: str) -> int:
@@ -230,7 +232,7 @@ def main() -> None:
         if not distributed or dist.get_rank() == 0:
             print(f"step {step} loss {value.item()!r}", flush=True)  # every digit: resumed runs compare bitwise
         if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
-            pending = save(model, optimizer, step, data, args)
+            pending = save(model, optimizer, step, data, args, plan)
 
     if pending is not None and args.async_save:
         pending.wait()  # the last checkpoint is committed before the job ends

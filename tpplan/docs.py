@@ -43,7 +43,9 @@ JSON_OUTPUT = """\
   beyond those: `mode`, `plan`, `model`, `tp`, `dp`, `device`, `backend`, `rank_bytes`,
   `parameters`, `step_time_s` and `steps`; with `--checkpoint`, `"checkpoint": {"path", "format": "hf"|"dcp",
   "files", "tensors", "loaded", "missing", "allowed_missing", "unexpected", "checkpoint_bytes",
-  "rank_read_bytes": [int per rank], "dtypes"}` (else null), with `--save`, `"saved": {"path", "format"}`,
+  "rank_read_bytes": [int per rank] (empty where no rank is simulated), "dtypes", "layout": {"saved": {"mesh": {axis: size},
+  "plan": {"name", "file", "version", "fingerprint"} or null} or null (a checkpoint that records none), "target": {axis: size},
+  "reshards": bool, "optimizer": bool (it holds optimizer state)}}` (else null), with `--save`, `"saved": {"path", "format"}`,
   with memory planning `"memory"` (the per-rank peak by category, `peak_module`, `fits`, `after_step`, and
   `"block_reuse": {"container", "blocks", "from", "reused": [fqn], "simulated": [fqn]}`, the blocks simulated
   once and reused, or null), `"comm_bytes"` and `"optimizer_comms"`,

@@ -39,6 +39,7 @@ from .buffers import init_weights_with_buffers, is_transformers, moved, recomput
 from .errors import CheckpointError, fail, quiet, reason, some
 from .experts import checkpoint_view, load_planner, part_targets
 from .inspect import Match, match
+from .layout import optimizer_problems
 from .source import locate, read_metadata
 from .training.asyncsave import wait_pending
 from .training.state import restore, targets_for_load
@@ -61,6 +62,7 @@ class LoadResult:
     step: int | None = None  # the training step of a step-N checkpoint (a training root: its latest)
     extra: Any = None  # what save_checkpoint(extra=...) saved on this rank (rank 0's at another world size)
     directory: str = ""  # the checkpoint directory read (a training root: its latest step-N)
+    layout: dict | None = None  # the mesh and plan it was saved under (layout.py); None where it records none
     match: Match | None = field(default=None, repr=False)
 
 
@@ -86,6 +88,9 @@ def load_checkpoint(
     A training root (what `save_checkpoint(..., step=N)` writes) loads its latest
     complete step; `optimizer` (created over the materialized model) gets its
     saved state back; the result's `.step` and `.extra` are what was saved.
+    A DCP checkpoint loads under any layout (any mesh, FSDP2/HSDP and TP degrees):
+    each rank reads its slices, the optimizer state in its own layout too; the
+    result's `.layout` is the one it was saved under.
 
     Raises `CheckpointError` (a `PlanError`) naming keys and files: TP600 unreadable
     path, TP601 missing, TP602 unexpected, TP603 shape, TP604 dtype, TP605 corrupt,
@@ -103,6 +108,8 @@ def load_checkpoint(
     found = match(model, source, allow_missing)
     if found.problems:
         raise CheckpointError(found.problems)
+    if optimizer is not None and (problems := optimizer_problems(model, source)):
+        raise CheckpointError(problems)
     if optimizer is not None and source.format != "dcp":
         raise fail("TP601", f"{source.path} is a safetensors checkpoint: it holds no optimizer state (load it without optimizer=)", source.where)
     held = targets_for_load(model, optimizer, source.keys, source.where)
@@ -139,6 +146,7 @@ def load_checkpoint(
         step=source.step,
         extra=extra,
         directory=source.directory,
+        layout=source.layout,
         match=found,
     )
 

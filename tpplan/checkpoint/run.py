@@ -7,7 +7,12 @@ runtime needs a line or two for each.
 - `load_into`: load into the sharded model; the report's `checkpoint` entry.
 - `inspect_into`: the dry run's check, from headers / metadata alone, with the
   bytes each simulated rank would read.
-- `save_from`: write the model after the run.
+- `will_load`: the same check against a layout the dry run does not simulate: the
+  unsharded model's global tensors and the optimizer state (DCP reshards the rest).
+- `save_from`: write the model after the run, recording the plan and the mesh.
+
+Each entry says the layout the checkpoint was saved under and the target's
+(`layout.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from .errors import CheckpointError
 from .inspect import match
+from .layout import layout_entry, optimizer_problems
 from .source import Source, locate, read_metadata
 
 if TYPE_CHECKING:
@@ -37,23 +43,43 @@ def preflight(model: "nn.Module", path: str, allow_missing: Iterable[str]) -> No
         raise CheckpointError(found.problems)
 
 
-def load_into(model: "nn.Module", path: str, allow_missing: Iterable[str], device) -> dict:
+def load_into(model: "nn.Module", path: str, allow_missing: Iterable[str], device, target: dict[str, int]) -> dict:
+    """Load into the sharded model; the report's entry (`target`: the job's mesh)."""
     from .load import load_checkpoint
 
     result = load_checkpoint(model, path, allow_missing=tuple(allow_missing), device=device)
     assert result.match is not None
     ranks = max((len(e.local_shapes) for e in result.match.loads.values()), default=1)
-    return {**result.match.summary(ranks), "recomputed_buffers": result.recomputed_buffers}
+    return {**result.match.summary(ranks), "recomputed_buffers": result.recomputed_buffers,
+            "layout": layout_entry(result.match.source, target)}
 
 
-def inspect_into(model: "nn.Module", source: Source, allow_missing: Iterable[str], ranks: int) -> tuple[dict, list]:
-    """(the report's `checkpoint` entry, problems) for a sharded fake model."""
+def inspect_into(model: "nn.Module", source: Source, allow_missing: Iterable[str], ranks: int,
+                 target: dict[str, int]) -> tuple[dict, list]:
+    """(the report's `checkpoint` entry, problems) for a sharded fake model on the mesh `target`."""
     found = match(model, source, allow_missing)
-    return found.summary(ranks), found.problems
+    return {**found.summary(ranks), "layout": layout_entry(source, target)}, problems_of(model, source, found)
 
 
-def save_from(model: "nn.Module", path: str, format: str) -> dict:
+def will_load(model: "nn.Module", source: Source, allow_missing: Iterable[str], target: dict[str, int]) -> tuple[dict, list]:
+    """(the report's `checkpoint` entry, problems) of loading `source` under the mesh
+    `target`, from headers alone, for the unsharded (meta) model: DCP reshards any layout
+    of the same global tensors, so what decides is the model's keys, shapes and dtypes and
+    the optimizer state's shapes. What each rank reads is not simulated (`rank_read_bytes`
+    is empty)."""
+    found = match(model, source, allow_missing)
+    entry = {**found.summary(1), "rank_read_bytes": [], "layout": layout_entry(source, target)}
+    return entry, problems_of(model, source, found)
+
+
+def problems_of(model: "nn.Module", source: Source, found) -> list:
+    """The model's problems with the checkpoint, else its optimizer state's (the same
+    model's state: a wrong shape would say the same twice)."""
+    return list(found.problems) or optimizer_problems(model, source)
+
+
+def save_from(model: "nn.Module", path: str, format: str, plan=None) -> dict:
     from .save import save_checkpoint
 
-    save_checkpoint(model, path, format=format)
+    save_checkpoint(model, path, format=format, plan=plan)
     return {"path": path, "format": format}

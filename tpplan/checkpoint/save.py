@@ -2,7 +2,7 @@
 
 - `format="dcp"`: every rank writes its own shards (`FileSystemWriter`, one
   `__RANK_0.distcp` file each, rank 0 the `.metadata`); replicated tensors are
-  written once. It loads at any TP degree (DCP reshards on load).
+  written once. It loads under any layout (DCP reshards on load: `layout.py`).
 - `format="hf"`: consolidated HuggingFace safetensors (`HuggingFaceStorageWriter`:
   every rank writes its shards, then they are merged into full tensors with a
   `model.safetensors.index.json`), plus `config.json` for a transformers model,
@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import fail, quiet
 from .experts import checkpoint_view, save_planner
 from .inspect import expected_tensors
+from .layout import saved_layout
 from .mapped import release
 from .training import asyncsave, commit
 from .training.state import state_for_save
@@ -75,6 +76,7 @@ def save_checkpoint(
     optimizer: "torch.optim.Optimizer | None" = None,
     extra: Any = None,
     async_save: bool = False,
+    plan: Any = None,
 ) -> "str | asyncsave.AsyncSave":
     """Save `model` (sharded or not) to the directory `path`, atomically; every rank
     of the model's mesh must call it. `dtype` casts floating-point tensors (e.g. an
@@ -85,6 +87,10 @@ def save_checkpoint(
     `optimizer` adds its state (torch's `get_optimizer_state_dict`), `extra` any
     picklable value of this rank (data position, RNG states). `async_save=True`
     returns an `AsyncSave` at once (`.wait()`), the write going on in the background.
+
+    The checkpoint records the layout it was saved under (`layout.py`): the mesh of
+    the model's DTensors (every named axis and its size) and `plan`, the Plan that
+    laid it out, when given. A DCP checkpoint loads under any other layout.
 
     Returns the checkpoint's directory. Raises CheckpointError TP608 naming the
     path (unwritable, a file, full disk, another job saving there); the previous
@@ -108,7 +114,8 @@ def save_checkpoint(
     if dist.is_initialized() and not real_group and sharded:
         raise ValueError("save_checkpoint needs real ranks (torchrun): the fake process group of a simulation cannot gather the shards")
     save = commit.Save(root=root, target=target, step=step, keep=keep, format=format,
-                       distributed=real_group and sharded, rank=dist.get_rank() if real_group else 0, real_group=real_group)
+                       distributed=real_group and sharded, rank=dist.get_rank() if real_group else 0, real_group=real_group,
+                       layout=saved_layout(model, plan))
     save.prepare()
     return save.run(lambda: _write(model, state, save), lambda: _write_async(state, save), async_save=async_save)
 

@@ -40,6 +40,8 @@ class Source:
     file_of: dict[str, str] = field(default_factory=dict)  # key -> the file holding it (hf)
     keys: set[str] = field(default_factory=set)  # every key of the metadata (the model's, the optimizer's, extra)
     step: int | None = None  # the training step it holds (a step-N checkpoint)
+    layout: dict | None = None  # the mesh and plan it was saved under (its manifest's; layout.py), None if unrecorded
+    held: dict[str, Any] = field(default_factory=dict)  # key -> TensorStorageMetadata of the optimizer's state (training/state.py)
     _tmp: Any = None  # a TemporaryDirectory that must live as long as the reader
 
     def reader(self):
@@ -209,7 +211,8 @@ def locate(path: str | os.PathLike) -> Source:
 def _dcp(directory: Path, text: str) -> Source:
     manifest = read_manifest(directory)
     step = manifest.get("step") if manifest else None
-    return Source(text, "dcp", str(directory), [], str(directory / DCP_METADATA), step=step)
+    layout = manifest.get("layout") if manifest else None
+    return Source(text, "dcp", str(directory), [], str(directory / DCP_METADATA), step=step, layout=layout)
 
 
 def _hf_index(directory: Path, index: Path, text: str) -> Source:
@@ -253,10 +256,9 @@ def read_metadata(source: Source):
         verify(source.directory, metadata, source.where)  # TP609: missing or short shards, mixed saves
         source.files = [os.path.join(source.directory, name) for name in sorted(shard_files(metadata))]
     source.keys = set(metadata.state_dict_metadata)
-    source.tensors = {
-        k: v for k, v in metadata.state_dict_metadata.items()
-        if isinstance(v, TensorStorageMetadata) and not k.startswith(f"{RESERVED}.")  # the optimizer's and extra: training/state.py
-    }
+    tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    source.tensors = {k: v for k, v in tensors.items() if not k.startswith(f"{RESERVED}.")}  # the model's
+    source.held = {k: v for k, v in tensors.items() if k.startswith(f"{RESERVED}.")}  # the optimizer's: training/state.py
     if source.format == "hf":
         link_to = {os.path.join(source.directory, os.path.basename(f)): f for f in source.files}
         for index, info in metadata.storage_data.items():

@@ -154,7 +154,8 @@ def apply(
             metavar="PATH",
             help="Load this HuggingFace safetensors file or directory (sharded with model.safetensors.index.json) "
             "or torch.distributed.checkpoint directory after sharding; the model is built without storage and "
-            "each rank allocates and reads only its own slices. --dry-run: read only headers / metadata and check keys, shapes, dtypes.",
+            "each rank allocates and reads only its own slices. --dry-run: read only headers / metadata and check keys, "
+            "shapes, dtypes (a DCP checkpoint loads under any layout: the report names the one it was saved under).",
             show_default=False,
         ),
     ] = None,
@@ -164,7 +165,8 @@ def apply(
     ] = None,
     save_format: Annotated[
         SaveFormat,
-        typer.Option("--save-format", help="dcp: every rank writes its shards (loads at any TP degree); hf: consolidated safetensors + config.json."),
+        typer.Option("--save-format", help="dcp: every rank writes its shards, recording the plan and the mesh (loads under any layout); "
+                      "hf: consolidated safetensors + config.json."),
     ] = SaveFormat.dcp,
     allow_missing: Annotated[
         Optional[list[str]],
@@ -327,7 +329,8 @@ def print_report(report, format: ApplyFormat, rank: int) -> int:
     from ..render.apply_report import render_text
     from ..render.problems import render_text as render_problems
 
-    if report.modules or not report.problems:  # a run that failed early has no report; an empty plan's run has one
+    # a run that failed early has no report; an empty plan's run has one, and a checkpoint checked against a layout
+    if report.modules or report.checkpoint is not None or not report.problems:
         console = Console(highlight=False)
         if not console.is_terminal:
             console.width = 200  # a pipe or log gets whole parameter names, not 80 columns

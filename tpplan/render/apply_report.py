@@ -25,6 +25,10 @@ def _runs(values: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _mesh_text(mesh: dict[str, int]) -> str:
+    return " × ".join(f"{axis} {size}" for axis, size in mesh.items())
+
+
 def render_text(report: ApplyReport, console) -> None:
     """Print the report as rich tables on `console` (problems are the caller's to print)."""
     from rich.table import Table
@@ -34,9 +38,14 @@ def render_text(report: ApplyReport, console) -> None:
         # Text, not markup: globs such as 'blocks.[0-3]' would read as rich markup.
         table.add_row(*(Text(cell) for cell in cells))
 
-    where = f"{report.world_size} simulated ranks (fake process group, {report.device} tensors)" if report.mode == "dry-run" else (
-        f"world {report.world_size}" + (f" = dp {report.dp} x tp {report.tp}" if report.dp > 1 else "") + f", {report.backend} on {report.device}"
-    )
+    if report.mode == "dry-run" and report.mesh is not None and not report.params:  # runtime/checkpoint_layout.py
+        where = f"world {report.world_size} ({_mesh_text(report.mesh)}), checked from the checkpoint's headers, no rank simulated"
+    elif report.mode == "dry-run":
+        where = f"{report.world_size} simulated ranks (fake process group, {report.device} tensors)"
+    else:
+        where = (
+            f"world {report.world_size}" + (f" = dp {report.dp} x tp {report.tp}" if report.dp > 1 else "") + f", {report.backend} on {report.device}"
+        )
     console.print(Text.assemble(("tpplan apply", "bold"), f" {report.plan_name or report.plan_file} on {report.model}: {where}"))
     for note in report.notes:
         console.print(Text(f"note: {note}"))
@@ -134,3 +143,28 @@ def _render_checkpoint(report: ApplyReport, console) -> None:
         if c.get(key):
             shown = ", ".join(c[key][:8]) + (f" (and {len(c[key]) - 8} more)" if len(c[key]) > 8 else "")
             console.print(Text(f"  {label}: {shown}"))
+    if (c.get("layout") or {}).get("saved") is not None:  # a checkpoint that records its layout (checkpoint/layout.py)
+        loads = not any(p.code.startswith("TP6") and p.severity == "error" for p in report.problems)
+        console.print(Text(f"  {_layout_verdict(c['layout'], loads, planned=report.mode == 'dry-run')}"))
+
+
+def _describe(mesh: dict[str, int]) -> str:
+    """'dp_shard 2 × tp 2'; 'one device' for an empty mesh; axes of size 1 left out."""
+    shown = [f"{axis} {size}" for axis, size in mesh.items() if size != 1]
+    return " × ".join(shown) or "one device"
+
+
+def _layout_verdict(layout: dict, loads: bool, planned: bool) -> str:
+    """One line for the text report: the layout the checkpoint records it was saved
+    under, and whether it loads (`planned`: the dry run's question) or loaded under the target."""
+    plan = layout["saved"]["plan"]
+    where = _describe(layout["saved"]["mesh"])
+    by = f" by {plan['name'] or plan['file']}" if plan else ""
+    target = _describe(layout["target"])
+    if not loads:
+        return f"saved under {where}{by}: it does not load under {target} (the problems below say why)"
+    if not planned:
+        return f"saved under {where}{by}: loaded under {target}" + (" (DCP resharded it)" if layout["reshards"] else "")
+    how = "DCP reshards every tensor" if layout["reshards"] else "the same layout"
+    state = ", the optimizer state's too" if layout["optimizer"] else ""
+    return f"saved under {where}{by}: loads under {target} ({how}{state})"

@@ -46,6 +46,7 @@ from ..simulation.layouts import ParamLayout, param_layouts
 from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
+from .checkpoint_layout import applies, checkpoint_dry_run
 from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
 from .report import ApplyReport
 
@@ -145,6 +146,8 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         plan = load_plan(options.plan)
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
+    if applies(options, plan):  # a layout not simulated yet: the checkpoint checked against it from headers alone
+        return checkpoint_dry_run(options, plan, event)
     refuse_unapplied(plan, "dry-run")
     tp, note = dry_run_tp(options, plan)
     planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
@@ -326,7 +329,7 @@ def _load_problems(model, source, allow_missing) -> list:
     """The problems of loading the checkpoint `source` into the unsharded `model` (its metadata only)."""
     from ..checkpoint.run import inspect_into
 
-    return inspect_into(model, source, allow_missing, 1)[1]
+    return inspect_into(model, source, allow_missing, 1, {})[1]
 
 
 def _reference(options: ApplyOptions, factory, built: _Built | None = None) -> Callable[[], Any]:
@@ -346,7 +349,7 @@ def _apply(plan: Plan, model, mesh, tp: int, event, source, allow_missing) -> tu
     if source is not None:  # the checkpoint's metadata against the sharded model
         from ..checkpoint.run import inspect_into
 
-        checkpoint, found = inspect_into(model, source, allow_missing, tp)
+        checkpoint, found = inspect_into(model, source, allow_missing, tp, {plan.mesh_axis: tp})
     return _Applied(sharded, params, checkpoint, tuple(found)), FailureLocator(plan, model, sharded.rules, tp)
 
 

@@ -257,7 +257,7 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
             from ..checkpoint.run import save_from
 
             event(f"saving to {options.save}")
-            ran.saved = save_from(model, options.save, options.save_format)
+            ran.saved = save_from(model, options.save, options.save_format, plan)
     except PlanError as exc:
         ran.problems = exc.problems
     except CommFailure as exc:
@@ -300,12 +300,12 @@ def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran:
     from ..checkpoint.run import load_into
 
     event(f"loading {options.checkpoint}")
-    ran.checkpoint = load_into(model, options.checkpoint, options.allow_missing, ctx.device)
+    ran.checkpoint = load_into(model, options.checkpoint, options.allow_missing, ctx.device, ran.mesh)
     if not options.check:
         return None
     event(f"loading {options.checkpoint} on a single device for --check")
     reference = build_model(options.model, "meta", real_buffers=True)
-    load_into(reference, options.checkpoint, options.allow_missing, ctx.device)
+    load_into(reference, options.checkpoint, options.allow_missing, ctx.device, {})
     return reference
 
 

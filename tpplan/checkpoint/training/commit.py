@@ -46,6 +46,7 @@ class Save:
     distributed: bool  # every rank writes its shards
     rank: int
     real_group: bool  # a process group of real ranks: verdicts are broadcast
+    layout: dict | None = None  # the mesh and plan of the save, for its manifest
     staging: str = ""
     recycled: bool = False  # rank 0: the staging directory is a spare, overwritten
 
@@ -127,7 +128,7 @@ class Save:
             save_id = getattr(getattr(metadata, "storage_meta", None), "save_id", None)
             if self.recycled:  # the spare's files this save did not overwrite
                 atomic.prune(self.staging, {".metadata", *(getattr(i, "relative_path", None) for i in (metadata.storage_data or {}).values())})
-            write_manifest(self.staging, step=self.step, save_id=save_id, format=self.format)
+            write_manifest(self.staging, step=self.step, save_id=save_id, format=self.format, layout=self.layout)
             if self.format == "dcp":  # FileSystemWriter(sync_files=True) synced every file, write_manifest its own: the entries remain
                 atomic.fsync_dir(self.staging)
             else:  # the safetensors writer does not sync

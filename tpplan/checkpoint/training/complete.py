@@ -3,7 +3,8 @@ so an incomplete one is a TP609 naming what is missing, never a partial load.
 
 Every save writes a manifest, `.tpplan-checkpoint.json`, into its staging
 directory after all ranks finished and before the rename: the step, the DCP
-save id of its `.metadata`, and the size of every file. A directory is complete
+save id of its `.metadata`, the size of every file, and the layout it was saved
+under (the mesh and the plan: `checkpoint/layout.py`). A directory is complete
 when its `.metadata` is there, every shard file the metadata points into is
 there and long enough, and (with a manifest) every file the manifest lists has
 its size, the save ids agree and a `step-N` directory holds step N. File
@@ -27,9 +28,13 @@ STEP_DIR = re.compile(r"step-(\d+)")
 INCOMPLETE = "TP609"
 
 
-def write_manifest(directory: str, *, step: int | None, save_id: str | None, format: str) -> None:
+def write_manifest(directory: str, *, step: int | None, save_id: str | None, format: str, layout: dict | None = None) -> None:
+    """`layout`: what the save records of the mesh and plan it was written under (plain
+    JSON data the caller made: `checkpoint/layout.py`), left out when None."""
     files = {e.name: e.stat().st_size for e in os.scandir(directory) if e.is_file() and e.name != MANIFEST}
     manifest = {"version": 1, "format": format, "step": step, "save_id": save_id, "files": dict(sorted(files.items()))}
+    if layout is not None:
+        manifest["layout"] = layout
     write_synced(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1) + "\n")  # in staging: its entry synced by the commit
 
 

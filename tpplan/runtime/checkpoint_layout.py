@@ -1,0 +1,81 @@
+"""`apply --dry-run --checkpoint` under a version 2 layout the dry run does not
+simulate yet (its data axes, `fsdp`, `checkpointing`: core/axes.py's APPLIED): whether
+the checkpoint will load under it, from headers alone (SPEC §7).
+
+DCP reshards any layout of the same global tensors into any other, so the answer
+needs no simulated rank: the model, built on the meta device, against the
+checkpoint's keys, shapes and dtypes and its optimizer state's shapes
+(`checkpoint.run.will_load`); the target mesh is the one torchrun would build
+(`mesh_dims`), its sizes checked against the world as `validate --world` does. The
+report says what was not simulated (per-rank shapes, memory, collectives): a note,
+never silence.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from ..core.axes import APPLIED, mesh_dims, unapplied, world_problems
+from ..core.axes_spec import WORLD_AXES
+from ..core.plan import Plan
+from ..core.problems import PlanError
+from ..simulation.modelref import build_model, load_callable
+from .options import ApplyOptions, ApplyOptionsError
+from .report import ApplyReport
+
+
+def applies(options: ApplyOptions, plan: Plan) -> bool:
+    """Whether this check answers the dry run: a checkpoint (nothing asked that needs a
+    simulation: --check, memory planning), and a version 2 plan whose every key the dry
+    run does not simulate is one torchrun applies (a layout that can run)."""
+    keys = unapplied(plan, "dry-run")
+    simulates = options.check or options.train.plans_memory or options.save  # these need the simulation: refused as before
+    return bool(options.checkpoint) and not simulates and bool(keys) and all(key[-1] in APPLIED["torchrun"] for key in keys)
+
+
+def world_of(options: ApplyOptions, plan: Plan) -> int:
+    """The world the plan's sizes make: their product (at `--tp` where it promises several
+    degrees). A -1 axis needs a world only torchrun knows: a usage error saying so."""
+    rest = plan.mesh.rest_axis
+    if rest is not None:
+        raise ApplyOptionsError("plan", "world-unknown", (
+            f"mesh.{rest} is -1 (the rest of the world): a dry run of a version 2 layout takes its world from the "
+            f"plan's sizes; give mesh.{rest} a size to check --checkpoint against that layout"))
+    candidates = list(plan.mesh.candidates())
+    sizes = next((c for c in candidates if options.tp is None or c["tp"] == options.tp), None)
+    if sizes is None:
+        promised = ", ".join(str(c["tp"]) for c in candidates)
+        raise ApplyOptionsError("tp", "not-promised", f"--tp {options.tp}: the plan's mesh.tp promises {promised}")
+    return math.prod(sizes[axis] or 1 for axis in WORLD_AXES)
+
+
+def checkpoint_dry_run(options: ApplyOptions, plan: Plan, on_event: Callable[[str], None]) -> ApplyReport:
+    """The dry run's report: the checkpoint against the plan's whole layout (headers only)."""
+    from ..checkpoint.run import open_checkpoint, will_load
+
+    world = world_of(options, plan)
+    report = ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, world_size=world,
+                         plan_name=plan.name, device="meta", backend="fake")
+    if problems := world_problems(plan, world):
+        report.problems = problems
+        return report
+    shape, names = mesh_dims(plan, world, options.tp)
+    target = dict(zip(names, shape))
+    report.mesh, report.tp, report.dp = target, shape[-1], math.prod(shape[:-1])
+    skipped = ", ".join(".".join(key) for key in unapplied(plan, "dry-run"))
+    report.notes = [f"the dry run does not simulate {skipped} yet: --checkpoint was checked from its headers against the "
+                    f"whole layout ({', '.join(f'{n} {s}' for n, s in target.items())}); per-rank shapes, memory and "
+                    "collectives are not reported (torchrun applies the layout)"]
+    factory = load_callable(options.model, "--model")
+    try:
+        source = open_checkpoint(options.checkpoint)
+        on_event("building the model on the meta device")
+        model = build_model(options.model, "meta", factory, real_buffers=True)
+        plan.match(model)  # the rules and sections name modules the model has
+        report.checkpoint, found = will_load(model, source, options.allow_missing, target)
+    except PlanError as exc:
+        report.problems = exc.problems
+        return report
+    report.problems = list(found)
+    return report
