@@ -46,6 +46,7 @@ from ..simulation.layouts import ParamLayout, param_layouts
 from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
+from .dry_world import check_world, simulates_world
 from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
 from .report import ApplyReport
 
@@ -146,8 +147,18 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
     refuse_unapplied(plan, "dry-run")
+    check_world(options, plan)
+    # A world beyond the TP axis (a version 2 plan's data axes, checkpointing) is planned
+    # as --fsdp's always was: per rank, with memory, on fake tensors.
+    whole_world = simulates_world(plan, options)
+    if whole_world and options.check:
+        raise ApplyOptionsError("check", "data-axes", "--check compares real per-rank values of the TP axis with one device; "
+                                "a dry run does not simulate the data axes with values (torchrun's --check does)")
+    if options.every_rank and not (whole_world or options.train.plans_memory):
+        raise ApplyOptionsError("every_rank", "needs-memory", "--every-rank simulates each rank's memory plan: give a memory "
+                                "option (--batch, --seq, --dtype, --optimizer, --memory-limit) or a plan with data axes")
     tp, note = dry_run_tp(options, plan)
-    planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
+    planning = options.train.plans_memory or whole_world  # memory planning picks its own degrees without --tp
     notes = [note] if note and not (planning and plan.mesh_sizes) else []
     notes += unpromised_tp_note(plan, tp) if not (planning and options.tp is None) else []
     if options.device not in ("auto", "cpu"):
@@ -237,6 +248,9 @@ def _assembled(options: ApplyOptions, plan: Plan, tp: int, notes: list[str], run
         memory_sweep=list(memory.sweep) if memory is not None else [],
         notes=notes,
         checkpoint=checkpoint,
+        mesh=dict(chosen.mesh) if chosen else None,
+        comms_by_axis=chosen.comms_by_axis if chosen else None,
+        ranks=list(chosen.ranks) if chosen else [],
     )
 
 
