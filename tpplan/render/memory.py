@@ -50,7 +50,7 @@ def render_memory(memory: MemoryReport, sweep: list[DegreeFit], console, mesh: d
         for rank in ranks or ():
             if rank.over_limit_bytes:
                 console.print(Text(f"  {_where(rank)}: {human_bytes(rank.memory.per_rank_peak_bytes)}, "
-                                   f"{human_bytes(rank.over_limit_bytes)} over the limit"), style="red")
+                                   f"{human_bytes(rank.over_limit_bytes)} ({rank.over_limit_bytes} bytes) over the limit"), style="red")
     if len(sweep) > 1 or (sweep and sweep[0].tp != memory.tp):
         table = Table(title="TP degrees of the plan's mesh.sizes", title_justify="left")
         for column, justify in (("tp", "right"), ("world", "right"), ("peak per rank", "right"), ("fits", "left")):

@@ -75,45 +75,47 @@ class MeshDims:
 
 @dataclass(frozen=True)
 class Layout:
-    """One parameter as a rank holds it: its global shape cut by `placements` over
-    the dims `dims` (names) of a mesh of `mesh_shape`; a plain tensor has no dims."""
+    """One parameter as the simulated rank holds it: its global shape cut by
+    `placements` over a mesh of `mesh_shape` whose dims are named `dims` and whose
+    global ranks are `ranks` (row-major); a plain tensor has no dims. The mesh may be
+    a view of the world's dims under names of its own (a plan's (kv_heads, kv_replicas)
+    view of tp): where another rank stands on it is read from the ranks, not the names."""
 
     global_shape: tuple[int, ...]
     dims: tuple[str, ...]
     mesh_shape: tuple[int, ...]
     placements: tuple
+    ranks: tuple[int, ...]
 
-    def local_shape(self, position: dict[str, int], gathered: bool = False) -> tuple[int, ...]:
-        """The shape the rank at `position` holds; `gathered`: once FSDP2 all-gathers
-        it over the data dims (what the forward and backward compute with)."""
+    def shapes(self, gathered: bool) -> tuple[tuple[int, ...], ...]:
+        """The shape at each coordinate of the mesh (row-major); `gathered`: once FSDP2
+        all-gathers it over the data dims (what the forward and backward compute with)."""
         from torch.distributed.tensor import Replicate
 
         from ..core.local_shapes import shapes_on_mesh
         from ..sharding.data_parallel import DP_DIMS, SHORTHAND_DIM
 
-        if not self.dims:
-            return self.global_shape
         placements = self.placements
         if gathered:
             placements = tuple(Replicate() if name in (*DP_DIMS, SHORTHAND_DIM) else p for name, p in zip(self.dims, placements))
-        index = 0
-        for name, size in zip(self.dims, self.mesh_shape):
-            index = index * size + position[name]
-        return shapes_on_mesh(self.global_shape, self.mesh_shape, placements)[index]
+        return shapes_on_mesh(self.global_shape, self.mesh_shape, placements)
 
 
 def layouts(model: "nn.Module") -> tuple[Layout, ...]:
     """Every parameter's layout, as the plan and FSDP2 left it (fake tensors welcome:
-    only shapes, mesh names and placements are read)."""
+    the mesh's ranks are read with fake mode suspended, as every mesh is built)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor import DTensor
 
     found = []
     for param in model.parameters():
         if isinstance(param, DTensor):
             mesh = param.device_mesh
-            found.append(Layout(tuple(param.shape), tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), tuple(param.placements)))
+            with unset_fake_temporarily():
+                ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+            found.append(Layout(tuple(param.shape), tuple(mesh.mesh_dim_names or ()), tuple(mesh.shape), tuple(param.placements), ranks))
         else:
-            found.append(Layout(tuple(param.shape), (), (), ()))
+            found.append(Layout(tuple(param.shape), (), (), (), ()))
     return tuple(found)
 
 
@@ -126,22 +128,30 @@ class Position:
 
 
 def distinct_positions(dims: MeshDims, found: Sequence[Layout], seq: int, tp_axis: str) -> list[Position]:
-    """The world's ranks grouped by what they hold (module docstring), in rank order."""
+    """The world's ranks grouped by what they hold (module docstring), in rank order.
+    `found`: the layouts simulated on one rank, whose meshes hold its groups; any other
+    rank holds what the rank of those meshes at its own index on the axes they span holds."""
+    held = [_held_by_position(dims, layout) for layout in dict.fromkeys(found) if layout.dims]
+    chunks = _chunks(seq, dims.sizes.get(tp_axis, 1)) if seq else None
     groups: dict[Any, list[int]] = {}
     for rank in range(dims.world):
         position = dims.position(rank)
-        groups.setdefault(_key(position, found, seq, dims.sizes.get(tp_axis, 1), tp_axis), []).append(rank)
+        key = (chunks[position.get(tp_axis, 0)] if chunks else 0, *(shapes[tuple(position[a] for a in spanned)] for spanned, shapes in held))
+        groups.setdefault(key, []).append(rank)
     return [Position(ranks[0], tuple(ranks)) for ranks in groups.values()]
+
+
+def _held_by_position(dims: MeshDims, layout: Layout) -> tuple[tuple[str, ...], dict[tuple[int, ...], tuple]]:
+    """The world axes `layout`'s mesh spans, and {indices on them: (shard shape, gathered shape)}."""
+    where = [dims.position(rank) for rank in layout.ranks]
+    spanned = tuple(axis for axis in dims.names if len({p[axis] for p in where}) > 1)
+    shards, gathered = layout.shapes(False), layout.shapes(True)
+    return spanned, {tuple(p[a] for a in spanned): (shards[i], gathered[i]) for i, p in enumerate(where)}
 
 
 def every_rank(dims: MeshDims) -> list[Position]:
     """Each rank its own position: what `distinct_positions` is checked against."""
     return [Position(rank, (rank,)) for rank in range(dims.world)]
-
-
-def _key(position: dict[str, int], found: Sequence[Layout], seq: int, tp: int, tp_axis: str) -> tuple:
-    chunk = _chunks(seq, tp)[position.get(tp_axis, 0)] if seq else 0
-    return (chunk, *(layout.local_shape(position, gathered) for layout in found for gathered in (False, True)))
 
 
 def _chunks(size: int, parts: int) -> list[int]:
