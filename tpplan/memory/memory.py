@@ -8,12 +8,13 @@ trackers.
 torch's dispatcher and sort it into parameters, gradients, optimizer state,
 activations and temporaries: the steady state of training. The same
 function measures a real rank (real tensors, `bench/`) and plans one in the dry
-run (`plan_memory`: FakeTensorMode under the fake process group, world
-`dp x tp`, no memory spent), so prediction and measurement are one code path.
+run (`plan_memory`: FakeTensorMode under the fake process group, the world of
+the mesh simulated as any one of its ranks, no memory spent), so prediction and
+measurement are one code path.
 
-Collectives are counted per pass with their bytes (`collective_bytes`): the
-larger of each collective's buffers on this rank, i.e. the full tensor of an
-all-gather or reduce-scatter and the tensor of an all-reduce.
+Collectives are counted per pass and per mesh axis with their bytes
+(`collective_bytes`): the larger of each collective's buffers on this rank, i.e.
+the full tensor of an all-gather or reduce-scatter and the tensor of an all-reduce.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """`apply --dry-run` with memory planning: the memory plan at `--tp`, or at every
-degree of the plan's mesh.sizes, as a result the dry run puts in its report (the
-measurement itself is memory.py's)."""
+degree of the plan's mesh.sizes, over the mesh the dry run simulates (a version 1
+plan's tp x --fsdp's dp, a version 2 plan's named axes: runtime/dry_world.py), one
+simulated rank per distinct position (simulation/positions.py), as a result the
+dry run puts in its report (the measurement itself is memory.py's)."""
 
 from __future__ import annotations
 

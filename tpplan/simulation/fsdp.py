@@ -1,7 +1,8 @@
-"""What follows the TP rules, in the simulated world as on real ranks: `train_mesh`
-(the (dp, tp) mesh memory planning simulates), `after_rules` (activation
-checkpointing, then FSDP2), and `shard_data_parallel`, which runs
-sharding/data_parallel.py with FSDP2's mesh bookkeeping kept outside fake mode.
+"""What follows the TP rules, in the simulated world as on real ranks: `after_rules`
+(activation checkpointing, then FSDP2: torchrun's; `apply_after_rules` and
+`after_rules_notes`, its two halves, memory planning's), and `shard_data_parallel`,
+which runs sharding/data_parallel.py with FSDP2's mesh bookkeeping kept outside
+fake mode.
 """
 
 from __future__ import annotations
@@ -15,17 +16,6 @@ if TYPE_CHECKING:
 
     from ..core.plan import Plan
     from torch.distributed.device_mesh import DeviceMesh
-
-
-def train_mesh(device_type: str, dp: int, tp: int, axis: str) -> "DeviceMesh":
-    """The 1-D tp mesh (dp 1) or the 2-D (dp, tp) mesh; tp is the fastest-varying dim."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dp == 1:
-        return init_device_mesh(device_type, (tp,), mesh_dim_names=(axis,))
-    if axis == "dp":
-        raise ValueError("the plan's mesh.axis is 'dp', the name of the data-parallel dim: rename it (e.g. 'tp')")
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", axis))
 
 
 def blocks(model: "nn.Module") -> list[str]:
