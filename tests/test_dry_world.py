@@ -197,3 +197,29 @@ def test_world_n_resolves_each_tp_degree_of_the_plan_and_reports_the_smallest_th
     assert found["mesh"] == {"dp_shard": 4, "tp": 2}
     with pytest.raises(ApplyOptionsError):
         dry_run(ApplyOptions(plan=str(PLANS / "llama_fsdp_tp.yaml"), model=TINY, tp=3, world=8))
+
+
+def test_each_collective_is_filed_under_the_mesh_dim_of_its_group_and_a_flattened_group_under_the_dims_it_spans():
+    from collections import Counter
+
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    from tpplan.memory.memory import counting
+    from tpplan.simulation.comm_axes import mesh_axes
+    from tpplan.simulation.positions import MeshDims
+    from tpplan.simulation.simulate import simulated_world
+
+    counts, sizes = Counter(), Counter()
+    with simulated_world(8, rank=5):
+        mesh = MeshDims((2, 2, 2), ("dp_replicate", "dp_shard", "tp")).build()
+        axis = mesh_axes(mesh)
+        flat = mesh["dp_replicate", "dp_shard"]._flatten()
+        with counting(counts, sizes, axis):
+            issued = [funcol.all_reduce(torch.ones(4), "sum", mesh.get_group("tp")),
+                      funcol.all_gather_tensor(torch.ones(4), 0, mesh.get_group("dp_shard")),
+                      funcol.all_reduce(torch.ones(2), "sum", flat.get_group())]
+            for out in issued:
+                out.wait()
+    assert counts == {("tp", "all_reduce"): 1, ("dp_shard", "all_gather"): 1, ("dp_replicate+dp_shard", "all_reduce"): 1}
+    assert sizes == {("tp", "all_reduce"): 16, ("dp_shard", "all_gather"): 32, ("dp_replicate+dp_shard", "all_reduce"): 8}

@@ -249,7 +249,8 @@ class StepMemory:
     def comms_by_axis(self, axes) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
         """SPEC §7's {axis: {"forward"|"backward": {op: {"count", "bytes"}}}}, every axis of `axes`."""
         phases = {phase: nested(self.axis_comms[phase], self.axis_bytes[phase], axes) for phase in ("forward", "backward")}
-        return {axis: {phase: phases[phase][axis] for phase in phases} for axis in {**dict.fromkeys(axes), **phases["forward"], **phases["backward"]}}
+        every = {**dict.fromkeys(axes), **phases["forward"], **phases["backward"]}  # the mesh's, then any group that is no dim's
+        return {axis: {phase: phases[phase].get(axis, {}) for phase in phases} for axis in every}
 
 
 @contextlib.contextmanager
