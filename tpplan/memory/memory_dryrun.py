@@ -159,7 +159,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> Memo
         for position in positions:
             step = planned if position.rank == 0 else at_rank(dims, position.rank)[0]
             ranks.append((position, step))
-        worst_position, worst = max(ranks, key=lambda found: found[1].memory.per_rank_peak_bytes)  # the first of the highest
+        _, worst = max(ranks, key=lambda found: found[1].memory.per_rank_peak_bytes)  # the first of the highest
         modules, rule_of = sharded.modules, sharded.rule_of
         reused = planned.memory.reuse
         if reused is not None:  # the report names every module and parameter of the whole model
@@ -223,5 +223,5 @@ def _positions_note(dims, positions, every: bool) -> str:
         for p in positions[:4]
     ) + (f"; and {len(positions) - 4} more" if len(positions) > 4 else "")
     return (f"{len(positions)} distinct position(s) of {dims.world} ranks simulated: {shown}. Ranks holding equal shapes "
-            "(every parameter's local shard, the sequence chunk on tp) run the same step; dp_replicate ranks are replicas, "
+            "(every parameter's shard and its FSDP2-gathered whole, the sequence chunk on tp) run the same step; dp_replicate ranks are replicas, "
             "dp_shard and tp ranks differ only where a dim does not divide evenly")

@@ -110,8 +110,9 @@ def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
 
 def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None) -> list[str]:
     """`fully_shard` the plan's units (`wrap`: these fqns instead of the default blocks
-    where the plan names no units, as memory planning's block reuse asks) and the root over the mesh's data-parallel dims; returns the
-    wrapped fqns (root: ""), none where the mesh has no data-parallel dim."""
+    where the plan names no units, as memory planning's block reuse asks) and the
+    root over the mesh's data-parallel dims; returns the wrapped fqns (root: ""),
+    none where the mesh has no data-parallel dim."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
