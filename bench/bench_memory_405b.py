@@ -1,20 +1,29 @@
-"""Memory planning of the Llama-3-405B shape at TP 8 x FSDP 16: wall time, peak RSS,
-and the parameters per rank against the value computed by hand.
+"""Memory planning of the Llama-3-405B shape at TP 8 x FSDP 16 (version 1 plan and
+--fsdp), or (--v2) of a version 2 plan at dp_replicate 8 x dp_shard 16 x tp 8 with
+activation checkpointing (world 1024): wall time, peak RSS, and the parameters per
+rank against the value computed by hand.
 
     python bench/bench_memory_405b.py [--plan plans/llama_tp_sp.yaml] [--check]
+    python bench/bench_memory_405b.py --v2 [--exact] [--check]
 
 One fresh process, the whole command line as a user types it:
 `python -m tpplan apply --plan P --model tpplan.models.llama:llama3_405b
 --dry-run --tp 8 --fsdp 16 --dtype bf16 --optimizer adamw --batch 1 --seq 8192
---format json` (world 128 on fake tensors). Peak RSS is that process's own
-(wait4). Goals: <= 60 s wall, <= 2 GiB RSS, parameters per rank exact
-(`--check` exits 1 otherwise).
+--format json` (world 128 on fake tensors); with --v2, `--world 1024` and a plan
+that extends P with the mesh, `fsdp: {units: [layers.*]}` and `checkpointing:
+{modules: layers.*}` instead of --fsdp (HSDP: FSDP2 replicates over dp_replicate,
+shards over dp_shard). Context parallelism (SPEC's cp 2) is not simulated yet, so
+the v2 world has none. Peak RSS is that process's own (wait4). Goals: <= 60 s wall,
+<= 2 GiB RSS, parameters per rank exact (`--check` exits 1 otherwise); `--exact`
+also runs it with --no-reuse (every block simulated) and requires every figure of
+the two reports to be equal.
 
 The expected parameters per rank, by hand: the plan shards every weight over
 tp 8 (wq/wk/wv/w1/w3 and the head by rows, wo/w2 by columns, the embedding by
 rows), norms stay whole on tp; FSDP2 then splits dim 0 of each local tensor
-over dp 16. Every such dim divides evenly, so a rank holds
-(all non-norm elements) / 128 + (norm elements) / 16, in bf16 (2 bytes).
+over dp 16 (dp_shard 16; dp_replicate's replicas hold the same). Every such dim
+divides evenly, so a rank holds (all non-norm elements) / 128 + (norm elements)
+/ 16, in bf16 (2 bytes).
 """
 
 from __future__ import annotations
@@ -52,11 +61,27 @@ def expected_parameter_bytes() -> int:
     return BF16 * (sharded // (TP * DP) + norms // DP)
 
 
-def one_run(plan: str) -> tuple[float, int, float, dict]:
+V2_PLAN = """version: 2
+name: llama3-405b-hsdp-tp-ac
+extends: {parent}
+rules: {{}}
+mesh:
+  dp_replicate: 8
+  dp_shard: 16
+  tp: 8
+fsdp:
+  units: [layers.*]
+checkpointing:
+  modules: layers.*
+"""
+V2_WORLD = 8 * DP * TP
+
+
+def one_run(plan: str, v2: bool, *more: str) -> tuple[float, int, float, dict]:
     """(wall seconds, peak RSS bytes, CPU seconds, the JSON report) of the dry run in a fresh process."""
+    world = ["--world", str(V2_WORLD)] if v2 else ["--tp", str(TP), "--fsdp", str(DP)]
     command = [sys.executable, "-m", "tpplan", "apply", "--plan", plan, "--model", "tpplan.models.llama:llama3_405b",
-               "--dry-run", "--tp", str(TP), "--fsdp", str(DP), "--dtype", "bf16", "--optimizer", "adamw",
-               "--batch", "1", "--seq", "8192", "--format", "json"]
+               "--dry-run", *world, "--dtype", "bf16", "--optimizer", "adamw", "--batch", "1", "--seq", "8192", "--format", "json", *more]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         start = time.perf_counter()
         process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
@@ -69,24 +94,53 @@ def one_run(plan: str) -> tuple[float, int, float, dict]:
         return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime, json.loads(out.read())
 
 
+def figures(report: dict) -> dict:
+    """Every figure of a report but what names the reuse (the reused blocks, the notes)."""
+    found = json.loads(json.dumps(report))
+    del found["memory"]["block_reuse"], found["notes"]
+    for rank in found.get("ranks", ()):
+        del rank["memory"]["block_reuse"]
+    return found
+
+
 def main() -> int:
     parser = _common.arguments(__doc__, check="when the wall time, the RSS or the parameters per rank miss their goal")
     parser.add_argument("--plan", default="plans/llama_tp_sp.yaml")
+    parser.add_argument("--v2", action="store_true", help="a version 2 plan: dp_replicate 8 x dp_shard 16 x tp 8, checkpointing on")
+    parser.add_argument("--exact", action="store_true", help="also run with --no-reuse and require every figure equal")
     args = parser.parse_args()
-    wall, rss, cpu, report = one_run(args.plan)
+    with tempfile.TemporaryDirectory() as folder:
+        plan = args.plan
+        if args.v2:
+            plan = str(Path(folder) / "llama3_405b_v2.yaml")
+            Path(plan).write_text(V2_PLAN.format(parent=(ROOT / args.plan).resolve()))
+        wall, rss, cpu, report = one_run(plan, args.v2)
+        whole = one_run(plan, args.v2, "--no-reuse") if args.exact else None
     memory = report["memory"]
     want = expected_parameter_bytes()
     got = memory["after_step"]["parameters"]
     gib = 2**30
-    print(f"Llama-3-405B shape, {args.plan}, TP {TP} x FSDP {DP} (world 128), bf16, AdamW, batch 1, seq 8192")
+    where = (f"dp_replicate 8 x dp_shard {DP} x tp {TP} (world {V2_WORLD}), checkpointing layers.*" if args.v2
+             else f"TP {TP} x FSDP {DP} (world 128)")
+    print(f"Llama-3-405B shape, {args.plan}, {where}, bf16, AdamW, batch 1, seq 8192")
     print(f"wall {wall:.1f} s ({wall / GOAL_WALL_S:.2f} of the {GOAL_WALL_S:.0f} s goal); "
           f"peak RSS {rss / gib:.2f} GiB ({rss / GOAL_RSS_BYTES:.2f} of the 2 GiB goal); CPU {cpu:.1f} s "
           "(wall above CPU: other processes share the cores)")
     print(f"parameters per rank: {got} bytes, by hand {want} ({'exact' if got == want else f'off by {got - want}'})")
     print(f"per-rank peak {memory['per_rank_peak_bytes'] / gib:.2f} GiB at {memory['peak_module']}: "
           + ", ".join(f"{k} {memory[k] / gib:.2f} GiB" for k in ("parameters", "gradients", "optimizer", "activations", "temporaries")))
-    print("bytes per rank per step: " + json.dumps(report["comm_bytes"]))
-    ok = _common.within(wall, GOAL_WALL_S) and _common.within(rss, GOAL_RSS_BYTES) and got == want
+    if "ranks" in report:
+        print(f"positions simulated: {len(report['ranks'])} of {report['world_size']} ranks")
+    if "comms_by_axis" in report:
+        print("collectives per axis per rank per step: " + json.dumps(report["comms_by_axis"]))
+    else:
+        print("bytes per rank per step: " + json.dumps(report["comm_bytes"]))
+    exact = True
+    if whole is not None:
+        exact = figures(report) == figures(whole[3])
+        print(f"--no-reuse: wall {whole[0]:.1f} s, CPU {whole[2]:.1f} s, peak RSS {whole[1] / gib:.2f} GiB; "
+              f"every figure {'equal' if exact else 'DIFFERENT'}")
+    ok = _common.within(wall, GOAL_WALL_S) and _common.within(rss, GOAL_RSS_BYTES) and got == want and exact
     return _common.exit_code(args.check, ok)
 
 

@@ -56,7 +56,9 @@ def worker(config: str, seq: int, device_type: str) -> None:
 
     from tpplan import load_plan
     from tpplan.models.llama import bench_1024
-    from tpplan.simulation.fsdp import shard_data_parallel, train_mesh
+    from tpplan.core.axes import tp_dims
+    from tpplan.simulation.fsdp import shard_data_parallel
+    from tpplan.simulation.positions import MeshDims
     from tpplan.memory.memory import measure_training_step
     from tpplan.simulation.simulate import default_inputs
 
@@ -67,7 +69,7 @@ def worker(config: str, seq: int, device_type: str) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     plan = load_plan(ROOT / "plans" / plan_file)
-    mesh = train_mesh(device.type, dp, tp, plan.mesh_axis)
+    mesh = MeshDims(*tp_dims(dp * tp, tp, plan.mesh_axis)).build(device.type)  # the (dp, tp) mesh the dry run simulates
     torch.manual_seed(0)
     with torch.device(device):
         model = bench_1024()

@@ -98,19 +98,6 @@ def test_mixed_precision_and_reshard_reach_fully_shard(tmp_path):
     assert state._fsdp_param_group.post_forward_mesh_info is None  # reshard_after_forward false: kept gathered
 
 
-def test_the_dry_run_refuses_data_axes_it_does_not_simulate_yet_and_says_torchrun_applies_them():
-    from typer.testing import CliRunner
-
-    from tpplan.cli.app import app
-
-    result = CliRunner().invoke(app, ["apply", "--dry-run", "--tp", "2", "--plan", str(PLAN), "--model", TINY])
-    assert result.exit_code == 2
-    line = next(n for n, text in enumerate(PLAN.read_text().splitlines(), 1) if text.startswith("  dp_shard:"))
-    text = " ".join(result.output.split())
-    assert f"{PLAN}:{line}:3: TP130 not applied yet: mesh.dp_shard, fsdp. The dry run simulates a version 2 plan's mesh.tp and rules only" in text
-    assert "under torchrun, `tpplan apply` applies mesh.tp and rules, mesh.dp_replicate, mesh.dp_shard, fsdp" in text
-
-
 def test_torchrun_applies_fsdp_from_the_plan_as_the_fsdp_flag_does_with_one_device_parity():
     """dp_shard 2 × tp 2 on 4 gloo ranks, 3 AdamW steps, --check: the same collectives and
     losses as the version 1 plan with --fsdp 2 (the shorthand), and parity with one device."""

@@ -181,12 +181,11 @@ def _llama_tp_as_version_2() -> str:
 
 def test_apply_refuses_a_section_it_does_not_apply_yet_located_exit_2(tmp_path):
     plan = tmp_path / "plan.yaml"
-    plan.write_text(_llama_tp_as_version_2().replace("  tp: [2, 4, 8]", "  dp_shard: 2\n  tp: [2, 4, 8]")
-                    + "fsdp:\n  units: [layers.*, '']\n")
-    result = CliRunner().invoke(app, ["apply", "--dry-run", "--tp", "2", "--plan", str(plan), "--model", "tpplan.models.llama:tiny"])
+    plan.write_text(_llama_tp_as_version_2().replace("  tp: [2, 4, 8]", "  pp: 2\n  tp: [2, 4, 8]"))
+    result = CliRunner().invoke(app, ["apply", "--dry-run", "--tp", "2", "--world", "4", "--plan", str(plan), "--model", "tpplan.models.llama:tiny"])
     assert result.exit_code == 2
-    line = next(n for n, text in enumerate(plan.read_text().splitlines(), 1) if "dp_shard" in text)
-    assert f"{plan}:{line}:3: TP130 not applied yet: mesh.dp_shard, fsdp. The dry run simulates" in result.output
+    line = next(n for n, text in enumerate(plan.read_text().splitlines(), 1) if "pp:" in text)
+    assert f"{plan}:{line}:3: TP130 not applied yet: mesh.pp. The dry run simulates" in result.output
     assert "Traceback" not in result.output
 
 

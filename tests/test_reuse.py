@@ -77,6 +77,8 @@ def _both(plan: str, model: str, tp: int, train: str) -> str:
 def without_reuse_fields(report: dict) -> dict:
     stripped = json.loads(json.dumps(report))
     del stripped["memory"]["block_reuse"], stripped["notes"]
+    for rank in stripped.get("ranks", ()):  # each simulated position's memory names it too
+        del rank["memory"]["block_reuse"]
     return stripped
 
 

@@ -48,8 +48,11 @@ JSON_OUTPUT = """\
   "reshards": bool, "optimizer": bool (it holds optimizer state)}}` (else null), with `--save`, `"saved": {"path", "format"}`,
   with memory planning `"memory"` (the per-rank peak by category, `peak_module`, `fits`, `after_step`, and
   `"block_reuse": {"container", "blocks", "from", "reused": [fqn], "simulated": [fqn]}`, the blocks simulated
-  once and reused, or null), `"comm_bytes"` and `"optimizer_comms"`,
-  and `"notes": [str]`, what the run chose or changed for the user (a default `--tp`, dropout off for `--check`)."""
+  once and reused, or null), `"comm_bytes"` and `"optimizer_comms"`; a dry run that simulates a mesh
+  (memory planning, a version 2 plan's data axes) also `"mesh": {dim: size}`, `"comms_by_axis": {dim:
+  {"forward"|"backward": {op: {"count", "bytes"}}}}` (the worst rank's, as `"memory"`) and `"ranks":
+  [{"position": {dim: index}, "global_ranks": [int], "memory", "over_limit_bytes", "comms_by_axis"}]`, one per
+  distinct position (torchrun: `"mesh"`), and `"notes": [str]`, what the run chose or changed for the user (a default `--tp`, dropout off for `--check`)."""
 
 
 def cli_markdown(app: Any = None) -> str:

@@ -73,8 +73,20 @@ def apply(
     ] = None,
     dry_run: Annotated[
         bool,
-        typer.Option("--dry-run", help="No torchrun, no devices: simulate --tp ranks in this process (fake process group, fake tensors: FakeTensorMode)."),
+        typer.Option("--dry-run", help="No torchrun, no devices: simulate --tp ranks in this process (fake process group, fake tensors: FakeTensorMode); "
+                     "a version 2 plan's whole mesh (--world), one rank per distinct position, with memory and collectives per axis."),
     ] = False,
+    world: Annotated[
+        Optional[int],
+        typer.Option(
+            "--world",
+            metavar="N",
+            min=1,
+            help="--dry-run of a version 2 plan: the world size its mesh takes (the -1 axis resolved); "
+            "default the product of the plan's axes. Under torchrun it must be the world size.",
+            show_default=False,
+        ),
+    ] = None,
     check: Annotated[
         bool,
         typer.Option("--check", help="Compare outputs and every parameter gradient with a single-device reference built from the same weights."),
@@ -145,6 +157,13 @@ def apply(
             help="Memory planning: simulate every block, not identical repeated blocks once (the report names the blocks it reused).",
         ),
     ] = False,
+    every_rank: Annotated[
+        bool,
+        typer.Option(
+            "--every-rank",
+            help="Memory planning: simulate every rank of the world, not one per distinct position (slow; the positions' check).",
+        ),
+    ] = False,
     device: Annotated[Device, typer.Option("--device", help="Device of each rank; auto: cuda, then npu, then cpu. Picks the backend: nccl, hccl, gloo.")] = Device.auto,
     format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (one object; cli.md lists its keys).")] = ApplyFormat.text,
     checkpoint: Annotated[
@@ -203,7 +222,7 @@ def apply(
     options = ApplyOptions(
         plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout,
         checkpoint=checkpoint, save=save, save_format=save_format.value, allow_missing=tuple(allow_missing or ()), train=train,
-        reuse_blocks=not no_reuse,
+        reuse_blocks=not no_reuse, world=world, every_rank=every_rank,
     )
     under_torchrun = not dry_run and "RANK" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0
@@ -245,6 +264,13 @@ _WORDING = {
     ("fsdp", "not-a-divisor"): "--fsdp ({fsdp}) must divide the world size ({world})",
     ("fsdp", "world-mismatch"): "--fsdp ({fsdp}) x --tp ({tp}) must be the world size ({world})",
     ("fsdp", "version-2"): "--fsdp is a version 1 plan's shorthand: a version 2 plan sets mesh.dp_shard (and its fsdp section) instead",
+    ("world", "missing"): "--dry-run: the plan's mesh.{axis} is -1 (the rest of the world): give the world size (--world N)",
+    ("world", "version-1"): "--world sizes a version 2 plan's mesh: a version 1 plan's dry run simulates --tp ranks (x --fsdp)",
+    ("world", "torchrun-mismatch"): "--world ({world}) is not torchrun's world size ({torchrun_world})",
+    ("check", "data-axes"): "--check in a dry run compares real per-rank values of the TP axis with one device; it does not "
+    "simulate the data axes (mesh.dp_replicate, mesh.dp_shard, fsdp, checkpointing) with values: run --check under torchrun",
+    ("every_rank", "needs-memory"): "--every-rank simulates each rank's memory plan: add a memory option (--batch, --seq, --dtype, "
+    "--optimizer, --memory-limit), or use a version 2 plan with data axes",
     ("tp", "plan-mismatch"): "--tp {tp}: the plan's mesh gives tp {plan_tp} on {world} ranks ({dims}); leave --tp out, or change mesh.tp",
 }
 

@@ -226,8 +226,10 @@ def section_warnings(plan: Any) -> list[Problem]:
 
 
 # What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply activation
-# checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run simulates the TP axis only.
-APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing"), "dry-run": ("tp",)}
+# checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run simulates the same
+# on fake tensors (runtime/dry_world.py), one rank per distinct position.
+APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing"),
+           "dry-run": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing")}
 _DOES = {"torchrun": "This tpplan applies", "dry-run": "The dry run simulates"}
 
 

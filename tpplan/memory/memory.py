@@ -8,12 +8,13 @@ trackers.
 torch's dispatcher and sort it into parameters, gradients, optimizer state,
 activations and temporaries: the steady state of training. The same
 function measures a real rank (real tensors, `bench/`) and plans one in the dry
-run (`plan_memory`: FakeTensorMode under the fake process group, world
-`dp x tp`, no memory spent), so prediction and measurement are one code path.
+run (`plan_memory`: FakeTensorMode under the fake process group, the world of
+the mesh simulated as any one of its ranks, no memory spent), so prediction and
+measurement are one code path.
 
-Collectives are counted per pass with their bytes (`collective_bytes`): the
-larger of each collective's buffers on this rank, i.e. the full tensor of an
-all-gather or reduce-scatter and the tensor of an all-reduce.
+Collectives are counted per pass and per mesh axis with their bytes
+(`collective_bytes`): the larger of each collective's buffers on this rank, i.e.
+the full tensor of an all-gather or reduce-scatter and the tensor of an all-reduce.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from ..simulation.training import TrainOptions, make_optimizer, make_targets, to
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from ..simulation.positions import MeshDims
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -87,21 +90,40 @@ def collective_bytes(args: tuple, result: Any) -> int:
 
 
 @contextlib.contextmanager
-def counting(counts: Counter, sizes: Counter) -> Iterator[None]:
-    """Collectives (counts and bytes, SPEC names) of the body. Not CommDebugMode: its
-    module tracker and per-op log cost more than the model at 126 layers; the counts
-    are the same (tests compare them)."""
+def counting(counts: Counter, sizes: Counter, axis_of=None) -> Iterator[None]:
+    """Collectives of the body, counted and their bytes summed per (axis, op): the
+    mesh axis whose group each ran on (`axis_of(args)`, simulation/comm_axes.py;
+    without one, every collective is filed under "" (no mesh to name it by)) and its
+    SPEC name. Not CommDebugMode: its module tracker and per-op log cost more than
+    the model at 126 layers; the counts are the same (tests compare them)."""
     from ..simulation.simulate import _COLLECTIVE_NAMES, collective_counter
 
     spec_names = set(_COLLECTIVE_NAMES.values())
 
     def counted(name: str, args: tuple, out: Any) -> None:
         if name in spec_names:
-            counts[name] += 1
-            sizes[name] += collective_bytes(args, out)
+            key = (axis_of(args) if axis_of is not None else "", name)
+            counts[key] += 1
+            sizes[key] += collective_bytes(args, out)
 
     with collective_counter(counted):
         yield
+
+
+def per_op(by_axis: dict[tuple[str, str], int]) -> dict[str, int]:
+    """{(axis, op): n} summed over the axes: {op: n}, sorted."""
+    found: Counter = Counter()
+    for (_, op), n in by_axis.items():
+        found[op] += n
+    return dict(sorted(found.items()))
+
+
+def nested(counts: dict[tuple[str, str], int], sizes: dict[tuple[str, str], int], axes) -> dict[str, dict[str, dict[str, int]]]:
+    """{axis: {op: {"count", "bytes"}}} of one phase, every axis of `axes` present."""
+    found: dict[str, dict[str, dict[str, int]]] = {axis: {} for axis in axes}
+    for (axis, op), n in sorted(counts.items()):
+        found.setdefault(axis, {})[op] = {"count": n, "bytes": sizes.get((axis, op), 0)}
+    return found
 
 
 # -- the tracker ----------------------------------------------------------------------
@@ -209,10 +231,26 @@ class StepMemory:
     categories: dict[str, int]
     after_step: dict[str, int]  # what stays between steps: parameters and optimizer state
     peak_module: str
-    comms: dict[str, dict[str, int]]  # {"forward"|"backward"|"optimizer": {op: count}}
-    comm_bytes: dict[str, dict[str, int]]
+    # {"forward"|"backward"|"optimizer": {(mesh axis, op): count}}, and the bytes of the same
+    axis_comms: dict[str, dict[tuple[str, str], int]]
+    axis_bytes: dict[str, dict[tuple[str, str], int]]
     losses: list[float] = field(default_factory=list)
     untracked_backward: int = 0  # modules whose backward torch's ModTracker skipped (freed after their forward)
+
+    @property
+    def comms(self) -> dict[str, dict[str, int]]:
+        """{"forward"|"backward"|"optimizer": {op: count}}, every axis together."""
+        return {phase: per_op(counts) for phase, counts in self.axis_comms.items()}
+
+    @property
+    def comm_bytes(self) -> dict[str, dict[str, int]]:
+        return {phase: per_op(sizes) for phase, sizes in self.axis_bytes.items()}
+
+    def comms_by_axis(self, axes) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+        """SPEC §7's {axis: {"forward"|"backward": {op: {"count", "bytes"}}}}, every axis of `axes`."""
+        phases = {phase: nested(self.axis_comms[phase], self.axis_bytes[phase], axes) for phase in ("forward", "backward")}
+        every = {**dict.fromkeys(axes), **phases["forward"], **phases["backward"]}  # the mesh's, then any group that is no dim's
+        return {axis: {phase: phases[phase].get(axis, {}) for phase in phases} for axis in every}
 
 
 @contextlib.contextmanager
@@ -244,12 +282,14 @@ def measure_training_step(
     fsdp: bool = False,
     seed: int = 0,
     recorder=None,
+    axis_of=None,
 ) -> StepMemory:
     """Peak memory of this rank over a steady-state training step (the optimizer
     state made first, then `reset_mod_stats()` and the measured step), by
     category, with the collectives of the step. Works on real and on fake tensors.
     `recorder` (reuse.Timeline) sees every op and the memory where the step's
-    forward, backward and optimizer step begin and end."""
+    forward, backward and optimizer step begin and end; `axis_of` names the mesh
+    axis of each collective (simulation/comm_axes.py)."""
     import torch
 
     from ..simulation.fsdp import fake_friendly_meshes
@@ -275,14 +315,14 @@ def measure_training_step(
         mark("start")
         generator = torch.Generator().manual_seed(seed + 3)
         with loss_context(loss_parallel):
-            with counting(counts["forward"], sizes["forward"]):
+            with counting(counts["forward"], sizes["forward"], axis_of):
                 loss = training_loss(model(*inputs), targets, loss_parallel, generator)
             mark("forward")
-            with counting(counts["backward"], sizes["backward"]):
+            with counting(counts["backward"], sizes["backward"], axis_of):
                 loss.backward()
             mark("backward")
         if optimizer is not None:
-            with counting(counts["optimizer"], sizes["optimizer"]):
+            with counting(counts["optimizer"], sizes["optimizer"], axis_of):
                 optimizer.step()
         model.zero_grad(set_to_none=True)
         losses.append(loss_value(loss.detach()))
@@ -294,8 +334,8 @@ def measure_training_step(
         categories=categories,
         after_step=after[1],
         peak_module=_peak_module(*tracker.peak_site, type(model).__name__),
-        comms={phase: dict(sorted(c.items())) for phase, c in counts.items()},
-        comm_bytes={phase: dict(sorted(s.items())) for phase, s in sizes.items()},
+        axis_comms={phase: dict(sorted(c.items())) for phase, c in counts.items()},
+        axis_bytes={phase: dict(sorted(s.items())) for phase, s in sizes.items()},
         losses=losses,
         untracked_backward=len(untracked),
     )
@@ -310,6 +350,8 @@ class PlannedStep:
     step: StepMemory
     blocks: list[str]
     notes: list[str] = field(default_factory=list)  # what the planning chose (e.g. why no block was reused)
+    checkpointed: list[str] = field(default_factory=list)  # the modules activation checkpointing wraps
+    layouts: tuple = ()  # positions.Layout of every parameter simulated: what tells positions apart
 
 
 # simulate(model, recorder=None, wrap=None) -> PlannedStep: one built model, sharded and measured
@@ -317,52 +359,56 @@ Simulate = Callable[..., PlannedStep]
 
 
 def plan_memory(
+    plan: Any,
     build: Callable[[], "nn.Module"],
     make_inputs: Callable[["nn.Module"], tuple],
     shard: Callable[["nn.Module", Any], Any],
-    tp: int,
+    dims: "MeshDims",
     train: TrainOptions,
-    axis: str = "tp",
-    loss_parallel: bool = False,
     run: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
     strategy: "Callable[[nn.Module, Simulate], PlannedStep] | None" = None,
+    rank: int = 0,
 ) -> PlannedStep:
-    """Simulate world `dp x tp` (dp = `train.fsdp`) on fake tensors: `build()` the
-    model, cast it to `train.dtype`, `shard(model, mesh)` (the plan), FSDP2 on dp,
-    and measure one training step on `make_inputs(model)`. `run(fn)` wraps the
-    step (the dry run's failure locator). `strategy(model, simulate)` decides how
-    the built model is simulated (reuse.block_reuse: repeated blocks once);
-    without one, it is simulated whole."""
-    from ..simulation.fsdp import train_mesh
+    """Simulate the world of mesh `dims` as global `rank`, on fake tensors: `build()`
+    the model, cast it to `train.dtype`, `shard(model, mesh)` (the plan's TP rules),
+    then what follows them (activation checkpointing, FSDP2 over the data dims above
+    1: a version 2 plan's axes or --fsdp's dp), and measure one training step on
+    `make_inputs(model)`. `run(fn)` wraps the step (the dry run's failure locator).
+    `strategy(model, simulate)` decides how the built model is simulated
+    (reuse.block_reuse: repeated blocks once); without one, it is simulated whole."""
+    from ..simulation.comm_axes import mesh_axes
     from ..simulation.modelref import default_dtype
     from ..simulation.simulate import fake_tensors, simulated_world
 
-    dp = train.dp
-    with simulated_world(dp * tp):
-        mesh = train_mesh("cpu", dp, tp, axis)
+    with simulated_world(dims.world, rank):
+        mesh = dims.build("cpu")
+        axis_of = mesh_axes(mesh)
         with fake_tensors():
             with default_dtype(torch_dtype(train.dtype)):
                 model = build()
 
             def simulate(model: "nn.Module", recorder=None, wrap: list[str] | None = None) -> PlannedStep:
-                return _simulate(model, make_inputs(model), shard, mesh, tp, train, loss_parallel, run, recorder, wrap)
+                return _simulate(plan, model, make_inputs(model), shard, mesh, dims, train, run, recorder, wrap, axis_of)
 
             return (strategy or (lambda model, simulate: simulate(model)))(model, simulate)
 
 
-def _simulate(model, inputs, shard, mesh, tp: int, train: TrainOptions, loss_parallel: bool, run, recorder, wrap) -> PlannedStep:
-    """The plan, FSDP2 (on `wrap`, default: the model's blocks) and one measured step of a built model."""
-    from ..simulation.fsdp import fake_friendly_meshes, shard_data_parallel
+def _simulate(plan, model, inputs, shard, mesh, dims: "MeshDims", train: TrainOptions, run, recorder, wrap, axis_of) -> PlannedStep:
+    """The plan, what follows it (activation checkpointing; FSDP2 on `wrap`, default: the
+    plan's units or the model's blocks) and one measured step of a built model."""
+    from ..simulation.fsdp import apply_after_rules, fake_friendly_meshes
+    from ..simulation.positions import layouts
 
-    dp = train.dp
+    data_parallel = dims.dp > 1
     with fake_friendly_meshes():
         shard(model, mesh)
-    wrapped = shard_data_parallel(model, mesh, wrap=wrap) if dp > 1 else []
-    step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, loss_parallel, fsdp=dp > 1, recorder=recorder))
+        checkpointed, wrapped = apply_after_rules(plan, model, mesh, data_parallel, wrap)
+    step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, plan.loss_parallel, fsdp=data_parallel,
+                                             recorder=recorder, axis_of=axis_of))
     first_param = next(model.parameters(), None)
     memory = MemoryReport(
-        tp=tp,
-        dp=dp,
+        tp=dims.tp,
+        dp=dims.dp,
         per_rank_peak_bytes=step.peak_bytes,
         categories=step.categories,
         steady=step.after_step,
@@ -375,4 +421,4 @@ def _simulate(model, inputs, shard, mesh, tp: int, train: TrainOptions, loss_par
     )
     notes = [f"the backward of {step.untracked_backward} module(s) freed after their forward (made inside another's forward) "
              "is counted in the totals but not attributed to a module: torch's ModTracker skips them"] if step.untracked_backward else []
-    return PlannedStep(memory=memory, step=step, blocks=wrapped, notes=notes)
+    return PlannedStep(memory=memory, step=step, blocks=wrapped, notes=notes, checkpointed=checkpointed, layouts=layouts(model))

@@ -1,6 +1,8 @@
 """`apply --dry-run` with memory planning: the memory plan at `--tp`, or at every
-degree of the plan's mesh.sizes, as a result the dry run puts in its report (the
-measurement itself is memory.py's)."""
+degree of the plan's mesh.sizes, over the mesh the dry run simulates (a version 1
+plan's tp x --fsdp's dp, a version 2 plan's named axes: runtime/dry_world.py), one
+simulated rank per distinct position (simulation/positions.py), as a result the
+dry run puts in its report (the measurement itself is memory.py's)."""
 
 from __future__ import annotations
 
@@ -16,13 +18,37 @@ from .reuse import block_reuse
 
 
 @dataclass(frozen=True)
+class RankPlan:
+    """One simulated position: its coordinate ({dim: index}), the global ranks it
+    stands for (positions.py says why they are alike), its memory and its
+    collectives per axis (SPEC §7's `comms_by_axis`)."""
+
+    position: dict[str, int]
+    ranks: tuple[int, ...]
+    memory: MemoryReport
+    comms_by_axis: dict[str, dict[str, dict[str, dict[str, int]]]]
+
+    @property
+    def over_limit_bytes(self) -> int | None:
+        """How far the peak is above --memory-limit (0: it fits; None: no limit)."""
+        limit = self.memory.limit_bytes
+        return None if limit is None else max(0, self.memory.per_rank_peak_bytes - limit)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"position": dict(self.position), "memory": self.memory.to_json(), "global_ranks": list(self.ranks),
+                "over_limit_bytes": self.over_limit_bytes, "comms_by_axis": self.comms_by_axis}
+
+
+@dataclass(frozen=True)
 class DegreePlan:
     """The memory plan at one TP degree: the plan applied (every module and parameter
     of the whole model, also when repeated blocks were simulated once), one training
-    step's collectives (counts and bytes per phase) and its memory."""
+    step's collectives (counts and bytes per phase) and memory of the worst rank, and
+    every simulated position (`ranks`)."""
 
     tp: int
     dp: int
+    mesh: dict[str, int]
     modules: dict[str, str]
     rule_of: dict[str, str]
     rule_where: dict[str, str]
@@ -32,6 +58,8 @@ class DegreePlan:
     optimizer_comms: dict[str, Any]  # {"counts", "bytes"}
     memory: MemoryReport
     notes: tuple[str, ...]  # what the planning chose (e.g. why no block was reused)
+    ranks: tuple[RankPlan, ...] = ()
+    comms_by_axis: dict[str, Any] | None = None  # the worst rank's
 
 
 @dataclass(frozen=True)
@@ -55,14 +83,19 @@ def unused_size_note(options) -> list[str]:
 def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> MemoryPlan:
     """The memory plan: at `options.tp`, or at every degree of the plan's mesh.sizes
     (the report then shows the smallest degree that fits, else the largest, and the
-    table of all). A PlanError when no degree could be planned, or when the model
+    table of all). At each degree, one simulated rank per distinct position of the
+    mesh (simulation/positions.py; every rank with `options.every_rank`), the worst
+    of them reported. A PlanError when no degree could be planned, or when the model
     fails on one device too (its own TP500)."""
     from ..core.degrees import tp_degrees
     from ..core.problems import PlanError, first_line
+    from ..runtime.dry_world import dry_run_dims
+    from ..simulation.fsdp import after_rules_notes
     from ..simulation.layouts import param_layouts
     from ..simulation.locate import FailureLocator, Sharded, shard_with_progress, unpromised_tp_note
     from ..simulation.modelref import build_model, make_inputs
     from ..simulation.one_device import blamed
+    from ..simulation.positions import distinct_positions, every_rank
 
     train = options.train
     # core/degrees.py's rule, as the dry run's (dry_run_tp refused a run with neither); every
@@ -80,13 +113,14 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> Memo
         event("forward and backward without the plan")
         return one_device_failure(options, factory, torch_dtype(train.dtype), batch, seq)
 
-    def one(tp: int) -> DegreePlan:
+    def at_rank(dims, rank: int):
+        """One simulated rank: its planned step, and the plan as applied there (modules, parameters)."""
         applied: dict[str, tuple[Sharded, list[ParamLayout], FailureLocator]] = {}
         failed: list[PlanError] = []  # the sharded step raised (not the build or the plan's application)
 
         def shard(model, mesh):
             sharded = shard_with_progress(plan, model, mesh, event)
-            applied["plan"] = (sharded, param_layouts(model, tp), FailureLocator(plan, model, sharded.rules, tp))
+            applied["plan"] = (sharded, param_layouts(model, dims.tp), FailureLocator(plan, model, sharded.rules, dims.tp))
 
         def run(step):
             from ..simulation.locate import run_located
@@ -97,39 +131,59 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> Memo
                 failed.append(exc)
                 raise
 
-        event(f"planning memory at TP {tp}" + (f" x FSDP {train.dp}" if train.dp > 1 else ""))
+        where = " x ".join(f"{name} {size}" for name, size in zip(dims.names, dims.shape))
+        event(f"planning memory on {where}" + (f", rank {rank}" if rank else ""))
         try:
             planned = plan_memory(
+                plan,
                 lambda: build_model(options.model, "cpu", factory),
                 lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
                 shard,
-                tp,
+                dims,
                 train,
-                plan.mesh_axis,
-                plan.loss_parallel,
                 run,
                 None if not options.reuse_blocks else block_reuse(plan, event),
+                rank,
             )
         except PlanError as exc:
             # a failed step is the plan's only if the model runs without it
             raise (blamed(exc, blame_model) if failed else exc) from None
-        sharded, params, _ = applied["plan"]
+        return planned, applied["plan"]
+
+    def one(tp: int) -> DegreePlan:
+        dims = dry_run_dims(options, plan, tp)
+        planned, (sharded, params, _) = at_rank(dims, 0)
+        layouts = planned.layouts
+        positions = every_rank(dims) if options.every_rank else distinct_positions(dims, layouts, planned.memory.seq, plan.mesh_axis)
+        ranks = []
+        for position in positions:
+            step = planned if position.rank == 0 else at_rank(dims, position.rank)[0]
+            ranks.append((position, step))
+        _, worst = max(ranks, key=lambda found: found[1].memory.per_rank_peak_bytes)  # the first of the highest
         modules, rule_of = sharded.modules, sharded.rule_of
         reused = planned.memory.reuse
         if reused is not None:  # the report names every module and parameter of the whole model
             modules, rule_of, params = reused.expand_dict(modules), reused.expand_dict(rule_of), reused.expand_params(params)
+        notes = list(worst.notes)
+        if plan.version == 2:  # what follows the TP rules, as torchrun's report says it
+            notes += after_rules_notes(plan, planned.checkpointed, dims.sizes if dims.dp > 1 else None)
+        if dims.dp > 1 or len(positions) > 1 or options.every_rank:  # which ranks stand for which (a TP-only even world: rank 0 for all)
+            notes.append(_positions_note(dims, positions, options.every_rank))
         return DegreePlan(
             tp=tp,
-            dp=train.dp,
+            dp=dims.dp,
+            mesh=dims.sizes,
             modules=modules,
             rule_of=rule_of,
             rule_where=sharded.rule_where,
             params=tuple(params),
-            comms={phase: planned.step.comms[phase] for phase in ("forward", "backward")},
-            comm_bytes={phase: planned.step.comm_bytes[phase] for phase in ("forward", "backward")},
-            optimizer_comms={"counts": planned.step.comms["optimizer"], "bytes": planned.step.comm_bytes["optimizer"]},
-            memory=planned.memory,
-            notes=tuple(planned.notes),
+            comms={phase: worst.step.comms[phase] for phase in ("forward", "backward")},
+            comm_bytes={phase: worst.step.comm_bytes[phase] for phase in ("forward", "backward")},
+            optimizer_comms={"counts": worst.step.comms["optimizer"], "bytes": worst.step.comm_bytes["optimizer"]},
+            memory=worst.memory,
+            notes=tuple(notes),
+            ranks=tuple(RankPlan(dims.position(p.rank), p.ranks, step.memory, step.step.comms_by_axis(dims.names)) for p, step in ranks),
+            comms_by_axis=worst.step.comms_by_axis(dims.names),
         )
 
     results: dict[int, DegreePlan] = {}
@@ -145,7 +199,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> Memo
             sweep.append(DegreeFit(tp, train.dp, None, None, first_line(exc)))
             continue
         memory = results[tp].memory
-        sweep.append(DegreeFit(tp, train.dp, memory.per_rank_peak_bytes, memory.fits))
+        sweep.append(DegreeFit(tp, results[tp].dp, memory.per_rank_peak_bytes, memory.fits))
     if not results:
         raise next(iter(failures.values()))
     fitting = [tp for tp in results if results[tp].memory.fits]
@@ -156,3 +210,18 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> Memo
         notes.append(f"--tp not given: planned every degree of the plan's mesh.sizes {degrees}; the report is TP {chosen}, {why}")
     notes += unpromised_tp_note(plan, chosen) if options.tp is None else []
     return MemoryPlan(results[chosen], tuple(sweep) if len(degrees) > 1 else (), tuple(notes))
+
+
+def _positions_note(dims, positions, every: bool) -> str:
+    """Which ranks were simulated, and why the others are equal to them."""
+    from ..simulation.positions import ranks_text
+
+    if every:
+        return f"every one of the {dims.world} ranks simulated (--every-rank)"
+    shown = "; ".join(
+        " · ".join(f"{name} {index}" for name, index in dims.position(p.rank).items()) + f" (ranks {ranks_text(p.ranks)})"
+        for p in positions[:4]
+    ) + (f"; and {len(positions) - 4} more" if len(positions) > 4 else "")
+    return (f"{len(positions)} distinct position(s) of {dims.world} ranks simulated: {shown}. Ranks holding equal shapes "
+            "(every parameter's shard and its FSDP2-gathered whole, the sequence chunk on tp) run the same step; dp_replicate ranks are replicas, "
+            "dp_shard and tp ranks differ only where a dim does not divide evenly")

@@ -159,8 +159,20 @@ def find_run(model: "nn.Module", plan: "Plan") -> BlockReuse | str | None:
         return None
     if container in claimed:
         return f"the plan's rule '{claimed[container].pattern}' shards '{container}' itself: all {len(fqns)} blocks simulated"
+    sections = _section_claims(model, plan)
+    if sections is None:
+        return None
+    for section, by_fqn in sections.items():
+        around = [fqn for fqn in by_fqn if fqn == "" or container == fqn or container.startswith(f"{fqn}.")]
+        if around and not (section == "fsdp.units" and around == [""]):  # the root's FSDP unit holds every block alike
+            return f"the plan's {section} '{by_fqn[around[0]]}' wraps '{around[0] or '<root>'}', which holds the blocks: all {len(fqns)} blocks simulated"
+
+    def what_plan_does(fqn: str) -> Any:  # the TP rule, and (version 2) the checkpointing and FSDP unit globs
+        rule = getattr(claimed.get(fqn), "pattern", None)
+        return (rule, *(by_fqn.get(fqn) for by_fqn in sections.values())) if sections else rule
+
     found_signatures = signatures([(fqn, model.get_submodule(fqn)) for fqn in fqns], exact=True, held_twice=shared(model),
-                                  rule=lambda fqn: getattr(claimed.get(fqn), "pattern", None))
+                                  rule=what_plan_does)
     best = max(runs(found_signatures), key=len)  # the first of the longest
     if len(best) < MIN_RUN:
         return f"no {MIN_RUN} consecutive blocks of '{container}' are identical ({first_difference(fqns, found_signatures)}): all {len(fqns)} simulated"
@@ -169,6 +181,26 @@ def find_run(model: "nn.Module", plan: "Plan") -> BlockReuse | str | None:
     moved = _positional_setting(model, found)
     if moved:
         return f"{moved} gives the blocks of '{container}' settings by position that a shorter list would move: all {len(fqns)} simulated"
+    return found
+
+
+def _section_claims(model: "nn.Module", plan: "Plan") -> dict[str, dict[str, str]] | None:
+    """{section: {fqn: glob}} of a version 2 plan's checkpointing modules and FSDP units
+    (blocks are identical only where these treat them alike too); None where they do not
+    resolve (the whole simulation reports why)."""
+    from ..core.sections import claim_section
+
+    if plan.version != 2:
+        return {}
+    tree, under = plan.module_tree(model)
+    found: dict[str, dict[str, str]] = {}
+    for section, present in (("checkpointing.modules", plan.spec.checkpointing), ("fsdp.units", plan.spec.fsdp and plan.spec.fsdp.units)):
+        if not present:
+            continue
+        claimed, problems = claim_section(plan, tree, under, section)
+        if problems:
+            return None
+        found[section] = {fqn: entry.pattern for fqn, entry in claimed.items()}
     return found
 
 
@@ -365,8 +397,8 @@ def compose(reuse: "BlockReuse", short: tuple["PlannedStep", Timeline], long: tu
         categories={name: held[name] for name in CATEGORIES},
         after_step=_linear(step_a.after_step, step_b.after_step, copies),
         peak_module=where,
-        comms={phase: _linear(step_a.comms[phase], counts, copies) for phase, counts in step_b.comms.items()},
-        comm_bytes={phase: _linear(step_a.comm_bytes[phase], sizes, copies) for phase, sizes in step_b.comm_bytes.items()},
+        axis_comms={phase: _linear(step_a.axis_comms[phase], counts, copies) for phase, counts in step_b.axis_comms.items()},
+        axis_bytes={phase: _linear(step_a.axis_bytes[phase], sizes, copies) for phase, sizes in step_b.axis_bytes.items()},
         losses=step_b.losses,
     )
     if min(step.categories.values()) < 0 or min(step.after_step.values()) < 0:
@@ -374,7 +406,8 @@ def compose(reuse: "BlockReuse", short: tuple["PlannedStep", Timeline], long: tu
     memory = dataclasses.replace(planned_b.memory, per_rank_peak_bytes=step.peak_bytes, categories=step.categories,
                                  steady=step.after_step, peak_module=step.peak_module, reuse=reuse)
     blocks = [name for name, _ in reuse.expand((fqn, None) for fqn in planned_b.blocks)]
-    return PlannedStep(memory=memory, step=step, blocks=blocks, notes=planned_b.notes)
+    checkpointed = [name for name, _ in reuse.expand((fqn, None) for fqn in planned_b.checkpointed)]
+    return PlannedStep(memory=memory, step=step, blocks=blocks, notes=planned_b.notes, checkpointed=checkpointed, layouts=planned_b.layouts)
 
 
 def _linear(a: dict[str, int], b: dict[str, int], copies: int) -> dict[str, int]:

@@ -85,7 +85,9 @@ def render_text(report: ApplyReport, console) -> None:
         row(table, "all (unsharded)", str(report.total_bytes), human_bytes(report.total_bytes))
         console.print(table)
 
-    if report.comms is not None:
+    if report.comms_by_axis is not None and len(report.comms_by_axis) > 1:
+        _render_axes(report, console)
+    elif report.comms is not None:
         sizes = report.comm_bytes  # with memory planning: bytes per rank beside the counts
         table = Table(title="Collectives" + (" per rank, one training step" if sizes else ""), title_justify="left")
         columns = (("forward pass", "forward bytes", "backward pass", "backward bytes") if sizes else ("forward pass", "backward pass"))
@@ -106,7 +108,7 @@ def render_text(report: ApplyReport, console) -> None:
     if report.memory is not None:
         from .memory import render_memory
 
-        render_memory(report.memory, report.memory_sweep, console)
+        render_memory(report.memory, report.memory_sweep, console, report.mesh, report.ranks)
 
     if report.step_time_s is not None:
         console.print(f"step time (forward + backward): {report.step_time_s * 1e3:.2f} ms")
@@ -125,6 +127,30 @@ def render_text(report: ApplyReport, console) -> None:
         console.print(f"check against a single device: {verdict}, max |diff| {report.check.max_abs_diff:.3g}")
         for line in report.check.problems:
             console.print(f"  {line}", markup=False)
+
+
+def _render_axes(report: ApplyReport, console) -> None:
+    """SPEC §7's collectives per axis, one short table each (the worst rank's, as the memory)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    assert report.comms_by_axis is not None and report.mesh is not None
+    for axis, phases in report.comms_by_axis.items():
+        size = report.mesh.get(axis)
+        table = Table(title=f"Collectives over {axis}" + (f" ({size} ranks)" if size else "") + " per rank, one training step",
+                      title_justify="left")
+        for column, justify in (("op", "left"), ("forward", "right"), ("forward bytes", "right"), ("backward", "right"), ("backward bytes", "right")):
+            table.add_column(column, justify=justify)
+        ops = sorted(set(phases["forward"]) | set(phases["backward"]))
+        for op in ops:
+            cells = [op]
+            for phase in ("forward", "backward"):
+                found = phases[phase].get(op, {"count": 0, "bytes": 0})
+                cells += [str(found["count"]), human_bytes(found["bytes"])]
+            table.add_row(*(Text(cell) for cell in cells))
+        if not ops:
+            table.add_row(Text("(none)"), *(Text(c) for c in ("0", "0 B", "0", "0 B")))
+        console.print(table)
 
 
 def _render_checkpoint(report: ApplyReport, console) -> None:

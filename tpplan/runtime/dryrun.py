@@ -47,6 +47,7 @@ from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with
 from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
 from .checkpoint_layout import applies, checkpoint_dry_run
+from .dry_world import check_world, simulates_world
 from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
 from .report import ApplyReport
 
@@ -149,8 +150,18 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     if applies(options, plan):  # a layout not simulated yet: the checkpoint checked against it from headers alone
         return checkpoint_dry_run(options, plan, event)
     refuse_unapplied(plan, "dry-run")
+    check_world(options, plan)
+    # A world beyond the TP axis (a version 2 plan's data axes, checkpointing) is planned
+    # as --fsdp's always was: per rank, with memory, on fake tensors.
+    whole_world = simulates_world(plan, options)
+    if whole_world and options.check:
+        raise ApplyOptionsError("check", "data-axes", "--check compares real per-rank values of the TP axis with one device; "
+                                "a dry run does not simulate the data axes with values (torchrun's --check does)")
+    if options.every_rank and not (whole_world or options.train.plans_memory):
+        raise ApplyOptionsError("every_rank", "needs-memory", "--every-rank simulates each rank's memory plan: give a memory "
+                                "option (--batch, --seq, --dtype, --optimizer, --memory-limit) or a plan with data axes")
     tp, note = dry_run_tp(options, plan)
-    planning = options.train.plans_memory  # memory planning picks its own degrees without --tp
+    planning = options.train.plans_memory or whole_world  # memory planning picks its own degrees without --tp
     notes = [note] if note and not (planning and plan.mesh_sizes) else []
     notes += unpromised_tp_note(plan, tp) if not (planning and options.tp is None) else []
     if options.device not in ("auto", "cpu"):
@@ -240,6 +251,9 @@ def _assembled(options: ApplyOptions, plan: Plan, tp: int, notes: list[str], run
         memory_sweep=list(memory.sweep) if memory is not None else [],
         notes=notes,
         checkpoint=checkpoint,
+        mesh=dict(chosen.mesh) if chosen else None,
+        comms_by_axis=chosen.comms_by_axis if chosen else None,
+        ranks=list(chosen.ranks) if chosen else [],
     )
 
 

@@ -76,3 +76,5 @@ class ApplyOptions:
     allow_missing: tuple[str, ...] = ()
     train: TrainOptions = TrainOptions()  # memory planning (dry run), FSDP2 and the optimizer of --steps
     reuse_blocks: bool = True  # memory planning: simulate identical repeated blocks once (memory/reuse.py)
+    world: int | None = None  # dry run of a version 2 plan: the world size its mesh takes (-1 resolved)
+    every_rank: bool = False  # memory planning: simulate every rank, not one per distinct position

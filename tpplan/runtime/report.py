@@ -62,7 +62,11 @@ class ApplyReport:
     notes: list[str] = field(default_factory=list)  # what the run chose for the user (e.g. a default --tp)
     checkpoint: dict | None = None  # --checkpoint: what was (or would be) loaded, see tpplan.checkpoint.inspect
     saved: dict | None = None  # --save: {"path", "format"}
-    mesh: dict[str, int] | None = None  # torchrun: the device mesh's dims, outermost first {name: size} (SPEC §7)
+    mesh: dict[str, int] | None = None  # the device mesh's dims, outermost first {name: size} (SPEC §7)
+    # Memory planning (a dry run's world): collectives per mesh axis {axis: {phase: {op: {"count", "bytes"}}}} of
+    # the worst rank, and each simulated position (memory_dryrun.RankPlan), SPEC §7
+    comms_by_axis: dict[str, Any] | None = None
+    ranks: list = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -119,5 +123,9 @@ class ApplyReport:
             found["optimizer_comms"] = self.optimizer_comms
         if self.memory_sweep:
             found["memory_by_tp"] = [row.to_json() for row in self.memory_sweep]
+        if self.comms_by_axis is not None:
+            found["comms_by_axis"] = self.comms_by_axis
+        if self.ranks:
+            found["ranks"] = [rank.to_json() for rank in self.ranks]
         return found
 

@@ -173,6 +173,9 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
 def _mesh(world: int, options: ApplyOptions, plan: Plan) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The mesh's (shape, dim names): a version 2 plan's named axes (its sizes checked
     against the world first, located), or version 1's tp with --fsdp's dp."""
+    if options.world is not None and options.world != world:  # a dry run's option: under torchrun a check of torchrun's
+        raise ApplyOptionsError("world", "torchrun-mismatch", f"{options.world} is not torchrun's world size ({world})",
+                                world=options.world, torchrun_world=world)
     if plan.version == 1:
         return mesh_shape(world, fsdp_tp(world, options.tp, options.train.fsdp), plan.mesh_axis)
     from ..core.axes import mesh_dims, world_problems

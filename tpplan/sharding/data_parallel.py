@@ -109,9 +109,10 @@ def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
 
 
 def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None) -> list[str]:
-    """`fully_shard` the plan's units (`wrap`: these fqns instead, as memory planning's
-    block reuse asks) and the root over the mesh's data-parallel dims; returns the
-    wrapped fqns (root: ""), none where the mesh has no data-parallel dim."""
+    """`fully_shard` the plan's units (`wrap`: these fqns instead of the default blocks
+    where the plan names no units, as memory planning's block reuse asks) and the
+    root over the mesh's data-parallel dims; returns the wrapped fqns (root: ""),
+    none where the mesh has no data-parallel dim."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -128,7 +129,7 @@ def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMe
                                                    output_dtype=dtype(mp.output_dtype))
     if wanted.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    wrapped = unit_modules(plan, model, wanted) if wrap is None else [*wrap, ""]
+    wrapped = [*wrap, ""] if wrap is not None and wanted.units is None else unit_modules(plan, model, wanted)
     for fqn in wrapped:
         fully_shard(model.get_submodule(fqn) if fqn else model, **kwargs)
     return wrapped

@@ -1,7 +1,8 @@
-"""What follows the TP rules, in the simulated world as on real ranks: `train_mesh`
-(the (dp, tp) mesh memory planning simulates), `after_rules` (activation
-checkpointing, then FSDP2), and `shard_data_parallel`, which runs
-sharding/data_parallel.py with FSDP2's mesh bookkeeping kept outside fake mode.
+"""What follows the TP rules, in the simulated world as on real ranks: `after_rules`
+(activation checkpointing, then FSDP2: torchrun's; `apply_after_rules` and
+`after_rules_notes`, its two halves, memory planning's), and `shard_data_parallel`,
+which runs sharding/data_parallel.py with FSDP2's mesh bookkeeping kept outside
+fake mode.
 """
 
 from __future__ import annotations
@@ -17,17 +18,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 
-def train_mesh(device_type: str, dp: int, tp: int, axis: str) -> "DeviceMesh":
-    """The 1-D tp mesh (dp 1) or the 2-D (dp, tp) mesh; tp is the fastest-varying dim."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dp == 1:
-        return init_device_mesh(device_type, (tp,), mesh_dim_names=(axis,))
-    if axis == "dp":
-        raise ValueError("the plan's mesh.axis is 'dp', the name of the data-parallel dim: rename it (e.g. 'tp')")
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", axis))
-
-
 def blocks(model: "nn.Module") -> list[str]:
     """FSDP2's default units (sharding/data_parallel.py): memory's block reuse reads them here."""
     from ..sharding.data_parallel import blocks as default_units
@@ -39,22 +29,40 @@ def after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_paral
     """What follows the TP rules, in torchtitan's order: activation checkpointing (a
     version 2 plan's `checkpointing`), then FSDP2/HSDP (`data_parallel`: the data axes,
     or --fsdp's dp). Returns the report's notes of what was done."""
+    checkpointed, _ = apply_after_rules(plan, model, mesh, data_parallel)
+    return after_rules_notes(plan, checkpointed, dict(zip(mesh.mesh_dim_names or (), mesh.shape)) if data_parallel else None)
+
+
+def apply_after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool,
+                      wrap: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """Activation checkpointing, then (`data_parallel`) FSDP2 on the plan's units (`wrap`:
+    these blocks instead of the default ones, see `shard_data_parallel`); returns the
+    checkpointed fqns and the wrapped ones (root: "")."""
     from ..sharding.activation_checkpoint import apply_activation_checkpointing
+
+    checkpointed = apply_activation_checkpointing(plan, model)
+    return checkpointed, shard_data_parallel(model, mesh, plan, wrap) if data_parallel else []
+
+
+def after_rules_notes(plan: "Plan", checkpointed: list[str], data_mesh: dict[str, int] | None) -> list[str]:
+    """The report's notes of `apply_after_rules`: the modules checkpointed (of the whole
+    model), and FSDP2 over the data dims of `data_mesh` ({dim: size}; None: no FSDP2)."""
     from ..sharding.data_parallel import data_parallel_of
 
     notes = []
-    if checkpointed := apply_activation_checkpointing(plan, model):
+    if checkpointed:
         mode = plan.spec.checkpointing.mode
         notes.append(f"activation checkpointing ({mode}) on {len(checkpointed)} module(s) ({', '.join(plan.spec.checkpointing.modules)})")
-    if data_parallel:
-        shard_data_parallel(model, mesh, plan)
-        notes.append(data_parallel_of(plan).describe(dict(zip(mesh.mesh_dim_names or (), mesh.shape))))
+    if data_mesh is not None:
+        notes.append(data_parallel_of(plan).describe(data_mesh))
     return notes
 
 
 def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | None" = None, wrap: list[str] | None = None) -> list[str]:
     """FSDP2 after the plan (sharding/data_parallel.py), on fake tensors as on real ones;
-    returns the wrapped fqns (root: "")."""
+    returns the wrapped fqns (root: ""). `wrap`: the blocks to wrap where the plan names
+    no units of its own (block reuse's truncated copy, whose largest list may no longer
+    be the blocks); a plan's `fsdp.units` are matched on `model` as it is."""
     from ..sharding.data_parallel import apply_data_parallel
 
     with _meshes_outside_fake_mode():

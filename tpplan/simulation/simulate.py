@@ -122,8 +122,11 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
     it changes nothing. The group is destroyed on exit, so worlds of different sizes
     can follow each other in one process. Inside, ops whose CPU form has no DTensor
     rule but whose CUDA form has one get the CUDA rule (`device_rules.cuda_rules`):
-    the world simulates the cluster, not the CPU. A rank other than 0 starts and ends
-    with DTensor's sharding caches emptied (`forget_sharding_cache`).
+    the world simulates the cluster, not the CPU. Every world starts and ends with
+    DTensor's sharding caches emptied (`forget_sharding_cache`): a cached output spec
+    holds the mesh of the world that filled it, and a later world's mesh of the same
+    layout (as rank 1, or rank 0 of a world with other process groups: a dry run plans
+    several degrees or ranks in one process) would get it, with groups of a world gone.
     """
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"cannot simulate rank {rank} of {world_size}: world_size must be at least 1 and rank in [0, world_size)")
@@ -139,16 +142,14 @@ def simulated_world(world_size: int, rank: int = 0) -> Iterator[None]:
 
     from .device_rules import cuda_rules
 
-    if rank:
-        forget_sharding_cache()
+    forget_sharding_cache()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         with cuda_rules():
             yield
     finally:
         dist.destroy_process_group()
-        if rank:
-            forget_sharding_cache()
+        forget_sharding_cache()
 
 
 def tp_mesh(world_size: int, axis: str = "tp") -> DeviceMesh:
