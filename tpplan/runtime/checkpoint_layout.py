@@ -17,37 +17,35 @@ import math
 from collections.abc import Callable
 
 from ..core.axes import APPLIED, mesh_dims, unapplied, world_problems
-from ..core.axes_spec import WORLD_AXES
 from ..core.plan import Plan
 from ..core.problems import PlanError
 from ..simulation.modelref import build_model, load_callable
+from .dry_world import simulates_world
+from .dry_world import world_of as world_at
 from .options import ApplyOptions, ApplyOptionsError
 from .report import ApplyReport
 
 
 def applies(options: ApplyOptions, plan: Plan) -> bool:
-    """Whether this check answers the dry run: a checkpoint (nothing asked that needs a
-    simulation: --check, memory planning), and a version 2 plan whose every key the dry
-    run does not simulate is one torchrun applies (a layout that can run)."""
+    """Whether this check answers the dry run: a checkpoint with nothing asked that needs
+    a simulation (--check, memory planning, --save), and a version 2 layout beyond the TP
+    axis: data axes the dry run would plan memory for, or keys it does not simulate that
+    torchrun applies (a layout that can run)."""
     keys = unapplied(plan, "dry-run")
     simulates = options.check or options.train.plans_memory or options.save  # these need the simulation: refused as before
-    return bool(options.checkpoint) and not simulates and bool(keys) and all(key[-1] in APPLIED["torchrun"] for key in keys)
+    beyond_tp = simulates_world(plan, options) or (bool(keys) and all(key[-1] in APPLIED["torchrun"] for key in keys))
+    return bool(options.checkpoint) and not simulates and beyond_tp
 
 
 def world_of(options: ApplyOptions, plan: Plan) -> int:
-    """The world the plan's sizes make: their product (at `--tp` where it promises several
-    degrees). A -1 axis needs a world only torchrun knows: a usage error saying so."""
-    rest = plan.mesh.rest_axis
-    if rest is not None:
-        raise ApplyOptionsError("plan", "world-unknown", (
-            f"mesh.{rest} is -1 (the rest of the world): a dry run of a version 2 layout takes its world from the "
-            f"plan's sizes; give mesh.{rest} a size to check --checkpoint against that layout"))
+    """The world of the layout: --world, or the plan's sizes' product (at `--tp` where it
+    promises several degrees), as the dry run of a world takes it (`dry_world.world_of`)."""
     candidates = list(plan.mesh.candidates())
     sizes = next((c for c in candidates if options.tp is None or c["tp"] == options.tp), None)
     if sizes is None:
         promised = ", ".join(str(c["tp"]) for c in candidates)
         raise ApplyOptionsError("tp", "not-promised", f"--tp {options.tp}: the plan's mesh.tp promises {promised}")
-    return math.prod(sizes[axis] or 1 for axis in WORLD_AXES)
+    return world_at(options, plan, sizes["tp"])
 
 
 def checkpoint_dry_run(options: ApplyOptions, plan: Plan, on_event: Callable[[str], None]) -> ApplyReport:
@@ -64,9 +62,12 @@ def checkpoint_dry_run(options: ApplyOptions, plan: Plan, on_event: Callable[[st
     target = dict(zip(names, shape))
     report.mesh, report.tp, report.dp = target, shape[-1], math.prod(shape[:-1])
     skipped = ", ".join(".".join(key) for key in unapplied(plan, "dry-run"))
+    layout = ', '.join(f'{n} {s}' for n, s in target.items())
     report.notes = [f"the dry run does not simulate {skipped} yet: --checkpoint was checked from its headers against the "
-                    f"whole layout ({', '.join(f'{n} {s}' for n, s in target.items())}); per-rank shapes, memory and "
-                    "collectives are not reported (torchrun applies the layout)"]
+                    f"whole layout ({layout}); per-rank shapes, memory and collectives are not reported (torchrun applies "
+                    "the layout)" if skipped else
+                    f"--checkpoint was checked from its headers against the whole layout ({layout}); per-rank memory and "
+                    "collectives: the same dry run with a memory option (--batch, --seq, --memory-limit)"]
     factory = load_callable(options.model, "--model")
     try:
         source = open_checkpoint(options.checkpoint)
