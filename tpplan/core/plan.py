@@ -163,8 +163,9 @@ class Plan:
         dp_shard), FSDP2 (HSDP with dp_replicate) follows the TP rules, on the plan's
         `fsdp` units and policies (sharding/data_parallel.py), after activation
         checkpointing of the `checkpointing` section's modules (torchtitan's order).
-        A version 2 plan that sets axes or sections not applied yet (pp, cp, ep,
-        experts, context_parallel, training) is refused (axes.NotAppliedError, a ValueError located
+        The `experts` rules apply after the TP rules, over the ep dim of the mesh's expert
+        view (FSDP2 then shards the experts over efsdp). A version 2 plan that sets axes or
+        sections not applied yet (pp, cp, context_parallel, training) is refused (axes.NotAppliedError, a ValueError located
         at the first): applying the rest alone would ignore them.
         """
         from ..sharding.apply import apply_every_axis
@@ -178,10 +179,15 @@ class Plan:
         """The named device mesh this plan runs on over `world` ranks (in a process group
         of that size): a version 2 plan's data axes above 1, then tp, the fastest;
         ValueError where its sizes do not make the world (`tpplan validate --world N`
-        says where)."""
+        says where). With `experts` rules, the expert view (dp_replicate, efsdp, ep:
+        ep borrowed from dp_shard·cp·tp, as torchtitan) is unflattened from the same
+        ranks now and found again by `apply` (sharding/expert_mesh.py)."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        from ..sharding.expert_mesh import expert_view
         from .axes import mesh_dims
 
         shape, names = mesh_dims(self, world, tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        expert_view(self, mesh)  # the experts' (dp_replicate, efsdp, ep) view, built once with the mesh
+        return mesh

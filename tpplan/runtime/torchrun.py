@@ -206,11 +206,15 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
 
     from ..simulation.simulate import forward_backward
 
+    from ..sharding.expert_mesh import expert_view
+
     shape, names = mesh_spec
     mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+    experts = expert_view(plan, mesh)  # built once, here, on every rank: (dp_replicate,) efsdp, ep
     dp = math.prod(shape[:-1])
     # FSDP2 on a version 2 plan's data axes, or on --fsdp's dp (without --fsdp, v1's dp ranks are replicas)
-    ran = _Ran(tp=shape[-1], dp=dp, mesh=dict(zip(names, shape)), data_parallel=dp > 1 and (plan.version == 2 or bool(options.train.fsdp)))
+    sizes = dict(zip(names, shape)) | ({"ep": experts["ep"].size()} if experts is not None else {})
+    ran = _Ran(tp=shape[-1], dp=dp, mesh=sizes, data_parallel=dp > 1 and (plan.version == 2 or bool(options.train.fsdp)))
     try:
         if options.check:  # both sides in eval mode: dropout would draw different masks on each
             from ..check.dropout import for_check
