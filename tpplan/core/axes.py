@@ -228,7 +228,7 @@ def section_warnings(plan: Any) -> list[Problem]:
 # What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply the experts
 # over ep, activation checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run
 # simulates the TP axis only.
-APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "ep", "experts", "fsdp", "checkpointing"), "dry-run": ("tp",)}
+APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts"), "dry-run": ("tp",)}
 _DOES = {"torchrun": "This tpplan applies", "dry-run": "The dry run simulates"}
 
 

@@ -143,17 +143,22 @@ def claim_section(plan: Any, tree: ModuleTree, under: str, section: str) -> tupl
 def claimed_twice(tp_claimed: dict[str, Any], experts_claimed: dict[str, SectionGlob]) -> list[Problem]:
     """TP201 at each experts rule that matches a module a TP rule (`rules`) matches too: the
     experts rule places its parameters over ep, the TP rule over tp; a module takes one."""
-    problems, reported = [], set()
+    both: dict[tuple[int, int], list[str]] = {}  # (experts rule, TP rule) -> the modules both match
+    pairs: dict[tuple[int, int], tuple[SectionGlob, Any]] = {}
     for fqn, entry in experts_claimed.items():
         rule = tp_claimed.get(fqn)
-        if rule is None or (entry.pattern, rule.pattern) in reported:
-            continue
-        reported.add((entry.pattern, rule.pattern))
+        if rule is not None:
+            both.setdefault((id(entry), id(rule)), []).append(fqn)
+            pairs[id(entry), id(rule)] = (entry, rule)
+    problems = []
+    for key, fqns in both.items():
+        entry, rule = pairs[key]
         at = f"line {rule.line}" if rule.file == entry.file else f"{rule.file}:{rule.line}"
         fix = f"delete the inherited rule with '{rule.pattern}: null' under rules" if rule.file != entry.file else "remove one"
+        more = f" (and {len(fqns) - 1} more)" if len(fqns) > 1 else ""
         problems.append(entry.problem("TP201", (
-            f"experts rule '{entry.pattern}' and rule '{rule.pattern}' ({at}) both match '{fqn}': a module takes one "
-            f"style (the experts rule places it over ep, the TP rule over tp); {fix}")))
+            f"experts rule '{entry.pattern}' and rule '{rule.pattern}' ({at}) both match '{fqns[0]}'{more}: a module "
+            f"takes one style (the experts rule places it over ep, the TP rule over tp); {fix}")))
     return problems
 
 

@@ -148,6 +148,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     import torch
 
     from ..core.loader import load_plan
+    from ..sharding.apply import expert_claims
 
     loaded = _Loaded()
     try:
@@ -159,6 +160,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
         loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device, real_buffers=True)
         loaded.structure = module_structure(loaded.model)
         loaded.plan.match(loaded.model)
+        expert_claims(loaded.plan, loaded.model)  # the experts rules, as the TP rules: before any rank shards
         if options.checkpoint:  # keys, shapes, dtypes: on every rank, before any shards
             from ..checkpoint.run import preflight
 

@@ -137,18 +137,14 @@ def apply_experts(
     ep borrows its ranks from dp_shard·cp·tp); returns {fqn: the experts rule}, none
     without the section. A glob matching nothing (TP200), a module two experts rules
     match (TP201) or that a TP rule lays out too (TP201: its parameters would be placed
-    twice) is the plan's error at the experts rule, before anything is sharded."""
-    from ..core.sections import claim_section, claimed_twice
+    twice) is the plan's error at the experts rule (`expert_claims`, which callers run
+    before the TP rules too)."""
     from .expert_mesh import expert_view
 
     view = expert_view(plan, mesh)
     if view is None:
         return {}
-    tree, under = plan.module_tree(model)
-    claimed, problems = claim_section(plan, tree, under, "experts")
-    problems += claimed_twice(plan.match(model), claimed)
-    if problems:
-        raise PlanError(problems)
+    claimed = expert_claims(plan, model)
     _refuse_laid_out(plan.match(model), claimed, model)
     ep_mesh = view["ep"]
     order = list(claimed.items())
@@ -156,6 +152,21 @@ def apply_experts(
         _apply_rule(plan, model, fqn, entry, ep_mesh, "ep")
         if on_module is not None:
             on_module(done, len(order), fqn)
+    return claimed
+
+
+def expert_claims(plan: "Plan", model: nn.Module) -> dict[str, Any]:
+    """{fqn: the experts rule that claims it} of a version 2 plan, in module order (none
+    without the section); PlanError with TP200/TP201 as `validate --model` reports them."""
+    from ..core.sections import claim_section, claimed_twice
+
+    if plan.version != 2 or not plan.spec.experts:
+        return {}
+    tree, under = plan.module_tree(model)
+    claimed, problems = claim_section(plan, tree, under, "experts")
+    problems += claimed_twice(plan.match(model), claimed)
+    if problems:
+        raise PlanError(problems)
     return claimed
 
 
@@ -206,6 +217,7 @@ def apply_every_axis(
         if "dp_shard" not in names:  # before any module is touched
             raise ValueError(f"the plan has data-parallel axes but the mesh has dims {tuple(names)}: "
                              "build it with plan.build_mesh(world), or name its dims dp_replicate, dp_shard and tp")
+    expert_claims(plan, model)  # the experts rules' problems, before any module is touched
     apply_plan(plan, model, mesh, on_module)
     if plan.version == 2:
         apply_experts(plan, model, mesh, on_module)
