@@ -148,7 +148,6 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     import torch
 
     from ..core.loader import load_plan
-    from ..sharding.apply import expert_claims
 
     loaded = _Loaded()
     try:
@@ -160,7 +159,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
         loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device, real_buffers=True)
         loaded.structure = module_structure(loaded.model)
         loaded.plan.match(loaded.model)
-        expert_claims(loaded.plan, loaded.model)  # the experts rules, as the TP rules: before any rank shards
+        loaded.plan.match_experts(loaded.model)  # the experts rules, as the TP rules: before any rank shards
         if options.checkpoint:  # keys, shapes, dtypes: on every rank, before any shards
             from ..checkpoint.run import preflight
 
@@ -208,14 +207,14 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
 
     from ..simulation.simulate import forward_backward
 
-    from ..sharding.expert_mesh import expert_view
-
     shape, names = mesh_spec
-    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
-    experts = expert_view(plan, mesh)  # built once, here, on every rank: (dp_replicate,) efsdp, ep
+    if plan.version == 2:  # the named mesh, and the experts' (dp_replicate, efsdp, ep) view with it, once
+        mesh = plan.build_mesh(math.prod(shape), ctx.device.type, shape[-1])
+    else:
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     dp = math.prod(shape[:-1])
     # FSDP2 on a version 2 plan's data axes, or on --fsdp's dp (without --fsdp, v1's dp ranks are replicas)
-    sizes = dict(zip(names, shape)) | ({"ep": experts["ep"].size()} if experts is not None else {})
+    sizes = dict(zip(names, shape)) | ({"ep": plan.mesh.sizes["ep"]} if plan.version == 2 and plan.experts else {})
     ran = _Ran(tp=shape[-1], dp=dp, mesh=sizes, data_parallel=dp > 1 and (plan.version == 2 or bool(options.train.fsdp)))
     try:
         if options.check:  # both sides in eval mode: dropout would draw different masks on each

@@ -48,6 +48,8 @@ class Plan(Protocol):
 
     def match(self, model: nn.Module) -> dict[str, Rule]: ...
 
+    def match_experts(self, model: nn.Module) -> dict[str, Any]: ...
+
 
 class ModuleShardingError(PlanError):
     """Applying `rule`'s style to the module `fqn` raised `error` (torch's, the
@@ -137,14 +139,14 @@ def apply_experts(
     ep borrows its ranks from dp_shard·cp·tp); returns {fqn: the experts rule}, none
     without the section. A glob matching nothing (TP200), a module two experts rules
     match (TP201) or that a TP rule lays out too (TP201: its parameters would be placed
-    twice) is the plan's error at the experts rule (`expert_claims`, which callers run
-    before the TP rules too)."""
+    twice) is the plan's error at the experts rule (`Plan.match_experts`, which callers
+    run before the TP rules too)."""
     from .expert_mesh import expert_view
 
     view = expert_view(plan, mesh)
     if view is None:
         return {}
-    claimed = expert_claims(plan, model)
+    claimed = plan.match_experts(model)
     _refuse_laid_out(plan.match(model), claimed, model)
     ep_mesh = view["ep"]
     order = list(claimed.items())
@@ -152,21 +154,6 @@ def apply_experts(
         _apply_rule(plan, model, fqn, entry, ep_mesh, "ep")
         if on_module is not None:
             on_module(done, len(order), fqn)
-    return claimed
-
-
-def expert_claims(plan: "Plan", model: nn.Module) -> dict[str, Any]:
-    """{fqn: the experts rule that claims it} of a version 2 plan, in module order (none
-    without the section); PlanError with TP200/TP201 as `validate --model` reports them."""
-    from ..core.sections import claim_section, claimed_twice
-
-    if plan.version != 2 or not plan.spec.experts:
-        return {}
-    tree, under = plan.module_tree(model)
-    claimed, problems = claim_section(plan, tree, under, "experts")
-    problems += claimed_twice(plan.match(model), claimed)
-    if problems:
-        raise PlanError(problems)
     return claimed
 
 
@@ -217,9 +204,24 @@ def apply_every_axis(
         if "dp_shard" not in names:  # before any module is touched
             raise ValueError(f"the plan has data-parallel axes but the mesh has dims {tuple(names)}: "
                              "build it with plan.build_mesh(world), or name its dims dp_replicate, dp_shard and tp")
-    expert_claims(plan, model)  # the experts rules' problems, before any module is touched
+    plan.match_experts(model)  # the experts rules' problems, before any module is touched
     apply_plan(plan, model, mesh, on_module)
     if plan.version == 2:
         apply_experts(plan, model, mesh, on_module)
         apply_activation_checkpointing(plan, model)
         apply_data_parallel(plan, model, mesh)
+
+
+def build_mesh(plan: "Plan", world: int, device_type: str = "cpu", tp: int | None = None) -> "DeviceMesh":
+    """`Plan.build_mesh`: the named mesh of `core.axes.mesh_dims`, and with `experts`
+    rules its expert view (dp_replicate, efsdp, ep), unflattened from the same ranks now,
+    on every rank in the same order (expert_mesh.py), and found again by `apply_experts`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..core.axes import mesh_dims
+    from .expert_mesh import expert_view
+
+    shape, names = mesh_dims(plan, world, tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    expert_view(plan, mesh)
+    return mesh
