@@ -29,11 +29,11 @@ L = 2  # tpplan.models.hf.TINY's layers, each with 4 routed experts
 EXPERTS = "  model.layers.*.mlp.experts: {style: expert_parallel, dispatch: all_to_all}\n"
 
 
-def _plan(tmp_path: Path, mesh: str, experts: str = EXPERTS, rules: str = "  model.layers.*.mlp.experts: null\n") -> Path:
+def _plan(tmp_path: Path, mesh: str, experts: str = EXPERTS, rules: str = "  model.layers.*.mlp.experts: null\n", more: str = "") -> Path:
     """The shipped plan's layout with other sizes: the SP rules of qwen3_moe_ep_sp.yaml over tp, the experts over ep."""
     path = tmp_path / "plan.yaml"
     path.write_text(f"version: 2\nextends: {ROOT / 'plans' / 'hf' / 'qwen3_moe_ep_sp.yaml'}\nrules:\n{rules}"
-                    f"mesh:\n{textwrap.indent(mesh, '  ')}experts:\n{experts}fsdp:\n  units: [model.layers.*]\n")
+                    f"mesh:\n{textwrap.indent(mesh, '  ')}experts:\n{experts}fsdp:\n  units: [model.layers.*]\n{more}")
     return path
 
 
@@ -157,17 +157,24 @@ COMMS = {
 }
 
 
-@pytest.mark.parametrize("mesh, sizes, comms", [
+# ep 4 spans both dp_shard ranks: efsdp 1 (no FSDP collective for the experts, their gradients
+# divided by dp_shard 2 all the same: the all-to-all summed both data ranks' tokens); with full
+# activation checkpointing of the blocks, backward recomputes each block's forward: its
+# attention's all-gather and reduce-scatter and its experts' 3 all-to-alls again.
+EP4_AC = {
+    "forward": {"all_gather": L + 2 + L + 1, "all_to_all": 3 * L, "reduce_scatter": L + 1},
+    "backward": {"all_gather": L + 1 + L + 1 + L, "all_reduce": 5 * L + 1, "all_to_all": 2 * L + 3 * L,
+                 "reduce_scatter": L + 1 + L + 1 + L},
+}
+
+
+@pytest.mark.parametrize("mesh, more, sizes, comms", [
     # the shipped plan: ep 2 = the tp group, efsdp 2 (the experts' FSDP over the dp_shard pairs)
-    (None, {"dp_shard": 2, "tp": 2, "ep": 2}, COMMS),
-    # ep 4 spans both dp_shard ranks: efsdp 1 (no FSDP collective for the experts), gradients
-    # divided by dp_shard 2 all the same (the all-to-all summed both data ranks' tokens)
-    ("dp_shard: 2\ntp: 2\nep: 4\n", {"dp_shard": 2, "tp": 2, "ep": 4},
-     {**COMMS, "forward": {**COMMS["forward"], "all_gather": L + 2 + L + 1},
-      "backward": {**COMMS["backward"], "all_gather": L + 1 + L + 1, "reduce_scatter": L + 1 + L + 1}}),
-])
-def test_torchrun_applies_experts_over_ep_with_fsdp_and_matches_one_device_after_three_adamw_steps(tmp_path, mesh, sizes, comms):
-    path = PLAN if mesh is None else _plan(tmp_path, mesh)
+    (None, "", {"dp_shard": 2, "tp": 2, "ep": 2}, COMMS),
+    ("dp_shard: 2\ntp: 2\nep: 4\n", "checkpointing: {modules: model.layers.*, mode: full}\n", {"dp_shard": 2, "tp": 2, "ep": 4}, EP4_AC),
+], ids=["ep2-efsdp2", "ep4-efsdp1-ac"])
+def test_torchrun_applies_experts_over_ep_with_fsdp_and_matches_one_device_after_three_adamw_steps(tmp_path, mesh, more, sizes, comms):
+    path = PLAN if mesh is None else _plan(tmp_path, mesh, more=more)
     result = torchrun(4, "-m", "tpplan", "apply", "--model", MODEL, "--plan", str(path), "--check", "--steps", "3",
                       "--format", "json", timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -179,6 +186,8 @@ def test_torchrun_applies_experts_over_ep_with_fsdp_and_matches_one_device_after
     assert report["comms"] == comms
     experts = report["parameters"]["model.layers.0.mlp.experts.gate_up_proj"]
     assert experts["placements"] == "shard(0)" and experts["local_shapes"] == [[4 // sizes["ep"], 64, 64]] * 2
+    efsdp = 4 // sizes["ep"]
+    assert f"expert_parallel (all_to_all) over ep {sizes['ep']}, borrowed from dp_shard·cp·tp, on {L} module(s), sharded by FSDP2 over efsdp {efsdp}" in report["notes"]
 
 
 @pytest.mark.slow

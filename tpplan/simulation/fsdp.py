@@ -41,8 +41,13 @@ def after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_paral
     or --fsdp's dp). Returns the report's notes of what was done."""
     from ..sharding.activation_checkpoint import apply_activation_checkpointing
     from ..sharding.data_parallel import data_parallel_of
+    from ..sharding.expert_mesh import expert_view
 
     notes = []
+    if (view := expert_view(plan, mesh)) is not None:  # applied with the TP rules (simulation/locate.py)
+        over = f", sharded by FSDP2 over efsdp {view['efsdp'].size()}" if data_parallel else ""
+        notes.append(f"expert_parallel (all_to_all) over ep {view['ep'].size()}, borrowed from dp_shard·cp·tp, on "
+                     f"{len(plan.match_experts(model))} module(s){over}")
     if checkpointed := apply_activation_checkpointing(plan, model):
         mode = plan.spec.checkpointing.mode
         notes.append(f"activation checkpointing ({mode}) on {len(checkpointed)} module(s) ({', '.join(plan.spec.checkpointing.modules)})")
