@@ -108,6 +108,16 @@ def test_an_ep_that_does_not_divide_the_borrowed_ranks_is_located_at_mesh_ep(tmp
     assert _mesh(6, ApplyOptions(plan=str(rest), model=MODEL), plan) == ((3, 2), ("dp_shard", "tp"))  # 3 divides 3·2
 
 
+def test_torchrun_stops_every_rank_at_an_ep_that_does_not_divide_the_world_it_runs_on(tmp_path):
+    path = _plan(tmp_path, "dp_shard: -1\ntp: 2\nep: 3\n")
+    result = torchrun(4, "-m", "tpplan", "apply", "--model", MODEL, "--plan", str(path), timeout=120)
+    assert result.returncode == 1
+    located = (f"{path}:{_line(path, 'ep: 3')}:7: TP122 mesh.ep: 3 does not divide dp_shard·cp·tp = 2·1·2 = 4: expert "
+               "parallelism borrows its ranks from these axes; make ep one of 1, 2, 4, or raise dp_shard")
+    assert result.stdout.splitlines()[0] == located and "Traceback" not in result.stdout  # rank 0's report
+    assert sorted(line for line in result.stderr.splitlines() if line.startswith("rank ")) == [f"rank {r}: {located}" for r in (1, 2, 3)]
+
+
 def test_an_experts_rule_the_ep_axis_does_not_carry_is_refused_at_the_rule(tmp_path):
     import torch
 
@@ -191,12 +201,17 @@ def test_torchrun_applies_experts_over_ep_with_fsdp_and_matches_one_device_after
 
 
 @pytest.mark.slow
-def test_ep_borrowed_from_dp_shard_alone_matches_one_device(tmp_path):
-    """dp_shard 4 (tp 1), ep 2: efsdp 2 but gradients divided by 4 (summed, then divided: gloo has no PREMUL_SUM)."""
-    path = _plan(tmp_path, "dp_shard: 4\ntp: 1\nep: 2\n")
+@pytest.mark.parametrize("mesh, sizes", [
+    # ep from dp_shard alone: efsdp 2, but gradients divided by dp_shard 4 (summed, then divided: gloo has no PREMUL_SUM)
+    ("dp_shard: 4\ntp: 1\nep: 2\n", {"dp_shard": 4, "tp": 1, "ep": 2}),
+    # HSDP: the experts replicated over dp_replicate, sharded over efsdp 1 (ep = tp)
+    ("dp_replicate: 2\ntp: 2\nep: 2\n", {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "ep": 2}),
+], ids=["dp_shard4-ep2", "hsdp-ep2"])
+def test_other_borrowings_of_ep_match_one_device(tmp_path, mesh, sizes):
+    path = _plan(tmp_path, mesh)
     result = torchrun(4, "-m", "tpplan", "apply", "--model", MODEL, "--plan", str(path), "--check", "--steps", "3",
                       "--format", "json", timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
-    assert report["mesh"] == {"dp_shard": 4, "tp": 1, "ep": 2}
+    assert report["mesh"] == sizes
     assert report["check"]["passed"] and report["steps"]["max_abs_diff"] < 5e-4
