@@ -206,7 +206,9 @@ def test_torchrun_applies_experts_over_ep_with_fsdp_and_matches_one_device_after
     ("dp_shard: 4\ntp: 1\nep: 2\n", {"dp_shard": 4, "tp": 1, "ep": 2}),
     # HSDP: the experts replicated over dp_replicate, sharded over efsdp 1 (ep = tp)
     ("dp_replicate: 2\ntp: 2\nep: 2\n", {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "ep": 2}),
-], ids=["dp_shard4-ep2", "hsdp-ep2"])
+    # no data axis: ep 2 of tp 4 leaves each expert on 2 ranks, whose gradients FSDP2 over efsdp 2 sums
+    ("tp: 4\nep: 2\n", {"tp": 4, "ep": 2}),
+], ids=["dp_shard4-ep2", "hsdp-ep2", "tp4-ep2"])
 def test_other_borrowings_of_ep_match_one_device(tmp_path, mesh, sizes):
     path = _plan(tmp_path, mesh)
     result = torchrun(4, "-m", "tpplan", "apply", "--model", MODEL, "--plan", str(path), "--check", "--steps", "3",

@@ -69,7 +69,7 @@ class _Ran:
     tp: int
     dp: int  # the data-parallel ranks: dp_replicate·dp_shard, or --fsdp's dp
     mesh: dict[str, int] = field(default_factory=dict)
-    data_parallel: bool = False  # FSDP2 (HSDP) shards the data axes
+    data_parallel: bool = False  # FSDP2 (HSDP) shards the data axes (or the experts over efsdp)
     sharded: Sharded | None = None
     params: list[ParamLayout] = field(default_factory=list)
     comms: dict | None = None
@@ -215,7 +215,9 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     dp = math.prod(shape[:-1])
     # FSDP2 on a version 2 plan's data axes, or on --fsdp's dp (without --fsdp, v1's dp ranks are replicas)
     sizes = dict(zip(names, shape)) | ({"ep": plan.mesh.sizes["ep"]} if plan.version == 2 and plan.experts else {})
-    ran = _Ran(tp=shape[-1], dp=dp, mesh=sizes, data_parallel=dp > 1 and (plan.version == 2 or bool(options.train.fsdp)))
+    # (and on the experts over efsdp, which ep may leave replicated without data axes)
+    data_parallel = (dp > 1 and (plan.version == 2 or bool(options.train.fsdp))) or "ep" in sizes
+    ran = _Ran(tp=shape[-1], dp=dp, mesh=sizes, data_parallel=data_parallel)
     try:
         if options.check:  # both sides in eval mode: dropout would draw different masks on each
             from ..check.dropout import for_check

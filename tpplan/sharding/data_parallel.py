@@ -111,14 +111,19 @@ def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
 
 
 def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None) -> list[str]:
-    """`fully_shard` the plan's units (`wrap`: these fqns instead, as memory planning's
-    block reuse asks) and the root over the mesh's data-parallel dims; returns the
-    wrapped fqns (root: ""), none where the mesh has no data-parallel dim."""
+    """`fully_shard` the plan's experts over efsdp (`shard_experts`), then its units (`wrap`:
+    these fqns instead, as memory planning's block reuse asks) and the root over the mesh's
+    data-parallel dims; returns the wrapped fqns (root: ""). Without data-parallel dims, the
+    experts alone where ep leaves them replicated (efsdp above 1: e.g. tp 4, ep 2), so that
+    their replicas reduce their gradients; else nothing."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from .expert_mesh import expert_data_parallel_mesh, expert_view
+
     dp_mesh = data_parallel_mesh(mesh)
-    if dp_mesh is None:
+    view = expert_view(plan, mesh) if plan is not None else None
+    if dp_mesh is None and (view is None or expert_data_parallel_mesh(view).size() == 1):
         return []
     wanted = data_parallel_of(plan)
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": wanted.reshard_after_forward}
@@ -130,8 +135,10 @@ def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMe
                                                    output_dtype=dtype(mp.output_dtype))
     if wanted.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    wrapped = unit_modules(plan, model, wanted) if wrap is None else [*wrap, ""]
     experts = shard_experts(plan, model, mesh, kwargs)  # inside the units: wrapped first
+    if dp_mesh is None:
+        return experts
+    wrapped = unit_modules(plan, model, wanted) if wrap is None else [*wrap, ""]
     for fqn in wrapped:
         if fqn not in experts:  # a unit that is an experts module is sharded over efsdp already
             fully_shard(model.get_submodule(fqn) if fqn else model, **kwargs)
@@ -142,8 +149,9 @@ def shard_experts(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", k
     """`fully_shard` each module a version 2 plan's `experts` rules placed over ep, over
     (dp_replicate,) efsdp (sharding/expert_mesh.py), as torchtitan's apply_fsdp does: the
     experts' parameters are sharded over the ranks ep leaves, the rest of the model over
-    dp_shard. Their gradients are divided by the model's data-parallel degree, not by
-    efsdp: the all-to-all has already summed the tokens of the ep group's data ranks.
+    dp_shard. Their gradients are divided by the model's data-parallel degree (1 without
+    data axes), not by efsdp: the all-to-all has already summed the tokens of the ep
+    group's ranks, and efsdp's sum adds the other groups' tokens.
     Where efsdp·ep exceeds the expert count, FSDP shards dim 1 (dim 0 holds too few
     experts to split). Returns their fqns, none without experts rules."""
     from torch.distributed.tensor import Shard
@@ -160,7 +168,8 @@ def shard_experts(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", k
     if problems:
         raise PlanError(problems)
     edp = expert_data_parallel_mesh(view)
-    efsdp, ep, factor = view["efsdp"].size(), view["ep"].size(), data_parallel_mesh(mesh).size()
+    dp_mesh = data_parallel_mesh(mesh)
+    efsdp, ep, factor = view["efsdp"].size(), view["ep"].size(), dp_mesh.size() if dp_mesh is not None else 1
     group = kwargs["reshard_after_forward"]
     if not isinstance(group, bool) and efsdp % group:  # a group of dp_shard ranks (TP125) is none of efsdp's
         group = True

@@ -36,23 +36,25 @@ def blocks(model: "nn.Module") -> list[str]:
 
 
 def after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool) -> list[str]:
-    """What follows the TP rules, in torchtitan's order: activation checkpointing (a
-    version 2 plan's `checkpointing`), then FSDP2/HSDP (`data_parallel`: the data axes,
-    or --fsdp's dp). Returns the report's notes of what was done."""
+    """What follows the TP rules (and the experts over ep), in torchtitan's order: activation
+    checkpointing (a version 2 plan's `checkpointing`), then FSDP2/HSDP (`data_parallel`:
+    the data axes, or --fsdp's dp; the experts over efsdp). Returns the report's notes of
+    what was done."""
     from ..sharding.activation_checkpoint import apply_activation_checkpointing
-    from ..sharding.data_parallel import data_parallel_of
+    from ..sharding.data_parallel import data_parallel_mesh, data_parallel_of
     from ..sharding.expert_mesh import expert_view
 
     notes = []
-    if (view := expert_view(plan, mesh)) is not None:  # applied with the TP rules (simulation/locate.py)
-        over = f", sharded by FSDP2 over efsdp {view['efsdp'].size()}" if data_parallel else ""
-        notes.append(f"expert_parallel (all_to_all) over ep {view['ep'].size()}, borrowed from dp_shard·cp·tp, on "
-                     f"{len(plan.match_experts(model))} module(s){over}")
     if checkpointed := apply_activation_checkpointing(plan, model):
         mode = plan.spec.checkpointing.mode
         notes.append(f"activation checkpointing ({mode}) on {len(checkpointed)} module(s) ({', '.join(plan.spec.checkpointing.modules)})")
-    if data_parallel:
-        shard_data_parallel(model, mesh, plan)
+    wrapped = shard_data_parallel(model, mesh, plan) if data_parallel else []
+    if (view := expert_view(plan, mesh)) is not None:  # the experts were placed with the TP rules (locate.py)
+        experts = plan.match_experts(model)
+        over = f", sharded by FSDP2 over efsdp {view['efsdp'].size()}" if set(experts) & set(wrapped) else ""
+        notes.insert(0, f"expert_parallel (all_to_all) over ep {view['ep'].size()}, borrowed from dp_shard·cp·tp, on "
+                        f"{len(experts)} module(s){over}")
+    if data_parallel and data_parallel_mesh(mesh) is not None:
         notes.append(data_parallel_of(plan).describe(dict(zip(mesh.mesh_dim_names or (), mesh.shape))))
     return notes
 
