@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.axes_spec import TORCH_DTYPES
 from ..core.problems import PlanError
-from ..core.sections import claim_section, fsdp_units
+from ..core.sections import fsdp_units
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,6 +34,8 @@ class Plan(Protocol):
     file: str
 
     def module_tree(self, model: Any) -> Any: ...
+
+    def match_experts(self, model: Any) -> dict[str, Any]: ...
 
 
 # The data-parallel mesh dims, outermost first: HSDP's two, or --fsdp's one.
@@ -163,10 +165,7 @@ def shard_experts(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", k
     view = expert_view(plan, mesh) if plan is not None else None
     if view is None:
         return []
-    tree, under = plan.module_tree(model)
-    claimed, problems = claim_section(plan, tree, under, "experts")
-    if problems:
-        raise PlanError(problems)
+    claimed = plan.match_experts(model)
     edp = expert_data_parallel_mesh(view)
     dp_mesh = data_parallel_mesh(mesh)
     efsdp, ep, factor = view["efsdp"].size(), view["ep"].size(), dp_mesh.size() if dp_mesh is not None else 1

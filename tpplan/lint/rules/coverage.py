@@ -64,7 +64,8 @@ RULE = LintRule(
     summary="The plan leaves a large share of the parameters unsharded.",
     what=f"""
         Counts the parameters (tied ones once) that colwise and rowwise shard
-        (and those a version 2 plan's `experts` rules place over ep), and warns when more than {UNSHARDED_SHARE:.0%} of them stay whole on every
+        (and those a version 2 plan's `experts` rules place over ep), and
+        warns when more than {UNSHARDED_SHARE:.0%} of them stay whole on every
         rank, or when one group of them (the same parameter across blocks)
         alone is more than {GROUP_SHARE:.0%} of the model. The message names the
         largest unsharded groups.
