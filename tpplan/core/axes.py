@@ -225,10 +225,11 @@ def section_warnings(plan: Any) -> list[Problem]:
 # -- what is applied ---------------------------------------------------------------------------
 
 
-# What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply activation
-# checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run simulates the same
-# on fake tensors (runtime/dry_world.py), one rank per distinct position.
-APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing"),
+# What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply the experts
+# over ep, activation checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run
+# simulates the data axes, checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one
+# rank per distinct position, not yet the experts over ep.
+APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts"),
            "dry-run": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing")}
 _DOES = {"torchrun": "This tpplan applies", "dry-run": "The dry run simulates"}
 
@@ -280,9 +281,12 @@ class NotAppliedError(ValueError):
 
 
 def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
-    """NotAppliedError where `plan` says more than `by` applies."""
+    """NotAppliedError where `plan` says more than `by` applies, or has an experts rule
+    that the ep axis does not carry (`experts_unapplied`)."""
     keys = unapplied(plan, by)
     if not keys:
+        if by in APPLIED and "experts" in APPLIED[by] and (problem := experts_unapplied(plan)) is not None:
+            raise NotAppliedError(problem)
         return
     names = ", ".join(".".join(key) for key in keys)
     message = (f"not applied yet: {names}. {_DOES[by]} a version 2 plan's {_keys_text(APPLIED[by])} only "
@@ -291,3 +295,25 @@ def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
         message += f"; under torchrun, `tpplan apply` applies {_keys_text(APPLIED['torchrun'])}"
     at = plan.source.locate(keys[0], key=True) if plan.source is not None else (1, 1)
     raise NotAppliedError(error("TP130", message, plan.file, *at))
+
+
+# What the ep axis carries of an experts rule: whole experts per ep rank, the tokens (sharded
+# over the data axes) sent to them and back. dispatch all_reduce and expert_tp need the tokens
+# replicated over their mesh, which ranks borrowed from dp_shard do not hold.
+EP_STYLE = ("expert_parallel", "all_to_all")
+
+
+def experts_unapplied(plan: Any) -> Problem | None:
+    """TP130 at the first experts rule of a version 2 plan that is not expert_parallel with
+    dispatch all_to_all: the one way experts are applied over the ep axis."""
+    for pattern, rule in (getattr(plan.spec, "experts", None) or {}).items() if plan.version == 2 else ():
+        if (rule.style, getattr(rule, "dispatch", None)) == EP_STYLE:
+            continue
+        what = f"{rule.style} with dispatch {rule.dispatch}" if rule.style == "expert_parallel" else rule.style
+        message = (f"not applied yet: experts rule '{pattern}' is {what}. Over the ep axis this tpplan applies expert_parallel "
+                   "with dispatch: all_to_all (the tokens sharded over the data axes travel to their experts' ranks and back, "
+                   "as torchtitan); expert_tp and dispatch all_reduce need the tokens replicated over their mesh: give them "
+                   "as a TP rule under `rules` (over tp), or write {style: expert_parallel, dispatch: all_to_all}")
+        at = plan.source.locate(("experts", pattern), key=True) if plan.source is not None else (1, 1)
+        return error("TP130", message, plan.file, *at)
+    return None

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 
 from .globs import Glob, ModuleTree
 from .problems import PlanError, Problem, error
-from .sections import claim
+from .sections import SectionGlob, claim, claim_section, claimed_twice
 
 if TYPE_CHECKING:
     from torch import nn
@@ -108,6 +108,19 @@ class Plan:
             raise PlanError(problems)
         return claimed
 
+    def match_experts(self, model_or_names: "nn.Module | Iterable[str]") -> dict[str, "SectionGlob"]:
+        """{concrete module path: the `experts` rule that claims it}, in module order (none
+        without the section). Strict as `match`: a glob matching nothing is TP200, a module
+        two experts rules match, or that a TP rule matches too, TP201 (a PlanError)."""
+        if self.version != 2 or not self.spec.experts:
+            return {}
+        tree, under = self.module_tree(model_or_names)
+        claimed, problems = claim_section(self, tree, under, "experts")
+        problems += claimed_twice(self.match(model_or_names), claimed)
+        if problems:
+            raise PlanError(problems)
+        return claimed
+
     def claim(self, model_or_names: "nn.Module | Iterable[str]") -> tuple[dict[str, Rule], list[Problem]]:
         """What `match` resolves, without raising: {module path: the first rule that
         matches it}, in module order, and the problems (TP200, TP201), sorted. The
@@ -163,8 +176,9 @@ class Plan:
         dp_shard), FSDP2 (HSDP with dp_replicate) follows the TP rules, on the plan's
         `fsdp` units and policies (sharding/data_parallel.py), after activation
         checkpointing of the `checkpointing` section's modules (torchtitan's order).
-        A version 2 plan that sets axes or sections not applied yet (pp, cp, ep,
-        experts, context_parallel, training) is refused (axes.NotAppliedError, a ValueError located
+        The `experts` rules apply after the TP rules, over the ep dim of the mesh's expert
+        view (FSDP2 then shards the experts over efsdp). A version 2 plan that sets axes or
+        sections not applied yet (pp, cp, context_parallel, training) is refused (axes.NotAppliedError, a ValueError located
         at the first): applying the rest alone would ignore them.
         """
         from ..sharding.apply import apply_every_axis
@@ -178,10 +192,9 @@ class Plan:
         """The named device mesh this plan runs on over `world` ranks (in a process group
         of that size): a version 2 plan's data axes above 1, then tp, the fastest;
         ValueError where its sizes do not make the world (`tpplan validate --world N`
-        says where)."""
-        from torch.distributed.device_mesh import init_device_mesh
+        says where). With `experts` rules, the expert view (dp_replicate, efsdp, ep:
+        ep borrowed from dp_shard·cp·tp, as torchtitan) is unflattened from the same
+        ranks now and found again by `apply` (sharding/expert_mesh.py)."""
+        from ..sharding.apply import build_mesh
 
-        from .axes import mesh_dims
-
-        shape, names = mesh_dims(self, world, tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        return build_mesh(self, world, device_type, tp)

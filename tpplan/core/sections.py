@@ -46,6 +46,10 @@ class SectionGlob:
     index: int | None = None
     spec: Any = None
 
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
     def problem(self, code: str, message: str) -> Problem:
         return error(code, message, self.file, self.line, self.column)
 
@@ -134,6 +138,28 @@ def claim_section(plan: Any, tree: ModuleTree, under: str, section: str) -> tupl
     """`claim` of one section of a version 2 plan (nothing for a section it does not have)."""
     entries = section_globs(plan.spec, plan.source).get(section, []) if plan.version == 2 else []
     return claim(tree, entries, under, section)
+
+
+def claimed_twice(tp_claimed: dict[str, Any], experts_claimed: dict[str, SectionGlob]) -> list[Problem]:
+    """TP201 at each experts rule that matches a module a TP rule (`rules`) matches too: the
+    experts rule places its parameters over ep, the TP rule over tp; a module takes one."""
+    both: dict[tuple[int, int], list[str]] = {}  # (experts rule, TP rule) -> the modules both match
+    pairs: dict[tuple[int, int], tuple[SectionGlob, Any]] = {}
+    for fqn, entry in experts_claimed.items():
+        rule = tp_claimed.get(fqn)
+        if rule is not None:
+            both.setdefault((id(entry), id(rule)), []).append(fqn)
+            pairs[id(entry), id(rule)] = (entry, rule)
+    problems = []
+    for key, fqns in both.items():
+        entry, rule = pairs[key]
+        at = f"line {rule.line}" if rule.file == entry.file else f"{rule.file}:{rule.line}"
+        fix = f"delete the inherited rule with '{rule.pattern}: null' under rules" if rule.file != entry.file else "remove one"
+        more = f" (and {len(fqns) - 1} more)" if len(fqns) > 1 else ""
+        problems.append(entry.problem("TP201", (
+            f"experts rule '{entry.pattern}' and rule '{rule.pattern}' ({at}) both match '{fqns[0]}'{more}: a module "
+            f"takes one style (the experts rule places it over ep, the TP rule over tp); {fix}")))
+    return problems
 
 
 def _ancestors(fqn: str) -> Iterator[str]:

@@ -164,11 +164,14 @@ _PLAN_CODES = {
     """),
     "TP130": ("not-applied-yet", """
         `tpplan apply` (and `Plan.apply`) was given a version 2 plan that sets
-        an axis other than `tp` (to anything but 1) or a section beyond `rules`
-        (`experts`, `context_parallel`, `fsdp`, `checkpointing`, `training`).
-        This tpplan checks them (`tpplan validate`) but does not apply them
-        yet, and applying the TP rules alone would silently ignore them: it is
-        refused as a usage error (exit 2) located at the first such key. A
+        an axis (to anything but 1) or a section beyond what that runner
+        applies (under torchrun: `pp`, `cp`, `context_parallel`, `training`;
+        the dry run: anything beyond `mesh.tp` and `rules`), or an `experts`
+        rule other than `expert_parallel` with `dispatch: all_to_all` (the
+        one way the ep axis places experts). This tpplan checks them
+        (`tpplan validate`) but does not apply them yet, and applying the
+        rest alone would silently ignore them: it is refused as a usage
+        error (exit 2) located at the first such key. A
         version 2 plan with only `mesh.tp` and `rules` applies exactly as the
         same version 1 plan.
     """),

@@ -1,6 +1,7 @@
 """A version 2 plan's sections against the model (SPEC §7's located checks that need
 it), run by `validate --model` beside strict resolution: the globs of every section
-match modules, once each (TP200, TP201: core/sections.py), `mesh.ep` divides the
+match modules, once each (TP200, TP201: core/sections.py; an experts rule's modules
+claimed by no TP rule, TP201), `mesh.ep` divides the
 experts of each module an `experts` rule matches (TP127), each `context_parallel`
 module calls an attention with a CP rule (TP128, from the traced forward), and the
 `fsdp.units` nest innermost first (TP129).
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING
 from ..core.degrees import divisors_text
 from ..core.expert_styles import expert_count, not_experts
 from ..core.problems import Problem, error, sort_problems
-from ..core.sections import claim_section, fsdp_units
+from ..core.sections import claim_section, claimed_twice, fsdp_units
 
 if TYPE_CHECKING:
     from .context import LintContext
@@ -34,7 +35,7 @@ def section_problems(ctx: "LintContext") -> list[Problem]:
     tree, under = plan.module_tree(ctx.modules)
     problems: list[Problem] = []
     experts, found = claim_section(plan, tree, under, "experts")
-    problems += found + _expert_counts(ctx, experts)
+    problems += found + _expert_counts(ctx, experts) + claimed_twice(ctx.matched, experts)
     attention, found = claim_section(plan, tree, under, "context_parallel.modules")
     problems += found + _cp_attention(ctx, attention)
     if plan.fsdp is not None:

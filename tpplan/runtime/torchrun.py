@@ -69,7 +69,7 @@ class _Ran:
     tp: int
     dp: int  # the data-parallel ranks: dp_replicate·dp_shard, or --fsdp's dp
     mesh: dict[str, int] = field(default_factory=dict)
-    data_parallel: bool = False  # FSDP2 (HSDP) shards the data axes
+    data_parallel: bool = False  # FSDP2 (HSDP) shards the data axes (or the experts over efsdp)
     sharded: Sharded | None = None
     params: list[ParamLayout] = field(default_factory=list)
     comms: dict | None = None
@@ -159,6 +159,7 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
         loaded.model = build_model(options.model, "meta" if options.checkpoint else ctx.device, real_buffers=True)
         loaded.structure = module_structure(loaded.model)
         loaded.plan.match(loaded.model)
+        loaded.plan.match_experts(loaded.model)  # the experts rules, as the TP rules: before any rank shards
         if options.checkpoint:  # keys, shapes, dtypes: on every rank, before any shards
             from ..checkpoint.run import preflight
 
@@ -210,10 +211,16 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     from ..simulation.simulate import forward_backward
 
     shape, names = mesh_spec
-    mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
+    if plan.version == 2:  # the named mesh, and the experts' (dp_replicate, efsdp, ep) view with it, once
+        mesh = plan.build_mesh(math.prod(shape), ctx.device.type, shape[-1])
+    else:
+        mesh = init_device_mesh(ctx.device.type, shape, mesh_dim_names=names)
     dp = math.prod(shape[:-1])
     # FSDP2 on a version 2 plan's data axes, or on --fsdp's dp (without --fsdp, v1's dp ranks are replicas)
-    ran = _Ran(tp=shape[-1], dp=dp, mesh=dict(zip(names, shape)), data_parallel=dp > 1 and (plan.version == 2 or bool(options.train.fsdp)))
+    sizes = dict(zip(names, shape)) | ({"ep": plan.mesh.sizes["ep"]} if plan.version == 2 and plan.experts else {})
+    # (and on the experts over efsdp, which ep may leave replicated without data axes)
+    data_parallel = (dp > 1 and (plan.version == 2 or bool(options.train.fsdp))) or "ep" in sizes
+    ran = _Ran(tp=shape[-1], dp=dp, mesh=sizes, data_parallel=data_parallel)
     try:
         if options.check:  # both sides in eval mode: dropout would draw different masks on each
             from ..check.dropout import for_check

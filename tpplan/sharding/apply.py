@@ -48,18 +48,20 @@ class Plan(Protocol):
 
     def match(self, model: nn.Module) -> dict[str, Rule]: ...
 
+    def match_experts(self, model: nn.Module) -> dict[str, Any]: ...
+
 
 class ModuleShardingError(PlanError):
     """Applying `rule`'s style to the module `fqn` raised `error` (torch's, the
     model's, or a style's `StyleInputError`): TP501 at the rule. A tpplan bug is
     never one: it escapes as it was raised."""
 
-    def __init__(self, rule: "Rule", fqn: str, module: nn.Module, tp: int, error: BaseException):
+    def __init__(self, rule: "Rule", fqn: str, module: nn.Module, tp: int, error: BaseException, axis: str = "TP"):
         self.rule, self.fqn, self.module, self.tp, self.error = rule, fqn, module, tp, error
         super().__init__([rule.problem(
             "TP501",
             f"{rule.spec.style} cannot shard '{fqn or '<root>'}' ({type(module).__name__}{_parameter_shapes(module)}) "
-            f"at TP {tp}: {reason(error)}",
+            f"at {axis} {tp}: {reason(error)}",
         )])
 
     def __reduce__(self):  # pickled (torchrun ranks send errors to each other) as the PlanError it is
@@ -113,19 +115,66 @@ def compiled(rule: "Rule", src_data_rank: int | None, module: nn.Module) -> Para
         raise PlanError([rule.problem("TP306", f"rule '{rule.pattern}': {exc}")]) from None
 
 
-def _apply_rule(plan: "Plan", model: nn.Module, fqn: str, rule: "Rule", tp_mesh: "DeviceMesh") -> None:
+def _apply_rule(plan: "Plan", model: nn.Module, fqn: str, rule: "Rule", mesh: "DeviceMesh", axis: str = "TP") -> None:
+    """`rule`'s style on the module `fqn` over the 1-D `mesh` (the tp dim; the ep dim for an experts rule)."""
     module = model.get_submodule(fqn)
     try:
         style = compiled(rule, plan.src_data_rank, module)
         if rule.spec.needs_parent():  # colwise with heads: the attention module holding it
             style.bind_parent(model.get_submodule(fqn.rpartition(".")[0]))
-        parallelize_module(module, tp_mesh, style, src_data_rank=plan.src_data_rank)
+        parallelize_module(module, mesh, style, src_data_rank=plan.src_data_rank)
     except PlanError:
         raise
     except Exception as exc:  # torch raises anything from deep inside; it becomes the rule's error
         if raised_by_tpplan(exc):
             raise  # tpplan's own code: a bug, shown as one
-        raise ModuleShardingError(rule, fqn, module, tp_mesh.size(), exc) from exc
+        raise ModuleShardingError(rule, fqn, module, mesh.size(), exc, axis) from exc
+
+
+def apply_experts(
+    plan: "Plan", model: nn.Module, mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None
+) -> dict[str, Any]:
+    """EP after the TP rules (torchtitan's order): each module a version 2 plan's `experts`
+    rules match gets its style over the ep dim of the mesh's expert view (expert_mesh.py:
+    ep borrows its ranks from dp_shard·cp·tp); returns {fqn: the experts rule}, none
+    without the section. A glob matching nothing (TP200), a module two experts rules
+    match (TP201) or that a TP rule lays out too (TP201: its parameters would be placed
+    twice) is the plan's error at the experts rule (`Plan.match_experts`, which callers
+    run before the TP rules too)."""
+    from .expert_mesh import expert_view
+
+    view = expert_view(plan, mesh)
+    if view is None:
+        return {}
+    claimed = plan.match_experts(model)
+    _refuse_laid_out(plan.match(model), claimed, model)
+    ep_mesh = view["ep"]
+    order = list(claimed.items())
+    for done, (fqn, entry) in enumerate(order, start=1):
+        _apply_rule(plan, model, fqn, entry, ep_mesh, "ep")
+        if on_module is not None:
+            on_module(done, len(order), fqn)
+    return claimed
+
+
+def _refuse_laid_out(tp_claimed: dict[str, "Rule"], claimed: dict[str, Any], model: nn.Module) -> None:
+    """TP201 at the experts rule where a TP rule on an ancestor (no_parallel, sequence_parallel:
+    styles that lay out a whole subtree) already made the experts' parameters DTensors on
+    tp: the expert style would keep that layout and shard nothing over ep."""
+    from torch.distributed.tensor import DTensor
+
+    problems = []
+    for fqn, entry in claimed.items():
+        module = model.get_submodule(fqn)
+        if not any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            continue
+        rule = _claiming_rule(tp_claimed, fqn)
+        by = f"rule '{rule.pattern}' ({rule.spec.style}, {rule.where})" if rule is not None else "the TP rules"
+        problems.append(entry.problem("TP201", (
+            f"experts rule '{entry.pattern}': the parameters of '{fqn}' were laid out over tp by {by} already, so "
+            "they cannot be placed over ep: a module takes one style; narrow that rule so that it leaves the experts out")))
+    if problems:
+        raise PlanError(problems)
 
 
 def _parameter_shapes(module: nn.Module) -> str:
@@ -144,8 +193,8 @@ def _claiming_rule(claimed: dict[str, "Rule"], fqn: str) -> "Rule | None":
 def apply_every_axis(
     plan: "Plan", model: nn.Module, mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None
 ) -> None:
-    """`Plan.apply`: the TP rules, then a version 2 plan's activation checkpointing and
-    FSDP2/HSDP over its data axes, in torchtitan's order. A version 1 plan is the TP
+    """`Plan.apply`: the TP rules, then a version 2 plan's experts over ep, activation
+    checkpointing and FSDP2/HSDP over its data axes (the experts' over efsdp), in torchtitan's order. A version 1 plan is the TP
     axis alone: its caller shards the data axes (examples/train.py)."""
     from .activation_checkpoint import apply_activation_checkpointing
     from .data_parallel import apply_data_parallel
@@ -155,7 +204,24 @@ def apply_every_axis(
         if "dp_shard" not in names:  # before any module is touched
             raise ValueError(f"the plan has data-parallel axes but the mesh has dims {tuple(names)}: "
                              "build it with plan.build_mesh(world), or name its dims dp_replicate, dp_shard and tp")
+    plan.match_experts(model)  # the experts rules' problems, before any module is touched
     apply_plan(plan, model, mesh, on_module)
     if plan.version == 2:
+        apply_experts(plan, model, mesh, on_module)
         apply_activation_checkpointing(plan, model)
         apply_data_parallel(plan, model, mesh)
+
+
+def build_mesh(plan: "Plan", world: int, device_type: str = "cpu", tp: int | None = None) -> "DeviceMesh":
+    """`Plan.build_mesh`: the named mesh of `core.axes.mesh_dims`, and with `experts`
+    rules its expert view (dp_replicate, efsdp, ep), unflattened from the same ranks now,
+    on every rank in the same order (expert_mesh.py), and found again by `apply_experts`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..core.axes import mesh_dims
+    from .expert_mesh import expert_view
+
+    shape, names = mesh_dims(plan, world, tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    expert_view(plan, mesh)
+    return mesh

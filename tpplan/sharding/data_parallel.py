@@ -5,7 +5,9 @@ As torchtitan's `apply_fsdp`: `fully_shard` on each unit, innermost first, then 
 the root, over the data-parallel mesh: 1-D (`dp_shard`, or `--fsdp`'s `dp`) for
 FSDP, 2-D (`dp_replicate`, `dp_shard`) for HSDP, where FSDP2 replicates across the
 first dim and shards across the second. The plan's DTensor parameters on `tp`
-become 2-D (or 3-D) DTensors, sharded on the data axes as well.
+become 2-D (or 3-D) DTensors, sharded on the data axes as well. The modules of the
+`experts` rules (whole experts over `ep`) are their own units, sharded over efsdp,
+the ranks ep leaves of dp_shard·cp·tp (`shard_experts`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Plan(Protocol):
     file: str
 
     def module_tree(self, model: Any) -> Any: ...
+
+    def match_experts(self, model: Any) -> dict[str, Any]: ...
 
 
 # The data-parallel mesh dims, outermost first: HSDP's two, or --fsdp's one.
@@ -109,15 +113,20 @@ def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
 
 
 def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None) -> list[str]:
-    """`fully_shard` the plan's units (`wrap`: these fqns instead of the default blocks
-    where the plan names no units, as memory planning's block reuse asks) and the
-    root over the mesh's data-parallel dims; returns the wrapped fqns (root: ""),
-    none where the mesh has no data-parallel dim."""
+    """`fully_shard` the plan's experts over efsdp (`shard_experts`), then its units (`wrap`:
+    these fqns instead of the default blocks where the plan names no units, as memory
+    planning's block reuse asks) and the root over the mesh's data-parallel dims; returns
+    the wrapped fqns (root: ""). Without data-parallel dims, the experts alone where ep
+    leaves them replicated (efsdp above 1: e.g. tp 4, ep 2), so that their replicas reduce
+    their gradients; else nothing."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+    from .expert_mesh import expert_data_parallel_mesh, expert_view
+
     dp_mesh = data_parallel_mesh(mesh)
-    if dp_mesh is None:
+    view = expert_view(plan, mesh) if plan is not None else None
+    if dp_mesh is None and (view is None or expert_data_parallel_mesh(view).size() == 1):
         return []
     wanted = data_parallel_of(plan)
     kwargs: dict[str, Any] = {"mesh": dp_mesh, "reshard_after_forward": wanted.reshard_after_forward}
@@ -129,7 +138,51 @@ def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMe
                                                    output_dtype=dtype(mp.output_dtype))
     if wanted.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    experts = shard_experts(plan, model, mesh, kwargs)  # inside the units: wrapped first
+    if dp_mesh is None:
+        return experts
     wrapped = [*wrap, ""] if wrap is not None and wanted.units is None else unit_modules(plan, model, wanted)
     for fqn in wrapped:
-        fully_shard(model.get_submodule(fqn) if fqn else model, **kwargs)
-    return wrapped
+        if fqn not in experts:  # a unit that is an experts module is sharded over efsdp already
+            fully_shard(model.get_submodule(fqn) if fqn else model, **kwargs)
+    return [*experts, *(fqn for fqn in wrapped if fqn not in experts)]
+
+
+def shard_experts(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", kwargs: dict[str, Any]) -> list[str]:
+    """`fully_shard` each module a version 2 plan's `experts` rules placed over ep, over
+    (dp_replicate,) efsdp (sharding/expert_mesh.py), as torchtitan's apply_fsdp does: the
+    experts' parameters are sharded over the ranks ep leaves, the rest of the model over
+    dp_shard. Their gradients are divided by the model's data-parallel degree (1 without
+    data axes), not by efsdp: the all-to-all has already summed the tokens of the ep
+    group's ranks, and efsdp's sum adds the other groups' tokens.
+    Where efsdp·ep exceeds the expert count, FSDP shards dim 1 (dim 0 holds too few
+    experts to split). Returns their fqns, none without experts rules."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.fsdp import fully_shard
+
+    from ..core.expert_styles import expert_count
+    from .expert_mesh import expert_data_parallel_mesh, expert_view
+
+    view = expert_view(plan, mesh) if plan is not None else None
+    if view is None:
+        return []
+    claimed = plan.match_experts(model)
+    edp = expert_data_parallel_mesh(view)
+    dp_mesh = data_parallel_mesh(mesh)
+    efsdp, ep, factor = view["efsdp"].size(), view["ep"].size(), dp_mesh.size() if dp_mesh is not None else 1
+    group = kwargs["reshard_after_forward"]
+    if not isinstance(group, bool) and efsdp % group:  # a group of dp_shard ranks (TP125) is none of efsdp's
+        group = True
+    for fqn in claimed:
+        module = model.get_submodule(fqn)
+        dim_1 = efsdp * ep > (expert_count(module) or 0)
+        fully_shard(module, **{**kwargs, "mesh": edp, "reshard_after_forward": group},
+                    shard_placement_fn=(lambda param: Shard(1)) if dim_1 else None)
+        if factor != edp.size():
+            module.set_gradient_divide_factor(factor)
+            if efsdp > 1:
+                # torch divides with NCCL's PREMUL_SUM otherwise, which gloo lacks: sum, then divide.
+                # Not on one efsdp rank: torch 2.13 copies the gradient divided by the factor
+                # there and would divide it again after a forced sum.
+                module.set_force_sum_reduction_for_comms(True)
+    return list(claimed)

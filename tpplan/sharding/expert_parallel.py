@@ -73,8 +73,9 @@ class ExpertParallel(LocalForward):
     def _placements(self, module: nn.Module, mesh: DeviceMesh) -> dict[str, Placement]:
         experts, degree = _experts(module), mesh.size()
         if experts % degree:
+            axis = "ep" if mesh.mesh_dim_names == ("ep",) else "TP"  # a version 2 plan's experts rules: over ep
             raise StyleInputError(
-                f"{experts} experts of {type(module).__name__} do not divide over TP degree {degree}",
+                f"{experts} experts of {type(module).__name__} do not divide over {axis} degree {degree}",
                 f"degrees that work: {divisors_text(experts)}, or expert_tp (shards each expert instead)",
             )
         return own_placements(ExpertParallelSpec.model_construct(style=self.name), module)

@@ -26,11 +26,27 @@ def blocks(model: "nn.Module") -> list[str]:
 
 
 def after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool) -> list[str]:
-    """What follows the TP rules, in torchtitan's order: activation checkpointing (a
-    version 2 plan's `checkpointing`), then FSDP2/HSDP (`data_parallel`: the data axes,
-    or --fsdp's dp). Returns the report's notes of what was done."""
-    checkpointed, _ = apply_after_rules(plan, model, mesh, data_parallel)
-    return after_rules_notes(plan, checkpointed, dict(zip(mesh.mesh_dim_names or (), mesh.shape)) if data_parallel else None)
+    """What follows the TP rules (and the experts over ep), in torchtitan's order:
+    activation checkpointing (a version 2 plan's `checkpointing`), then FSDP2/HSDP
+    (`data_parallel`: the data axes, or --fsdp's dp; the experts over efsdp). Returns
+    the report's notes of what was done."""
+    from ..sharding.data_parallel import data_parallel_mesh
+
+    checkpointed, wrapped = apply_after_rules(plan, model, mesh, data_parallel)
+    data_mesh = dict(zip(mesh.mesh_dim_names or (), mesh.shape)) if data_parallel and data_parallel_mesh(mesh) is not None else None
+    return [*expert_notes(plan, model, mesh, wrapped), *after_rules_notes(plan, checkpointed, data_mesh)]
+
+
+def expert_notes(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", wrapped: list[str]) -> list[str]:
+    """The report's note of the experts over ep (placed with the TP rules, locate.py), and
+    whether FSDP2 shards them over efsdp (`wrapped`: the fqns it wrapped)."""
+    from ..sharding.expert_mesh import expert_view
+
+    if (view := expert_view(plan, mesh)) is None:
+        return []
+    experts = plan.match_experts(model)
+    over = f", sharded by FSDP2 over efsdp {view['efsdp'].size()}" if set(experts) & set(wrapped) else ""
+    return [f"expert_parallel (all_to_all) over ep {view['ep'].size()}, borrowed from dp_shard·cp·tp, on {len(experts)} module(s){over}"]
 
 
 def apply_after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool,

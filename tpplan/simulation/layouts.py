@@ -49,10 +49,18 @@ class ParamLayout:
 def local_shapes(param: "torch.Tensor", tp: int) -> tuple[tuple[int, ...], ...]:
     """What each rank of the TP mesh holds of `param`: a plain tensor whole on each of
     the `tp` ranks; a DTensor as torch cuts it (its mesh may be a 2-D view of the TP
-    mesh, (heads, replicas) for replicated KV heads, whose ranks in order are the TP mesh's)."""
+    mesh, (heads, replicas) for replicated KV heads, whose ranks in order are the TP mesh's;
+    or a version 2 plan's ep dim, its experts)."""
     from torch.distributed.tensor import DTensor
 
-    return mesh_local_shapes(param) if isinstance(param, DTensor) else (tuple(param.shape),) * tp
+    if not isinstance(param, DTensor):
+        return (tuple(param.shape),) * tp
+    shapes = mesh_local_shapes(param)
+    if param.device_mesh.mesh_dim_names == ("ep",):
+        # Experts on their own ep axis (sharding/expert_mesh.py), which is the fastest dim of
+        # the expert view: world rank t, the t-th rank of the first TP group, is ep rank t % ep.
+        return tuple(shapes[t % len(shapes)] for t in range(tp))
+    return shapes
 
 
 def param_layouts(model: "nn.Module", tp: int) -> list[ParamLayout]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.placements import placements_text
 from ..core.plan import Plan, Rule
 from ..core.problems import PlanError, Problem, StyleInputError, error, raised_by_tpplan, reason
-from ..sharding.apply import ModuleShardingError, apply_plan
+from ..sharding.apply import ModuleShardingError, apply_experts, apply_plan
 from .comm import CommFailure, comm_problem, is_comm_failure
 from .layouts import local_shapes
 
@@ -54,9 +54,11 @@ class Sharded:
 
 
 def shard_with_progress(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", event: Callable[[str], None]) -> Sharded:
-    """`apply_located` with a progress event per module."""
+    """`apply_located`, then a version 2 plan's experts over ep (after the TP rules, as
+    torchtitan), with a progress event per module."""
     rules = apply_located(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
-    return Sharded(rules, plan.module_tree(model)[1])
+    experts = _located(plan, lambda: apply_experts(plan, model, mesh, lambda done, total, fqn: event(f"experts over ep {done}/{total}: {fqn}")))
+    return Sharded({**rules, **experts}, plan.module_tree(model)[1])
 
 
 def unpromised_tp_note(plan: Plan, tp: int) -> list[str]:
@@ -71,8 +73,12 @@ def apply_located(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", on_module:
     sharded a TP501 problem at its rule and a failed collective while sharding a
     TP504 (`CommFailure`); progress reported as `on_module(done, total, fqn)`.
     Returns {fqn: rule}."""
+    return _located(plan, lambda: apply_plan(plan, model, mesh, on_module))
+
+
+def _located(plan: Plan, apply: Callable[[], dict]) -> dict:
     try:
-        return apply_plan(plan, model, mesh, on_module)
+        return apply()
     except ModuleShardingError as failed:
         if is_comm_failure(failed.error):
             raise CommFailure(comm_problem(plan, f"sharding '{failed.fqn}'", failed.error)) from None

@@ -20,6 +20,19 @@ def _count(n: float) -> str:
     return str(int(n))
 
 
+def _over_ep(ctx) -> set[str]:
+    """The parameters of the modules a version 2 plan's `experts` rules place over ep
+    (whole experts per ep rank: sharded, on an axis the TP placements do not show)."""
+    from ...core.sections import claim_section
+
+    plan = ctx.plan
+    if plan.version != 2 or not plan.experts or plan.mesh.sizes["ep"] == 1:
+        return set()
+    tree, under = plan.module_tree(ctx.modules)
+    claimed, _ = claim_section(plan, tree, under, "experts")  # its problems are section_problems'
+    return {f"{fqn}.{name}" if fqn else name for fqn in claimed for name, _ in ctx.modules[fqn].named_parameters(recurse=False)}
+
+
 def check(ctx):
     placed = ctx.placements
     sizes = {name: param.numel() for name, param in ctx.model.named_parameters()}  # a tied parameter once
@@ -27,9 +40,10 @@ def check(ctx):
     if not total:
         return
     unsharded = defaultdict(int)
+    over_ep = _over_ep(ctx)
     for name, size in sizes.items():
         placement = placed[name].placement
-        if placement is None or placement.kind != "shard":
+        if name not in over_ep and (placement is None or placement.kind != "shard"):
             unsharded[generalize(name)] += size
     whole = sum(unsharded.values())
     largest = sorted(unsharded.items(), key=lambda item: -item[1])
@@ -49,8 +63,9 @@ RULE = LintRule(
     severity="warning",
     summary="The plan leaves a large share of the parameters unsharded.",
     what=f"""
-        Counts the parameters (tied ones once) that colwise and rowwise shard,
-        and warns when more than {UNSHARDED_SHARE:.0%} of them stay whole on every
+        Counts the parameters (tied ones once) that colwise and rowwise shard
+        (and those a version 2 plan's `experts` rules place over ep), and
+        warns when more than {UNSHARDED_SHARE:.0%} of them stay whole on every
         rank, or when one group of them (the same parameter across blocks)
         alone is more than {GROUP_SHARE:.0%} of the model. The message names the
         largest unsharded groups.
