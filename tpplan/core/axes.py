@@ -226,9 +226,12 @@ def section_warnings(plan: Any) -> list[Problem]:
 
 
 # What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply activation
-# checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run simulates the TP axis only.
-APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing"), "dry-run": ("tp",)}
-_DOES = {"torchrun": "This tpplan applies", "dry-run": "The dry run simulates"}
+# checkpointing and FSDP2/HSDP after the TP rules (sharding/), and `Plan.apply` context
+# parallelism between them, on CUDA (torchrun's batches are not cut on the sequence yet;
+# off CUDA it is TP131); the dry run simulates the TP axis only.
+_TORCHRUN = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing")
+APPLIED = {"torchrun": _TORCHRUN, "api": (*_TORCHRUN, "cp", "context_parallel"), "dry-run": ("tp",)}
+_DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}
 
 
 def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
@@ -243,13 +246,14 @@ def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
 
 def mesh_dims(plan: Any, world: int, tp: int | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The device mesh a plan runs on over `world` ranks, outermost first, tp the fastest
-    dim: version 2's data axes above 1 (dp_replicate, dp_shard) then tp; version 1's
+    dim: version 2's data axes above 1 (dp_replicate, dp_shard), cp above 1, then tp; version 1's
     tp alone, or (dp, tp) below the world (--fsdp's shorthand). ValueError where the
     sizes do not make the world."""
     if plan.version == 2:
         sizes = plan.mesh.resolve(world, tp)
         hsdp = sizes["dp_replicate"] > 1  # FSDP2's HSDP takes a 2-D mesh: dp_shard kept even at 1
         dims = [(axis, sizes[axis]) for axis in ("dp_replicate", "dp_shard") if plan.mesh.sizes[axis] != 1 or hsdp]
+        dims += [("cp", sizes["cp"])] if plan.mesh.sizes["cp"] != 1 else []
         dims.append((plan.mesh_axis, sizes["tp"]))
         return tuple(size for _, size in dims), tuple(name for name, _ in dims)
     tp = world if tp is None else tp

@@ -1,0 +1,271 @@
+"""Context parallelism from a version 2 plan's `context_parallel` section (issue 28 item 4,
+SPEC §7): torch's own ring attention on the modules the plan names, with its rotate
+method, head-tail load balance and sequence-sharded buffers, applied by `Plan.apply`
+between the TP rules and FSDP2.
+
+torch 2.13 runs it on CUDA only, so these tests run it in one CPU process: each cp rank a
+thread of torch's threaded process group (real collectives between the threads; the ring
+branches on its rank, which LocalTensorMode's one program over all ranks cannot), inside
+`context_parallel_rules()`, where the CPU SDPA kernel runs in torch's ring as CUDA's
+kernels do on a GPU. Everything else (the ring's loop, rotation, causal schedule and merge,
+the load balancer, the sharding of buffers and batches) is torch's own code.
+"""
+
+from __future__ import annotations
+
+import copy
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpplan import load_plan
+from tpplan.core.axes import mesh_dims
+from tpplan.core.problems import PlanError
+from tpplan.sharding.context_parallel import shard_sequence, unshard_sequence
+from tpplan.simulation.device_rules import context_parallel_rules
+from tpplan.simulation.simulate import collective_counter
+
+from test_torchrun import torchrun
+from threaded_world import run_threaded
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ = 32
+
+
+def _plan(tmp_path: Path, cp: int, rotate: str = "allgather", load_balance: str = "headtail", modules: str = "layers.*.attention",
+          buffers: str = "{positions: 0}", more: str = "") -> Path:
+    path = tmp_path / "cp.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        version: 2
+        name: cp-test
+        mesh: {{cp: {cp}, tp: 1}}
+        rules: {{}}
+        context_parallel:
+          modules: {modules}
+          rotate: {rotate}
+          load_balance: {load_balance}
+          buffers: {buffers}
+        """) + more)
+    return path
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        bsz, seq, dim = x.shape
+        q, k, v = (w(x + positions).view(bsz, seq, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(bsz, seq, dim))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, heads)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return x + self.attention(self.norm(x), positions)
+
+
+class PositionalModel(nn.Module):
+    """A causal transformer whose positions are a buffer of the whole sequence, read as
+    `positions[:seq]` (torchtitan's freqs_cis): the buffer context parallelism shards."""
+
+    def __init__(self, dim: int = 16, heads: int = 4, vocab: int = 64, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("positions", torch.randn(SEQ, dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h, positions = self.embed(tokens), self.positions[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h, positions)
+        return self.output(h)
+
+
+class SDPA(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class OneAttention(nn.Module):
+    """q, k, v in, attention out: the ring's own inputs and outputs, with no weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = SDPA()
+
+    def forward(self, q, k, v):
+        return self.attention(q, k, v)
+
+
+def _collectives(found: Counter):
+    def record(name, args, out):
+        found[name, args[0].numel() * args[0].element_size()] += 1
+    return collective_counter(record)
+
+
+@pytest.mark.parametrize("cp, rotate", [(2, "allgather"), (2, "alltoall"), (4, "allgather"), (4, "alltoall")])
+def test_ring_attention_equals_full_attention_forward_and_backward(tmp_path, cp, rotate):
+    """torch's ring attention over cp ranks, causal, head-tail balanced, against one
+    full SDPA: the output and the gradients of q, k and v, gathered back in order."""
+    plan = load_plan(_plan(tmp_path, cp, rotate, modules="attention", buffers="{}"))
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, SEQ, 8, dtype=torch.float64) for _ in range(4))  # (batch, heads, seq, head_dim)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*full, is_causal=True)
+    want.backward(grad)
+
+    def rank(_):
+        model, mesh = OneAttention(), plan.build_mesh(cp)
+        plan.apply(model, mesh)
+        local = [t.requires_grad_() for t in shard_sequence(plan, mesh, [q, k, v], [2, 2, 2])]
+        found = Counter()
+        with _collectives(found):
+            out = model(*local)
+            out.backward(shard_sequence(plan, mesh, [grad], [2])[0])
+        shards = [out.detach(), *(t.grad for t in local)]
+        return unshard_sequence(plan, mesh, shards, [2] * 4), found, local[0].shape
+
+    with context_parallel_rules():
+        ranks = run_threaded(cp, rank)
+    got, found, local_shape = ranks[0]
+    diffs = [(a - b).abs().max().item() for a, b in zip(got, [want.detach(), *(t.grad for t in full)])]
+    assert max(diffs) < 1e-6, diffs  # the ring merges its blocks in float32 (torch's convert_to_f32), as on the GPU
+    assert all(torch.equal(g, h) for other in ranks[1:] for g, h in zip(other[0], got))
+    assert local_shape == (2, 4, SEQ // cp, 8)  # each rank held its 1/cp of the sequence
+    # The rotation the plan names: forward and backward each all-gather this rank's k and v
+    # once, or pass them round the ring (cp - 1 all-to-alls); the backward passes the k and
+    # v gradients round by all-to-all (cp of them) either way, in float32 (convert_to_f32).
+    kv, dkv = 2 * q.numel() // cp * q.element_size(), 2 * q.numel() // cp * 4
+    if rotate == "allgather":
+        assert found == Counter({("all_gather", kv): 2, ("all_to_all", dkv): cp})
+    else:
+        assert found == Counter({("all_to_all", kv): 2 * (cp - 1), ("all_to_all", dkv): cp})
+
+
+@pytest.mark.parametrize("cp, rotate, load_balance", [(2, "allgather", "headtail"), (4, "alltoall", "headtail"), (2, "allgather", "none")])
+def test_plan_apply_with_context_parallel_trains_as_one_device(tmp_path, cp, rotate, load_balance):
+    """Plan.apply on a transformer: the attention blocks' SDPA sequence-sharded, the
+    positions buffer cut as the batch is, FSDP2 over cp; the loss and every gradient
+    equal one device's."""
+    plan = load_plan(_plan(tmp_path, cp, rotate, load_balance))
+    torch.manual_seed(0)
+    reference = PositionalModel().double()  # built here: threads share torch's random generator
+    tokens, labels = torch.randint(0, 64, (2, SEQ)), torch.randint(0, 64, (2, SEQ))
+    F.cross_entropy(reference(tokens).flatten(0, 1), labels.flatten()).backward()
+
+    def rank(_):
+        model, mesh = copy.deepcopy(reference), plan.build_mesh(cp)
+        model.zero_grad(set_to_none=True)
+        plan.apply(model, mesh)
+        assert model.positions.shape == (SEQ // cp, 16)
+        local_tokens, local_labels = shard_sequence(plan, mesh, [tokens, labels], [1, 1])
+        # each rank's mean over its tokens; FSDP2 averages the gradients over the cp ranks
+        F.cross_entropy(model(local_tokens).flatten(0, 1), local_labels.flatten()).backward()
+        return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+    with context_parallel_rules():
+        grads = run_threaded(cp, rank)[0]
+    diffs = {name: (grads[name] - p.grad).abs().max().item() for name, p in reference.named_parameters()}
+    assert max(diffs.values()) < 1e-7, diffs
+
+
+def test_context_parallel_applies_after_the_tp_rules_before_checkpointing(tmp_path):
+    """A module both context-parallel and checkpointed: the recomputation in backward
+    runs inside the module's forward again, so it takes the ring again."""
+    cp = 2
+    plan = load_plan(_plan(tmp_path, cp, more="checkpointing:\n  modules: layers.*.attention\n"))
+    torch.manual_seed(0)
+    reference = PositionalModel().double()
+    tokens = torch.randint(0, 64, (2, SEQ))
+    reference(tokens).square().mean().backward()
+
+    def rank(_):
+        model, mesh = copy.deepcopy(reference), plan.build_mesh(cp)
+        model.zero_grad(set_to_none=True)
+        plan.apply(model, mesh)
+        model(shard_sequence(plan, mesh, [tokens], [1])[0]).square().mean().backward()
+        return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+
+    with context_parallel_rules():
+        grads = run_threaded(cp, rank)[0]
+    assert max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()) < 1e-7
+
+
+def test_the_mesh_has_cp_between_the_data_axes_and_tp(tmp_path):
+    plan = load_plan(_plan(tmp_path, 2, more=""))
+    assert mesh_dims(plan, 2) == ((2, 1), ("cp", "tp"))
+    path = tmp_path / "4d.yaml"
+    path.write_text("version: 2\nmesh: {dp_replicate: 2, dp_shard: 2, cp: 2, tp: 2}\nrules: {}\n")
+    assert mesh_dims(load_plan(path), 16) == ((2, 2, 2, 2), ("dp_replicate", "dp_shard", "cp", "tp"))
+
+
+def test_fsdp_shards_over_dp_shard_and_cp_flattened():
+    """The cp ranks hold the same parameters, so FSDP2 shards (and reduces) over dp_shard·cp
+    (torchtitan's dp_shard_cp), and HSDP replicates across dp_replicate beside it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpplan.sharding.data_parallel import data_parallel_mesh
+    from tpplan.simulation.simulate import simulated_world
+
+    with simulated_world(16):
+        mesh = init_device_mesh("cpu", (2, 2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+        hsdp = data_parallel_mesh(mesh)
+        assert (hsdp.mesh_dim_names, tuple(hsdp.shape)) == (("dp_replicate", "dp_shard_cp"), (2, 4))
+        cp_only = data_parallel_mesh(init_device_mesh("cpu", (4, 4), mesh_dim_names=("cp", "tp")))
+        assert (cp_only.mesh_dim_names, tuple(cp_only.shape)) == (("cp",), (4,))
+
+
+def _refused(plan, model, world: int) -> PlanError:
+    from tpplan.simulation.simulate import simulated_world
+
+    with simulated_world(world), pytest.raises(PlanError) as info:
+        plan.apply(model, plan.build_mesh(world))
+    return info.value
+
+
+def test_plan_apply_on_a_cpu_mesh_refuses_context_parallel_located_before_touching_the_model(tmp_path):
+    path = _plan(tmp_path, 2)
+    model = PositionalModel()
+    problem = _refused(load_plan(path), model, 2).problems[0]
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if text.startswith("context_parallel"))
+    assert (problem.code, problem.line, problem.column) == ("TP131", line, 1)
+    assert "context parallelism needs CUDA in torch 2.13, and this mesh is on cpu" in problem.message
+    assert type(model.layers[0].attention.wq.weight) is nn.Parameter and model.positions.shape == (SEQ, 16)  # untouched
+
+
+@pytest.mark.parametrize("buffers, why", [
+    ("{positons: 0}", "'positons' names no buffer of the model (its buffers: positions)"),
+    ("{positions: 2}", "'positions' has 2 dims (32, 16), so no dim 2"),
+    ("{positions: 1}", "'positions' holds 16 positions on dim 1, not a multiple of 32"),
+])
+def test_a_buffer_that_cannot_be_cut_on_the_sequence_is_tp132_at_its_name(tmp_path, buffers, why):
+    path = _plan(tmp_path, 16, buffers=buffers)
+    with context_parallel_rules():
+        problem = _refused(load_plan(path), PositionalModel(), 16).problems[0]
+    line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "buffers:" in text)
+    assert (problem.code, problem.line) == ("TP132", line)
+    assert why in problem.message
+
+
+def test_torchrun_on_cpu_refuses_context_parallel_located_no_traceback(tmp_path):
+    path = tmp_path / "cp.yaml"
+    path.write_text(f"version: 2\nextends: {ROOT / 'plans' / 'llama_tp.yaml'}\nrules: {{}}\nmesh:\n  cp: 2\n  tp: 1\n"
+                    "context_parallel:\n  modules: layers.*.attention\n")
+    result = torchrun(2, "-m", "tpplan", "apply", "--plan", str(path), "--model", "tpplan.models.llama:tiny", pythonpath=ROOT)
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    assert result.stdout.startswith(f"{path}:7:1: TP131 context_parallel: context parallelism needs CUDA in torch 2.13")
+    # torchrun's launcher prints its own traceback for a rank that exits 1; none of tpplan's code is in it
+    assert "Traceback" not in result.stdout and "tpplan/" not in result.stderr
