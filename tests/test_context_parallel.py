@@ -20,15 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpplan import load_plan
 from tpplan.core.axes import mesh_dims
 from tpplan.core.problems import PlanError
-from tpplan.sharding.context_parallel import shard_sequence, unshard_sequence
+from tpplan.check.context_parallel import model_parity, ring_parity
+from tpplan.models import positional
+from tpplan.sharding.context_parallel import shard_sequence
 from tpplan.simulation.device_rules import context_parallel_rules
-from tpplan.simulation.simulate import collective_counter
 
 from test_torchrun import torchrun
 from threaded_world import run_threaded
@@ -54,68 +54,6 @@ def _plan(tmp_path: Path, cp: int, rotate: str = "allgather", load_balance: str 
     return path
 
 
-class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        bsz, seq, dim = x.shape
-        q, k, v = (w(x + positions).view(bsz, seq, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        return self.wo(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(bsz, seq, dim))
-
-
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int):
-        super().__init__()
-        self.norm = nn.RMSNorm(dim)
-        self.attention = Attention(dim, heads)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return x + self.attention(self.norm(x), positions)
-
-
-class PositionalModel(nn.Module):
-    """A causal transformer whose positions are a buffer of the whole sequence, read as
-    `positions[:seq]` (torchtitan's freqs_cis): the buffer context parallelism shards."""
-
-    def __init__(self, dim: int = 16, heads: int = 4, vocab: int = 64, layers: int = 2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.output = nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("positions", torch.randn(SEQ, dim))
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h, positions = self.embed(tokens), self.positions[: tokens.shape[1]]
-        for layer in self.layers:
-            h = layer(h, positions)
-        return self.output(h)
-
-
-class SDPA(nn.Module):
-    def forward(self, q, k, v):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class OneAttention(nn.Module):
-    """q, k, v in, attention out: the ring's own inputs and outputs, with no weights."""
-
-    def __init__(self):
-        super().__init__()
-        self.attention = SDPA()
-
-    def forward(self, q, k, v):
-        return self.attention(q, k, v)
-
-
-def _collectives(found: Counter):
-    def record(name, args, out):
-        found[name, args[0].numel() * args[0].element_size()] += 1
-    return collective_counter(record)
-
-
 @pytest.mark.parametrize("cp, rotate", [(2, "allgather"), (2, "alltoall"), (4, "allgather"), (4, "alltoall")])
 def test_ring_attention_equals_full_attention_forward_and_backward(tmp_path, cp, rotate):
     """torch's ring attention over cp ranks, causal, head-tail balanced, against one
@@ -123,36 +61,27 @@ def test_ring_attention_equals_full_attention_forward_and_backward(tmp_path, cp,
     plan = load_plan(_plan(tmp_path, cp, rotate, modules="attention", buffers="{}"))
     torch.manual_seed(0)
     q, k, v, grad = (torch.randn(2, 4, SEQ, 8, dtype=torch.float64) for _ in range(4))  # (batch, heads, seq, head_dim)
-    full = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*full, is_causal=True)
-    want.backward(grad)
-
-    def rank(_):
-        model, mesh = OneAttention(), plan.build_mesh(cp)
-        plan.apply(model, mesh)
-        local = [t.requires_grad_() for t in shard_sequence(plan, mesh, [q, k, v], [2, 2, 2])]
-        found = Counter()
-        with _collectives(found):
-            out = model(*local)
-            out.backward(shard_sequence(plan, mesh, [grad], [2])[0])
-        shards = [out.detach(), *(t.grad for t in local)]
-        return unshard_sequence(plan, mesh, shards, [2] * 4), found, local[0].shape
 
     with context_parallel_rules():
-        ranks = run_threaded(cp, rank)
-    got, found, local_shape = ranks[0]
-    diffs = [(a - b).abs().max().item() for a, b in zip(got, [want.detach(), *(t.grad for t in full)])]
-    assert max(diffs) < 1e-6, diffs  # the ring merges its blocks in float32 (torch's convert_to_f32), as on the GPU
-    assert all(torch.equal(g, h) for other in ranks[1:] for g, h in zip(other[0], got))
-    assert local_shape == (2, 4, SEQ // cp, 8)  # each rank held its 1/cp of the sequence
+        ranks = run_threaded(cp, lambda _: ring_parity(plan, plan.build_mesh(cp), q, k, v, grad))
+    # the ring merges its blocks in float32 (torch's convert_to_f32), as on a GPU
+    assert max(max(diffs.values()) for diffs, _ in ranks) < 1e-6, ranks
     # The rotation the plan names: forward and backward each all-gather this rank's k and v
     # once, or pass them round the ring (cp - 1 all-to-alls); the backward passes the k and
-    # v gradients round by all-to-all (cp of them) either way, in float32 (convert_to_f32).
+    # v gradients round by all-to-all (cp of them) either way, in float32.
     kv, dkv = 2 * q.numel() // cp * q.element_size(), 2 * q.numel() // cp * 4
-    if rotate == "allgather":
-        assert found == Counter({("all_gather", kv): 2, ("all_to_all", dkv): cp})
-    else:
-        assert found == Counter({("all_to_all", kv): 2 * (cp - 1), ("all_to_all", dkv): cp})
+    for _, found in ranks:
+        if rotate == "allgather":
+            assert found == Counter({("all_gather", kv): 2, ("all_to_all", dkv): cp})
+        else:
+            assert found == Counter({("all_to_all", kv): 2 * (cp - 1), ("all_to_all", dkv): cp})
+
+
+def _positions_shape(plan, mesh) -> tuple[int, ...]:
+    """The positions buffer of a fresh model on this rank once the plan is applied."""
+    model = positional.tiny()
+    plan.apply(model, mesh)
+    return tuple(model.positions.shape)
 
 
 @pytest.mark.parametrize("cp, rotate, load_balance", [(2, "allgather", "headtail"), (4, "alltoall", "headtail"), (2, "allgather", "none")])
@@ -162,46 +91,31 @@ def test_plan_apply_with_context_parallel_trains_as_one_device(tmp_path, cp, rot
     equal one device's."""
     plan = load_plan(_plan(tmp_path, cp, rotate, load_balance))
     torch.manual_seed(0)
-    reference = PositionalModel().double()  # built here: threads share torch's random generator
+    reference = positional.tiny().double()  # built here: the threads share torch's random generator
     tokens, labels = torch.randint(0, 64, (2, SEQ)), torch.randint(0, 64, (2, SEQ))
-    F.cross_entropy(reference(tokens).flatten(0, 1), labels.flatten()).backward()
 
     def rank(_):
-        model, mesh = copy.deepcopy(reference), plan.build_mesh(cp)
-        model.zero_grad(set_to_none=True)
-        plan.apply(model, mesh)
-        assert model.positions.shape == (SEQ // cp, 16)
-        local_tokens, local_labels = shard_sequence(plan, mesh, [tokens, labels], [1, 1])
-        # each rank's mean over its tokens; FSDP2 averages the gradients over the cp ranks
-        F.cross_entropy(model(local_tokens).flatten(0, 1), local_labels.flatten()).backward()
-        return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        mesh = plan.build_mesh(cp)
+        return model_parity(plan, mesh, copy.deepcopy(reference), tokens, labels), _positions_shape(plan, mesh)
 
     with context_parallel_rules():
-        grads = run_threaded(cp, rank)[0]
-    diffs = {name: (grads[name] - p.grad).abs().max().item() for name, p in reference.named_parameters()}
-    assert max(diffs.values()) < 1e-7, diffs
+        ranks = run_threaded(cp, rank)
+    assert max(max(diffs.values()) for diffs, _ in ranks) < 1e-7, ranks[0][0]
+    assert len(ranks[0][0]) == 1 + len(list(reference.parameters()))  # the loss and every gradient
+    assert all(shape == (SEQ // cp, 16) for _, shape in ranks)  # each rank holds its part of the positions
 
 
-def test_context_parallel_applies_after_the_tp_rules_before_checkpointing(tmp_path):
-    """A module both context-parallel and checkpointed: the recomputation in backward
-    runs inside the module's forward again, so it takes the ring again."""
+def test_a_module_both_context_parallel_and_checkpointed_recomputes_through_the_ring(tmp_path):
+    """Activation checkpointing is applied after context parallelism: the recomputation
+    in backward runs the module's forward again, inside its ring."""
     cp = 2
     plan = load_plan(_plan(tmp_path, cp, more="checkpointing:\n  modules: layers.*.attention\n"))
     torch.manual_seed(0)
-    reference = PositionalModel().double()
-    tokens = torch.randint(0, 64, (2, SEQ))
-    reference(tokens).square().mean().backward()
-
-    def rank(_):
-        model, mesh = copy.deepcopy(reference), plan.build_mesh(cp)
-        model.zero_grad(set_to_none=True)
-        plan.apply(model, mesh)
-        model(shard_sequence(plan, mesh, [tokens], [1])[0]).square().mean().backward()
-        return {name: p.grad.full_tensor() for name, p in model.named_parameters()}
-
+    reference = positional.tiny().double()
+    tokens, labels = torch.randint(0, 64, (2, SEQ)), torch.randint(0, 64, (2, SEQ))
     with context_parallel_rules():
-        grads = run_threaded(cp, rank)[0]
-    assert max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters()) < 1e-7
+        ranks = run_threaded(cp, lambda _: model_parity(plan, plan.build_mesh(cp), copy.deepcopy(reference), tokens, labels))
+    assert max(max(diffs.values()) for diffs in ranks) < 1e-7, ranks[0]
 
 
 def test_the_mesh_has_cp_between_the_data_axes_and_tp(tmp_path):
@@ -238,7 +152,7 @@ def _refused(plan, model, world: int) -> PlanError:
 
 def test_plan_apply_on_a_cpu_mesh_refuses_context_parallel_located_before_touching_the_model(tmp_path):
     path = _plan(tmp_path, 2)
-    model = PositionalModel()
+    model = positional.tiny()
     problem = _refused(load_plan(path), model, 2).problems[0]
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if text.startswith("context_parallel"))
     assert (problem.code, problem.line, problem.column) == ("TP131", line, 1)
@@ -254,7 +168,7 @@ def test_plan_apply_on_a_cpu_mesh_refuses_context_parallel_located_before_touchi
 def test_a_buffer_that_cannot_be_cut_on_the_sequence_is_tp132_at_its_name(tmp_path, buffers, why):
     path = _plan(tmp_path, 16, buffers=buffers)
     with context_parallel_rules():
-        problem = _refused(load_plan(path), PositionalModel(), 16).problems[0]
+        problem = _refused(load_plan(path), positional.tiny(), 16).problems[0]
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "buffers:" in text)
     assert (problem.code, problem.line) == ("TP132", line)
     assert why in problem.message
