@@ -102,7 +102,7 @@ def test_plan_apply_with_context_parallel_trains_as_one_device(tmp_path, cp, rot
         ranks = run_threaded(cp, rank)
     assert max(max(diffs.values()) for diffs, _ in ranks) < 1e-7, ranks[0][0]
     assert len(ranks[0][0]) == 1 + len(list(reference.parameters()))  # the loss and every gradient
-    assert all(shape == (SEQ // cp, 16) for _, shape in ranks)  # each rank holds its part of the positions
+    assert all(shape == (SEQ // cp, 64) for _, shape in ranks)  # each rank holds its part of the positions
 
 
 def test_a_module_both_context_parallel_and_checkpointed_recomputes_through_the_ring(tmp_path):
@@ -157,18 +157,18 @@ def test_plan_apply_on_a_cpu_mesh_refuses_context_parallel_located_before_touchi
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if text.startswith("context_parallel"))
     assert (problem.code, problem.line, problem.column) == ("TP131", line, 1)
     assert "context parallelism needs CUDA in torch 2.13, and this mesh is on cpu" in problem.message
-    assert type(model.layers[0].attention.wq.weight) is nn.Parameter and model.positions.shape == (SEQ, 16)  # untouched
+    assert type(model.layers[0].attention.wq.weight) is nn.Parameter and model.positions.shape == (SEQ, 64)  # untouched
 
 
-@pytest.mark.parametrize("buffers, why", [
-    ("{positons: 0}", "'positons' names no buffer of the model (its buffers: positions)"),
-    ("{positions: 2}", "'positions' has 2 dims (32, 16), so no dim 2"),
-    ("{positions: 1}", "'positions' holds 16 positions on dim 1, not a multiple of 32"),
+@pytest.mark.parametrize("cp, buffers, why", [
+    (2, "{positons: 0}", "'positons' names no buffer of the model (its buffers: positions)"),
+    (2, "{positions: 2}", "'positions' has 2 dims (32, 64), so no dim 2"),
+    (3, "{positions: 0}", "'positions' holds 32 positions on dim 0, not a multiple of 6 (2·cp: headtail gives each rank"),
 ])
-def test_a_buffer_that_cannot_be_cut_on_the_sequence_is_tp132_at_its_name(tmp_path, buffers, why):
-    path = _plan(tmp_path, 16, buffers=buffers)
+def test_a_buffer_that_cannot_be_cut_on_the_sequence_is_tp132_at_its_name(tmp_path, cp, buffers, why):
+    path = _plan(tmp_path, cp, buffers=buffers)
     with context_parallel_rules():
-        problem = _refused(load_plan(path), positional.tiny(), 16).problems[0]
+        problem = _refused(load_plan(path), positional.tiny(), cp).problems[0]
     line = next(n for n, text in enumerate(path.read_text().splitlines(), 1) if "buffers:" in text)
     assert (problem.code, problem.line) == ("TP132", line)
     assert why in problem.message
