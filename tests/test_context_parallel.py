@@ -183,3 +183,29 @@ def test_torchrun_on_cpu_refuses_context_parallel_located_no_traceback(tmp_path)
     assert result.stdout.startswith(f"{path}:7:1: TP131 context_parallel: context parallelism needs CUDA in torch 2.13")
     # torchrun's launcher prints its own traceback for a rank that exits 1; none of tpplan's code is in it
     assert "Traceback" not in result.stdout and "tpplan/" not in result.stderr
+
+
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+def test_the_simulation_gives_a_cuda_ranks_shapes_and_collectives_at_cp_2(tmp_path, rotate):
+    """One rank of cp 2 on fake tensors (the fake process group, CUDA's ring simulated):
+    its part of the sequence, and the ring's collectives and FSDP2's over cp, counted by
+    hand. Float32, batch 2, 4 heads of 16, 2 layers of 16,448 parameters, the root's 8,192."""
+    from tpplan.simulation.context_parallel import simulate_context_parallel
+
+    sim = simulate_context_parallel(load_plan(_plan(tmp_path, 2, rotate)), positional.tiny, world=2, batch=2, seq=SEQ)
+    assert (sim.mesh, sim.tokens, sim.buffers) == ({"cp": 2, "tp": 1}, (2, SEQ // 2), {"positions": (SEQ // 2, 64)})
+    assert sim.attention == ((2, 4, SEQ // 2, 16),) * 2  # (batch, heads, this rank's seq, head_dim) in each layer
+    kv = 2 * (2 * 4 * SEQ // 2 * 16) * 4  # this rank's k and v, float32; dk, dv float32 too
+    if rotate == "allgather":  # one all-gather of k and v per layer and pass (its output: both ranks' k and v)
+        ring = {"forward": {"all_gather": {"count": 2, "bytes": 2 * 2 * kv}},
+                "backward": {"all_gather": {"count": 2, "bytes": 2 * 2 * kv}, "all_to_all": {"count": 4, "bytes": 4 * kv}}}
+    else:  # k and v passed once round the ring per layer and pass; dk, dv twice (cp) in backward
+        ring = {"forward": {"all_to_all": {"count": 2, "bytes": 2 * kv}}, "backward": {"all_to_all": {"count": 6, "bytes": 6 * kv}}}
+    assert sim.ring == ring
+    params = (2 * (64 + 4 * 64 * 64) + 2 * 64 * 64) * 4  # FSDP2 over cp: 3 units gathered whole, their gradients reduce-scattered
+    fsdp = {"forward": {"all_gather": (3, params)}, "backward": {"all_gather": (3, params), "reduce_scatter": (3, params)}}
+    for phase, ops in fsdp.items():
+        for op, (count, nbytes) in ops.items():
+            ring_op = ring[phase].get(op, {"count": 0, "bytes": 0})
+            assert sim.comms[phase][op] == {"count": count + ring_op["count"], "bytes": nbytes + ring_op["bytes"]}
+    assert set(sim.comms["backward"]) == set(fsdp["backward"]) | set(ring["backward"])

@@ -159,6 +159,11 @@ def _ring_backward(mesh, grad_out, query, key, value, out, logsumexp, dropout_p,
         dropout_p=dropout_p, scale=scale)
 
 
+# The CPU forms torch's ring runs on: {op: whether it is the forward}.
+RING_OPS = {aten._scaled_dot_product_flash_attention_for_cpu.default: True,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward.default: False}
+
+
 def _ring_handler(op_call, args, kwargs):
     """torch's `_sdpa_handler` (the DTensor handler of the CUDA kernels under context
     parallelism) for the CPU forms: propagate the sequence rule, run the ring on
