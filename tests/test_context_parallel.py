@@ -209,3 +209,41 @@ def test_the_simulation_gives_a_cuda_ranks_shapes_and_collectives_at_cp_2(tmp_pa
             ring_op = ring[phase].get(op, {"count": 0, "bytes": 0})
             assert sim.comms[phase][op] == {"count": count + ring_op["count"], "bytes": nbytes + ring_op["bytes"]}
     assert set(sim.comms["backward"]) == set(fsdp["backward"]) | set(ring["backward"])
+
+
+def test_apply_dry_run_of_a_plan_with_context_parallelism_reports_the_simulated_rank(tmp_path):
+    """`apply --dry-run` simulates CP at cp 2 as the simulation does (the same figures),
+    in the JSON report's `context_parallel` and `comms`, and its notes."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+    from tpplan.simulation.context_parallel import simulate_context_parallel
+
+    path = _plan(tmp_path, 2)
+    args = ["apply", "--dry-run", "--plan", str(path), "--model", "tpplan.models.positional:tiny", "--seq", str(SEQ)]
+    result = CliRunner().invoke(app, [*args, "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    sim = simulate_context_parallel(load_plan(path), positional.tiny, world=2, batch=2, seq=SEQ)
+    assert (report["ok"], report["world_size"], report["mesh"]) == (True, 2, {"cp": 2, "tp": 1})
+    assert report["context_parallel"]["ring"] == sim.ring and report["context_parallel"]["comms"] == sim.comms
+    assert report["context_parallel"]["tokens"] == [2, SEQ // 2]
+    assert report["comms"] == {phase: {op: found["count"] for op, found in ops.items()} for phase, ops in sim.comms.items()}
+    text = CliRunner().invoke(app, args).output
+    assert "the ring's collectives (rotate: allgather): forward all_gather ×2 (64.00 KiB)" in text
+    refused = CliRunner().invoke(app, [*args, "--check"])
+    assert refused.exit_code == 2 and "simulates shapes and collectives only" in refused.output
+
+
+def test_torchrun_on_cuda_does_not_apply_context_parallelism_yet_and_says_where_it_is_applied(tmp_path):
+    """`tpplan apply` under torchrun does not cut its batches on the sequence: on CUDA the
+    plan is refused as not applied yet (TP130), pointing at Plan.apply."""
+    from tpplan.core.axes import NotAppliedError, refuse_unapplied
+
+    with pytest.raises(NotAppliedError) as info:
+        refuse_unapplied(load_plan(_plan(tmp_path, 2)))
+    assert info.value.problem.code == "TP130"
+    assert "not applied yet: mesh.cp, context_parallel" in str(info.value) and "`Plan.apply` applies context parallelism on CUDA" in str(info.value)
+    refuse_unapplied(load_plan(_plan(tmp_path, 2)), "api")  # Plan.apply's own check lets it through

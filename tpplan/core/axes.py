@@ -291,5 +291,8 @@ def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
                "(`tpplan validate` checks the rest); remove these to apply the others alone")
     if by != "torchrun" and all(key[-1] in APPLIED["torchrun"] for key in keys):
         message += f"; under torchrun, `tpplan apply` applies {_keys_text(APPLIED['torchrun'])}"
+    elif by == "torchrun" and all(key[-1] in APPLIED["api"] for key in keys):
+        message += ("; `Plan.apply` applies context parallelism on CUDA, with the training loop cutting each batch "
+                    "(sharding/context_parallel.py's shard_sequence)")
     at = plan.source.locate(keys[0], key=True) if plan.source is not None else (1, 1)
     raise NotAppliedError(error("TP130", message, plan.file, *at))

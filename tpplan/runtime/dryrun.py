@@ -145,6 +145,10 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         plan = load_plan(options.plan)
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
+    if plan.version == 2 and plan.spec.context_parallel is not None and plan.mesh.sizes["cp"] != 1:
+        from .dryrun_cp import context_parallel_dry_run
+
+        return context_parallel_dry_run(options, plan)
     refuse_unapplied(plan, "dry-run")
     tp, note = dry_run_tp(options, plan)
     planning = options.train.plans_memory  # memory planning picks its own degrees without --tp

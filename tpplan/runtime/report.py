@@ -63,6 +63,7 @@ class ApplyReport:
     checkpoint: dict | None = None  # --checkpoint: what was (or would be) loaded, see tpplan.checkpoint.inspect
     saved: dict | None = None  # --save: {"path", "format"}
     mesh: dict[str, int] | None = None  # torchrun: the device mesh's dims, outermost first {name: size} (SPEC §7)
+    context_parallel: dict | None = None  # a dry run with CP: this rank's shapes, the ring's collectives (runtime/dryrun_cp.py)
 
     @property
     def ok(self) -> bool:
@@ -107,6 +108,7 @@ class ApplyReport:
             "saved": self.saved,
             "notes": list(self.notes),  # what the run chose or changed for the user (e.g. dropout off for --check)
             **({"mesh": dict(self.mesh)} if self.mesh is not None else {}),
+            **({"context_parallel": self.context_parallel} if self.context_parallel is not None else {}),
             **self._memory_json(),
         }
 
