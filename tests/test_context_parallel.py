@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.tensor.experimental._context_parallel  # noqa: F401  torch's CP imported before any simulation, as in a user's process
 from torch import nn
 
 from tpplan import load_plan

@@ -88,7 +88,6 @@ def apply_context_parallel(plan: Any, model: "nn.Module", mesh: "DeviceMesh") ->
     sharded (TP132 at a buffer that cannot be). Returns the modules' fqns, none
     without the section (or at cp 1). TP131 off CUDA (see the module's docstring)."""
     from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
-    from torch.distributed.tensor.experimental._context_parallel import _enable_context_parallel_dispatcher
 
     spec = section(plan)
     if spec is None:
@@ -102,12 +101,26 @@ def apply_context_parallel(plan: Any, model: "nn.Module", mesh: "DeviceMesh") ->
         raise PlanError(problems + found)
     set_rotate_method(spec.rotate)
     _cp_options.enable_load_balance = spec.load_balance == "headtail"
-    _enable_context_parallel_dispatcher()
+    _enable_dispatcher()
     for fqn in claimed:
         _shard_attention(model.get_submodule(fqn) if fqn else model, cp)
     for (owner, leaf), dim in buffers.items():
         owner._buffers[leaf] = shard_sequence(plan, mesh, [owner._buffers[leaf]], [dim])[0]
     return list(claimed)
+
+
+def _enable_dispatcher() -> None:
+    """torch's `_enable_context_parallel_dispatcher` (its DTensor handlers of the CUDA
+    attention kernels, and their sequence rules), added to the handlers DTensor has now:
+    torch's own resets the table to the one it saw when it was imported, which would
+    drop any handler registered since (the simulation's, device_rules)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental._context_parallel._attention import custom_ops
+    from torch.distributed.tensor.experimental._context_parallel._sharding_rules import register_cp_sharding_rules
+
+    dispatcher = DTensor._op_dispatcher
+    dispatcher._custom_op_handlers = {**dispatcher._custom_op_handlers, **custom_ops}
+    register_cp_sharding_rules()
 
 
 def shard_sequence(plan: Any, mesh: "DeviceMesh", tensors: list["torch.Tensor"], seq_dims: list[int]) -> list["torch.Tensor"]:
