@@ -30,7 +30,6 @@ import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 
 import _common
 

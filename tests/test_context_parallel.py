@@ -28,7 +28,6 @@ from tpplan.core.axes import mesh_dims
 from tpplan.core.problems import PlanError
 from tpplan.check.context_parallel import model_parity, ring_parity
 from tpplan.models import positional
-from tpplan.sharding.context_parallel import shard_sequence
 from tpplan.simulation.device_rules import context_parallel_rules
 
 from test_torchrun import torchrun
