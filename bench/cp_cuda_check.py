@@ -19,8 +19,8 @@ kernels (flash for bfloat16, efficient for float32) run in it as in training.
 (`simulation.device_rules.context_parallel_rules`, what the dry run and the tests use):
 it checks this script where there is no GPU; its figures are not CUDA's.
 
-Goal: every difference within the dtype's tolerance (float32 1e-4, bfloat16 3e-2 of the
-largest reference value, at least that absolute); `--check` exits 1 when one is not.
+Goal: every difference within the dtype's tolerance (float32 1e-4, bfloat16 3e-2) of the
+largest one-device value (at least 1: absolute below it); `--check` exits 1 when one is not.
 Not run in this task's sessions (no GPU was lent); it needs torch 2.13 with CUDA.
 """
 
@@ -86,14 +86,13 @@ def main() -> int:
                 torch.manual_seed(0)  # the same whole tensors and weights on every rank
                 q, k, v, grad = (torch.randn(2, 8, 1024, 64, device=device, dtype=dtype) for _ in range(4))
                 with simulated():
-                    ring, collectives = ring_parity(ring_plan, ring_plan.build_mesh(cp, device.type), q, k, v, grad)
+                    ring, ring_scale, collectives = ring_parity(ring_plan, ring_plan.build_mesh(cp, device.type), q, k, v, grad)
                 with device:
                     reference = positional.tiny().to(dtype)
                 tokens, labels = (torch.randint(0, 64, (2, 32), device=device) for _ in range(2))
                 with simulated():
-                    model = model_parity(model_plan, model_plan.build_mesh(cp, device.type), reference, tokens, labels)
-                scale = {name: max(1.0, p.grad.abs().max().item()) for name, p in reference.named_parameters()}
-                relative = [*ring.values()] + [model[n] / scale.get(n, 1.0) for n in model]  # ring values are O(1)
+                    model, model_scale = model_parity(model_plan, model_plan.build_mesh(cp, device.type), reference, tokens, labels)
+                relative = [ring[n] / max(1.0, ring_scale[n]) for n in ring] + [model[n] / max(1.0, model_scale[n]) for n in model]
                 worst = max(worst, *relative)
                 if rank == 0:
                     print(json.dumps({"cp": cp, "rotate": rotate, "load_balance": load_balance, "dtype": args.dtype,

@@ -65,12 +65,12 @@ def test_ring_attention_equals_full_attention_forward_and_backward(tmp_path, cp,
     with context_parallel_rules():
         ranks = run_threaded(cp, lambda _: ring_parity(plan, plan.build_mesh(cp), q, k, v, grad))
     # the ring merges its blocks in float32 (torch's convert_to_f32), as on a GPU
-    assert max(max(diffs.values()) for diffs, _ in ranks) < 1e-6, ranks
+    assert max(max(diffs.values()) for diffs, _, _ in ranks) < 1e-6, ranks
     # The rotation the plan names: forward and backward each all-gather this rank's k and v
     # once, or pass them round the ring (cp - 1 all-to-alls); the backward passes the k and
     # v gradients round by all-to-all (cp of them) either way, in float32.
     kv, dkv = 2 * q.numel() // cp * q.element_size(), 2 * q.numel() // cp * 4
-    for _, found in ranks:
+    for _, _, found in ranks:
         if rotate == "allgather":
             assert found == Counter({("all_gather", kv): 2, ("all_to_all", dkv): cp})
         else:
@@ -96,7 +96,7 @@ def test_plan_apply_with_context_parallel_trains_as_one_device(tmp_path, cp, rot
 
     def rank(_):
         mesh = plan.build_mesh(cp)
-        return model_parity(plan, mesh, copy.deepcopy(reference), tokens, labels), _positions_shape(plan, mesh)
+        return model_parity(plan, mesh, copy.deepcopy(reference), tokens, labels)[0], _positions_shape(plan, mesh)
 
     with context_parallel_rules():
         ranks = run_threaded(cp, rank)
@@ -114,7 +114,7 @@ def test_a_module_both_context_parallel_and_checkpointed_recomputes_through_the_
     reference = positional.tiny().double()
     tokens, labels = torch.randint(0, 64, (2, SEQ)), torch.randint(0, 64, (2, SEQ))
     with context_parallel_rules():
-        ranks = run_threaded(cp, lambda _: model_parity(plan, plan.build_mesh(cp), copy.deepcopy(reference), tokens, labels))
+        ranks = run_threaded(cp, lambda _: model_parity(plan, plan.build_mesh(cp), copy.deepcopy(reference), tokens, labels)[0])
     assert max(max(diffs.values()) for diffs in ranks) < 1e-7, ranks[0]
 
 

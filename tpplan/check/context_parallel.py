@@ -10,7 +10,8 @@ CPU tests (cp ranks as threads, CUDA's ring simulated) and `bench/cp_cuda_check.
   ranks) against its unsharded copy: the loss and every parameter gradient, after one
   forward and backward of a mean cross-entropy, each rank on its shard of the batch.
 
-Both return the max |difference| per tensor. Inputs must be the same on every rank.
+Both return the max |difference| per tensor, and the max |one device's value| (the
+scale a low-precision difference is read against). Inputs must be the same on every rank.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class RingAttention(nn.Module):
         return self.attention(q, k, v)
 
 
-def ring_parity(plan: Any, mesh: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> tuple[dict[str, float], Counter]:
-    """({"out"|"grad_q"|"grad_k"|"grad_v": max |ring - full|}, the ring's collectives on this rank)."""
+def ring_parity(plan: Any, mesh: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                grad: torch.Tensor) -> tuple[dict[str, float], dict[str, float], Counter]:
+    """({"out"|"grad_q"|"grad_k"|"grad_v": max |ring - full|}, {the same: max |full|}
+    (the scale a low-precision difference is read against), the ring's collectives on this rank)."""
     full = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     want = F.scaled_dot_product_attention(*full, is_causal=True)
     want.backward(grad)
@@ -63,13 +66,16 @@ def ring_parity(plan: Any, mesh: Any, q: torch.Tensor, k: torch.Tensor, v: torch
         out = model(*local)
         out.backward(shard_sequence(plan, mesh, [grad], [SEQ_DIM])[0])
     got = unshard_sequence(plan, mesh, [out.detach(), *(t.grad for t in local)], [SEQ_DIM] * 4)
-    names = ("out", "grad_q", "grad_k", "grad_v")
-    return {name: _diff(a, b) for name, a, b in zip(names, got, [want.detach(), *(t.grad for t in full)])}, found
+    names, wanted = ("out", "grad_q", "grad_k", "grad_v"), [want.detach(), *(t.grad for t in full)]
+    diffs = {name: _diff(a, b) for name, a, b in zip(names, got, wanted)}
+    return diffs, {name: b.abs().max().item() for name, b in zip(names, wanted)}, found
 
 
-def model_parity(plan: Any, mesh: Any, reference: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """{"loss"|parameter name: max |context parallel - one device|}; `reference` is left
-    as it was but for its gradients (of the whole batch), `tokens`/`labels` (batch, seq)."""
+def model_parity(plan: Any, mesh: Any, reference: nn.Module, tokens: torch.Tensor,
+                 labels: torch.Tensor) -> tuple[dict[str, float], dict[str, float]]:
+    """({"loss"|parameter name: max |context parallel - one device|}, {the same: max
+    |one device|}); `reference` is left as it was but for its gradients (of the whole
+    batch), `tokens`/`labels` (batch, seq)."""
     model = copy.deepcopy(reference)
     reference.zero_grad(set_to_none=True)
     want = F.cross_entropy(reference(tokens).flatten(0, 1), labels.flatten())
@@ -83,11 +89,13 @@ def model_parity(plan: Any, mesh: Any, reference: nn.Module, tokens: torch.Tenso
     losses = [torch.zeros_like(loss) for _ in range(cp.size())]
     torch.distributed.all_gather(losses, loss.detach(), group=cp.get_group())
     diffs = {"loss": abs(sum(x.item() for x in losses) / cp.size() - want.item())}
+    scales = {"loss": abs(want.item())}
     grads = dict(model.named_parameters())
     for name, p in reference.named_parameters():
         got = grads[name].grad
         diffs[name] = _diff(got.full_tensor() if hasattr(got, "full_tensor") else got, p.grad)
-    return diffs
+        scales[name] = p.grad.abs().max().item()
+    return diffs, scales
 
 
 def _diff(got: torch.Tensor, want: torch.Tensor) -> float:
