@@ -178,8 +178,10 @@ _PLAN_CODES = {
         `Plan.apply` with a CPU mesh. torch 2.13's context parallelism shards the
         sequence through SDPA's flash, efficient and cuDNN CUDA kernels only; the
         CPU kernel has no context-parallel rule. Refused before anything is
-        applied, located at `context_parallel`: run on CUDA GPUs, or set
-        `mesh.cp` to 1 and remove the section.
+        applied, located at `context_parallel`: run it on CUDA GPUs
+        (`Plan.apply` on a cuda mesh), simulate it with `tpplan apply
+        --dry-run` (one CUDA rank: shapes and collectives), or set `mesh.cp`
+        to 1 and remove the section.
     """),
     "TP132": ("cp-buffer", """
         A name in `context_parallel.buffers` cannot be sharded on the sequence

@@ -69,8 +69,9 @@ def refuse_device(plan: Any, device_type: str) -> None:
     raise PlanError([error("TP131", (
         f"context_parallel: context parallelism needs CUDA in torch 2.13, and this mesh is on {device_type}: torch's "
         "ring attention shards the sequence through SDPA's flash, efficient and cuDNN CUDA kernels only (the CPU "
-        "kernel _scaled_dot_product_flash_attention_for_cpu has no context-parallel rule); run on CUDA GPUs "
-        "(--device cuda), or set mesh.cp to 1 and remove this section to run the other axes here"),
+        "kernel _scaled_dot_product_flash_attention_for_cpu has no context-parallel rule); run it on CUDA GPUs "
+        "(Plan.apply on a cuda mesh), simulate it here with `tpplan apply --dry-run`, or set mesh.cp to 1 and remove "
+        "this section to run the other axes here"),
         plan.file, *plan.source.locate(("context_parallel",), key=True))])
 
 
