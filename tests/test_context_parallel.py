@@ -247,3 +247,29 @@ def test_torchrun_on_cuda_does_not_apply_context_parallelism_yet_and_says_where_
     assert info.value.problem.code == "TP130"
     assert "not applied yet: mesh.cp, context_parallel" in str(info.value) and "`Plan.apply` applies context parallelism on CUDA" in str(info.value)
     refuse_unapplied(load_plan(_plan(tmp_path, 2)), "api")  # Plan.apply's own check lets it through
+
+
+def test_dry_run_of_tp_then_cp_on_llama(tmp_path):
+    """TP 2 × CP 2 on tpplan's Llama: the TP rules first (their all-reduces), then the ring
+    on the local heads (alltoall at cp 2: k and v passed once per layer, dk and dv twice)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tpplan.cli.app import app
+    from tpplan.models.llama import tiny
+
+    path = tmp_path / "llama_cp.yaml"
+    path.write_text(f"version: 2\nextends: {ROOT / 'plans' / 'llama_tp.yaml'}\nrules: {{}}\nmesh: {{cp: 2, tp: 2}}\n"
+                    "context_parallel:\n  modules: layers.*.attention\n  rotate: alltoall\n")
+    result = CliRunner().invoke(app, ["apply", "--dry-run", "--plan", str(path), "--model", "tpplan.models.llama:tiny", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    cfg, layers = tiny().config, tiny().config.n_layers
+    assert (report["ok"], report["world_size"], report["mesh"]) == (True, 4, {"cp": 2, "tp": 2})
+    q = [2, cfg.n_heads // 2, 16, cfg.dim // cfg.n_heads]  # the local heads (TP) of this rank's 16 of 32 tokens (CP)
+    assert report["context_parallel"]["attention_q"] == [q] * layers
+    ring = report["context_parallel"]["ring"]
+    assert {op: found["count"] for op, found in ring["forward"].items()} == {"all_to_all": layers}
+    assert {op: found["count"] for op, found in ring["backward"].items()} == {"all_to_all": 3 * layers}
+    assert report["comms"]["forward"]["all_reduce"] > 0  # the TP rules' (row-wise wo, w2)
