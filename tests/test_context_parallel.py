@@ -273,3 +273,20 @@ def test_dry_run_of_tp_then_cp_on_llama(tmp_path):
     assert {op: found["count"] for op, found in ring["forward"].items()} == {"all_to_all": layers}
     assert {op: found["count"] for op, found in ring["backward"].items()} == {"all_to_all": 3 * layers}
     assert report["comms"]["forward"]["all_reduce"] > 0  # the TP rules' (row-wise wo, w2)
+
+
+def test_a_head_sharded_attention_is_no_ring_and_is_refused_in_the_simulation():
+    """Inside the simulation every DTensor CPU attention is routed to the ring (as torch
+    routes every CUDA one under CP); one sharded on heads (a TP plan's DTensor q/k/v)
+    would be ringed over the wrong mesh: refused with the fix, not computed."""
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from tpplan.simulation.simulate import simulated_world
+
+    with simulated_world(2), context_parallel_rules():
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        q = DTensor.from_local(torch.randn(1, 2, 8, 4), mesh, [Shard(1)])
+        with pytest.raises(RuntimeError, match=r"laid out as \(Shard\(dim=1\),\), not on the sequence"):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)

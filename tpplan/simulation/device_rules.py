@@ -168,8 +168,14 @@ def _ring_handler(op_call, args, kwargs):
     """torch's `_sdpa_handler` (the DTensor handler of the CUDA kernels under context
     parallelism) for the CPU forms: propagate the sequence rule, run the ring on
     the local shards, wrap the results as the rule lays them out."""
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
+    placements = args[0].placements  # q (forward) or grad_out (backward)
+    if not all(isinstance(p, Shard) and p.dim == SEQ_DIM for p in placements):
+        # torch's CUDA handler would run its ring over this mesh anyway: a wrong answer, refused here
+        raise RuntimeError(f"context parallelism's ring attention got q/k/v laid out as {placements}, not on the sequence "
+                           f"(dim {SEQ_DIM}): with a context_parallel section, every DTensor attention is a ring; give "
+                           "this attention local q/k/v (the TP rules' use_local_output), or name it in context_parallel.modules")
     dispatcher = DTensor._op_dispatcher
     op_info = dispatcher.unwrap_to_op_info(op_call, args, kwargs)
     dispatcher.sharding_propagator.propagate(op_info)
