@@ -192,12 +192,12 @@ def test_apply_refuses_a_section_it_does_not_apply_yet_located_exit_2(tmp_path):
 def test_plan_apply_refuses_before_touching_the_model():
     import torch
 
-    plan = load_plan(text="version: 2\nmesh:\n  tp: 2\nrules:\n  '': colwise\ncontext_parallel:\n  modules: ''\n")
+    plan = load_plan(text="version: 2\nmesh:\n  pp: 2\n  tp: 2\nrules:\n  '': colwise\n")
     model = torch.nn.Linear(4, 4)
     with pytest.raises(NotAppliedError) as info:
         plan.apply(model, None)
-    assert (info.value.problem.code, info.value.problem.line, info.value.problem.column) == ("TP130", 6, 1)
-    assert "not applied yet: context_parallel" in str(info.value)
+    assert (info.value.problem.code, info.value.problem.line, info.value.problem.column) == ("TP130", 3, 3)
+    assert "not applied yet: mesh.pp" in str(info.value)
     assert type(model.weight) is torch.nn.Parameter  # untouched
 
 

@@ -226,12 +226,15 @@ def section_warnings(plan: Any) -> list[Problem]:
 
 
 # What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply the experts
-# over ep, activation checkpointing and FSDP2/HSDP after the TP rules (sharding/); the dry run
-# simulates the data axes, checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one
-# rank per distinct position, not yet the experts over ep.
-APPLIED = {"torchrun": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts"),
+# over ep, activation checkpointing and FSDP2/HSDP after the TP rules (sharding/), and
+# `Plan.apply` context parallelism after the TP rules, on CUDA (torchrun's batches are not cut
+# on the sequence yet; off CUDA it is TP131); the dry run simulates the data axes,
+# checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one rank per distinct
+# position, not yet the experts over ep (context parallelism: runtime/dryrun_cp.py).
+_TORCHRUN = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
+APPLIED = {"torchrun": _TORCHRUN, "api": (*_TORCHRUN, "cp", "context_parallel"),
            "dry-run": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing")}
-_DOES = {"torchrun": "This tpplan applies", "dry-run": "The dry run simulates"}
+_DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}
 
 
 def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
@@ -246,13 +249,14 @@ def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
 
 def mesh_dims(plan: Any, world: int, tp: int | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The device mesh a plan runs on over `world` ranks, outermost first, tp the fastest
-    dim: version 2's data axes above 1 (dp_replicate, dp_shard) then tp; version 1's
+    dim: version 2's data axes above 1 (dp_replicate, dp_shard), cp above 1, then tp; version 1's
     tp alone, or (dp, tp) below the world (--fsdp's shorthand). ValueError where the
     sizes do not make the world."""
     if plan.version == 2:
         sizes = plan.mesh.resolve(world, tp)
         hsdp = sizes["dp_replicate"] > 1  # FSDP2's HSDP takes a 2-D mesh: dp_shard kept even at 1
         dims = [(axis, sizes[axis]) for axis in ("dp_replicate", "dp_shard") if plan.mesh.sizes[axis] != 1 or hsdp]
+        dims += [("cp", sizes["cp"])] if plan.mesh.sizes["cp"] != 1 else []
         dims.append((plan.mesh_axis, sizes["tp"]))
         return tuple(size for _, size in dims), tuple(name for name, _ in dims)
     tp = world if tp is None else tp
@@ -293,6 +297,9 @@ def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
                "(`tpplan validate` checks the rest); remove these to apply the others alone")
     if by != "torchrun" and all(key[-1] in APPLIED["torchrun"] for key in keys):
         message += f"; under torchrun, `tpplan apply` applies {_keys_text(APPLIED['torchrun'])}"
+    elif by == "torchrun" and all(key[-1] in APPLIED["api"] for key in keys):
+        message += ("; `Plan.apply` applies context parallelism on CUDA, with the training loop cutting each batch "
+                    "(sharding/context_parallel.py's shard_sequence)")
     at = plan.source.locate(keys[0], key=True) if plan.source is not None else (1, 1)
     raise NotAppliedError(error("TP130", message, plan.file, *at))
 

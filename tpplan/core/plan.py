@@ -177,14 +177,17 @@ class Plan:
         `fsdp` units and policies (sharding/data_parallel.py), after activation
         checkpointing of the `checkpointing` section's modules (torchtitan's order).
         The `experts` rules apply after the TP rules, over the ep dim of the mesh's expert
-        view (FSDP2 then shards the experts over efsdp). A version 2 plan that sets axes or
-        sections not applied yet (pp, cp, context_parallel, training) is refused (axes.NotAppliedError, a ValueError located
+        view (FSDP2 then shards the experts over efsdp). With a `cp` dim, context
+        parallelism follows the TP rules on CUDA (sharding/context_parallel.py: shard each
+        batch with its `shard_sequence`; on another device a PlanError, TP131, before
+        anything is applied). A version 2 plan that sets axes or sections not applied yet
+        (pp, training) is refused (axes.NotAppliedError, a ValueError located
         at the first): applying the rest alone would ignore them.
         """
         from ..sharding.apply import apply_every_axis
         from .axes import refuse_unapplied
 
-        refuse_unapplied(self)
+        refuse_unapplied(self, "api")
         apply_every_axis(self, model, mesh, None if on_module is None else lambda done, total, fqn: on_module(fqn))
         return model
 

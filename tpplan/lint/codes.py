@@ -175,6 +175,25 @@ _PLAN_CODES = {
         version 2 plan with only `mesh.tp` and `rules` applies exactly as the
         same version 1 plan.
     """),
+    "TP131": ("cp-needs-cuda", """
+        A version 2 plan's `context_parallel` (with `mesh.cp` above 1) is applied
+        on a device other than CUDA: `tpplan apply` under torchrun on CPU, or
+        `Plan.apply` with a CPU mesh. torch 2.13's context parallelism shards the
+        sequence through SDPA's flash, efficient and cuDNN CUDA kernels only; the
+        CPU kernel has no context-parallel rule. Refused before anything is
+        applied, located at `context_parallel`: run it on CUDA GPUs
+        (`Plan.apply` on a cuda mesh), simulate it with `tpplan apply
+        --dry-run` (one CUDA rank: shapes and collectives), or set `mesh.cp`
+        to 1 and remove the section.
+    """),
+    "TP132": ("cp-buffer", """
+        A name in `context_parallel.buffers` cannot be sharded on the sequence
+        when the plan is applied: it names no buffer of the model, the buffer
+        has no such dim, its length there is not a multiple of 2·cp
+        (`load_balance: headtail`) or cp, or it is not `training.seq` (a
+        positional table is cut as the batch's sequence is, so it must hold the
+        whole sequence). Located at the buffer's name.
+    """),
     "TP140": ("not-expressed", """
         `tpplan export --to FRAMEWORK`: a key of the plan that the framework's
         config has no field for (transformers has no context parallelism,

@@ -149,6 +149,10 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
     if applies(options, plan):  # a layout not simulated yet: the checkpoint checked against it from headers alone
         return checkpoint_dry_run(options, plan, event)
+    if plan.version == 2 and plan.spec.context_parallel is not None and plan.mesh.sizes["cp"] != 1:
+        from .dryrun_cp import context_parallel_dry_run
+
+        return context_parallel_dry_run(options, plan)
     refuse_unapplied(plan, "dry-run")
     check_world(options, plan)
     # A world beyond the TP axis (a version 2 plan's data axes, checkpointing) is planned

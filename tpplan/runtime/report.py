@@ -67,6 +67,7 @@ class ApplyReport:
     # the worst rank, and each simulated position (memory_dryrun.RankPlan), SPEC §7
     comms_by_axis: dict[str, Any] | None = None
     ranks: list = field(default_factory=list)
+    context_parallel: dict | None = None  # a dry run with CP: this rank's shapes, the ring's collectives (runtime/dryrun_cp.py)
 
     @property
     def ok(self) -> bool:
@@ -111,6 +112,7 @@ class ApplyReport:
             "saved": self.saved,
             "notes": list(self.notes),  # what the run chose or changed for the user (e.g. dropout off for --check)
             **({"mesh": dict(self.mesh)} if self.mesh is not None else {}),
+            **({"context_parallel": self.context_parallel} if self.context_parallel is not None else {}),
             **self._memory_json(),
         }
 

@@ -152,6 +152,9 @@ def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _L
     loaded = _Loaded()
     try:
         loaded.plan = load_plan(options.plan)
+        from ..sharding.context_parallel import refuse_device
+
+        refuse_device(loaded.plan, ctx.device.type)  # TP131 off CUDA; on CUDA, TP130 below: batches are not cut yet
         refuse_unapplied(loaded.plan)
         loaded.mesh = _mesh(ctx.world, options, loaded.plan)
         event("building the model")

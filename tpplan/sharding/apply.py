@@ -193,10 +193,12 @@ def _claiming_rule(claimed: dict[str, "Rule"], fqn: str) -> "Rule | None":
 def apply_every_axis(
     plan: "Plan", model: nn.Module, mesh: "DeviceMesh", on_module: Callable[[int, int, str], None] | None = None
 ) -> None:
-    """`Plan.apply`: the TP rules, then a version 2 plan's experts over ep, activation
-    checkpointing and FSDP2/HSDP over its data axes (the experts' over efsdp), in torchtitan's order. A version 1 plan is the TP
-    axis alone: its caller shards the data axes (examples/train.py)."""
+    """`Plan.apply`: the TP rules, then a version 2 plan's context parallelism, experts
+    over ep, activation checkpointing and FSDP2/HSDP over its data axes (and cp; the
+    experts' over efsdp), in torchtitan's order. A version 1 plan is the TP axis alone:
+    its caller shards the data axes (examples/train.py)."""
     from .activation_checkpoint import apply_activation_checkpointing
+    from .context_parallel import apply_context_parallel, cp_mesh, refuse_device
     from .data_parallel import apply_data_parallel
 
     if plan.version == 2 and (plan.mesh.sizes["dp_replicate"] != 1 or plan.mesh.sizes["dp_shard"] != 1):
@@ -204,9 +206,12 @@ def apply_every_axis(
         if "dp_shard" not in names:  # before any module is touched
             raise ValueError(f"the plan has data-parallel axes but the mesh has dims {tuple(names)}: "
                              "build it with plan.build_mesh(world), or name its dims dp_replicate, dp_shard and tp")
+    if plan.version == 2 and plan.mesh.sizes["cp"] != 1:  # before any module is touched, too
+        refuse_device(plan, cp_mesh(mesh).device_type)
     plan.match_experts(model)  # the experts rules' problems, before any module is touched
     apply_plan(plan, model, mesh, on_module)
     if plan.version == 2:
+        apply_context_parallel(plan, model, mesh)
         apply_experts(plan, model, mesh, on_module)
         apply_activation_checkpointing(plan, model)
         apply_data_parallel(plan, model, mesh)

@@ -100,16 +100,33 @@ def unit_modules(plan: "Plan | None", model: "nn.Module", wanted: DataParallel) 
 
 def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
     """The mesh FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, dp_shard (or
-    --fsdp's dp) alone for FSDP; None where the mesh has no data-parallel dim."""
+    --fsdp's dp) alone for FSDP; None where the mesh has no data-parallel dim. With a
+    cp dim, dp_shard·cp flattened (torchtitan's dp_shard_cp): the cp ranks hold the
+    same parameters and each computes gradients on its part of the sequence, so
+    FSDP2 shards and reduces over them as over data-parallel ranks."""
     names = mesh.mesh_dim_names or ()
+    shard = _shard_dim(mesh, names)
     if "dp_replicate" in names:
-        if "dp_shard" not in names:
+        if shard is None:
             raise ValueError(f"HSDP needs a dp_shard dim beside dp_replicate (size 1 for pure replication); the mesh has {names}")
-        return mesh["dp_replicate", "dp_shard"]
-    for name in ("dp_shard", SHORTHAND_DIM):
-        if name in names:
-            return mesh[name]
-    return None
+        return mesh["dp_replicate", shard]
+    if shard is not None:
+        return mesh[shard]
+    return mesh[SHORTHAND_DIM] if SHORTHAND_DIM in names else None
+
+
+# dp_shard and cp flattened into one dim (torchtitan's name).
+CP_SHARD_DIM = "dp_shard_cp"
+
+
+def _shard_dim(mesh: "DeviceMesh", names: tuple[str, ...]) -> str | None:
+    """The dim FSDP2 shards over: dp_shard, cp, or both flattened (CP_SHARD_DIM)."""
+    if "cp" not in names:
+        return "dp_shard" if "dp_shard" in names else None
+    if "dp_shard" not in names:
+        return "cp"
+    mesh["dp_shard", "cp"]._flatten(CP_SHARD_DIM)  # torch 2.13's private API, as torchtitan uses it
+    return CP_SHARD_DIM
 
 
 def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None) -> list[str]:
