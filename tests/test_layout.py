@@ -134,9 +134,9 @@ MAY_IMPORT = {
     # The substrate the dry run, the lint, init and checkpoint simulation share: the fake
     # world, the ladder, model building (hf.build: `--model hf:SPEC`), located runs.
     "simulation": {"core", "sharding", "checkpoint", "hf"},
-    "check": {"core", "checkpoint", "simulation"},  # the --check engine: a run against one device
+    "check": {"core", "sharding", "checkpoint", "simulation"},  # the --check engine: a run against one device (CP's batches cut by sharding)
     "memory": {"core", "simulation"},  # memory planning: one step under MemTracker, blocks once
-    "runtime": {"core", "checkpoint", "simulation", "check", "memory"},  # orchestration: the dry run, torchrun
+    "runtime": {"core", "sharding", "checkpoint", "simulation", "check", "memory"},  # orchestration: the dry run, torchrun
     "render": {"core", "simulation", "memory", "runtime", "init"},  # the reports' data, which render prints
     "lint": {"core", "sharding", "simulation", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},

@@ -20,7 +20,8 @@ from expected import FP32, llama_bytes
 from tpplan.cli.app import app
 from tpplan.models import llama, mlp
 from tpplan.runtime.dryrun import dry_run
-from tpplan.memory.memory import collective_bytes, measure_training_step, parse_size
+from tpplan.memory.memory import measure_training_step, parse_size
+from tpplan.simulation.comm_axes import collective_bytes
 from tpplan.runtime.torchrun import ApplyOptions
 from tpplan.check.training import compare_training
 from tpplan.simulation.training import TrainOptions, train_steps

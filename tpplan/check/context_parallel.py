@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..sharding.context_parallel import shard_sequence, unshard_sequence
-from ..simulation.device_rules import SEQ_DIM  # of q/k/v: (batch, heads, seq, head_dim)
+from ..sharding.context_parallel import SEQ_DIM, shard_sequence, unshard_sequence
 from ..simulation.simulate import collective_counter
 
 

@@ -271,6 +271,7 @@ _WORDING = {
     "simulate the data axes (mesh.dp_replicate, mesh.dp_shard, fsdp, checkpointing) with values: run --check under torchrun",
     ("every_rank", "needs-memory"): "--every-rank simulates each rank's memory plan: add a memory option (--batch, --seq, --dtype, "
     "--optimizer, --memory-limit), or use a version 2 plan with data axes",
+    ("tp", "not-promised"): "--tp {tp}: the plan's mesh.tp promises {promised}; leave --tp out, or give one of them",
     ("tp", "plan-mismatch"): "--tp {tp}: the plan's mesh gives tp {plan_tp} on {world} ranks ({dims}); leave --tp out, or change mesh.tp",
 }
 

@@ -16,6 +16,7 @@ from .style_model import _Strict
 # dp_shard·cp·tp and is no factor of the world; the others multiply to it.
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 WORLD_AXES = AXES[:-1]
+DP_AXES = ("dp_replicate", "dp_shard")  # the data-parallel axes, outermost first (HSDP's two)
 REST = -1  # "the rest of the world": world / (product of the other axes)
 
 TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # the spellings of apply's --dtype: torch's names

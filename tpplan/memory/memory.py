@@ -13,7 +13,7 @@ the mesh simulated as any one of its ranks, no memory spent), so prediction and
 measurement are one code path.
 
 Collectives are counted per pass and per mesh axis with their bytes
-(`collective_bytes`): the larger of each collective's buffers on this rank, i.e.
+(`simulation.comm_axes.collective_bytes`): the larger of each collective's buffers on this rank, i.e.
 the full tensor of an all-gather or reduce-scatter and the tensor of an all-reduce.
 """
 
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .memory_report import CATEGORIES, MemoryReport
+from ..simulation.comm_axes import counting, per_op
 from ..simulation.training import TrainOptions, make_optimizer, make_targets, torch_dtype
 
 if TYPE_CHECKING:
@@ -66,56 +67,7 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()])
 
 
-# -- collectives with bytes -----------------------------------------------------------
-
-
-def _tensor_bytes(value: Any) -> int:
-    """Bytes of a tensor, or of a list of tensors (one buffer per rank of a c10d op)."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in value)
-    return 0
-
-
-def collective_bytes(args: tuple, result: Any) -> int:
-    """The larger of a collective's buffers: an all-gather's output, a
-    reduce-scatter's input, an all-reduce's tensor. c10d ops take output and
-    input as separate arguments (and return them with a Work); functional ones
-    return the output."""
-    results = result if isinstance(result, tuple) else (result,)
-    return max(_tensor_bytes(v) for v in (*args, *results))
-
-
-@contextlib.contextmanager
-def counting(counts: Counter, sizes: Counter, axis_of=None) -> Iterator[None]:
-    """Collectives of the body, counted and their bytes summed per (axis, op): the
-    mesh axis whose group each ran on (`axis_of(args)`, simulation/comm_axes.py;
-    without one, every collective is filed under "" (no mesh to name it by)) and its
-    SPEC name. Not CommDebugMode: its module tracker and per-op log cost more than
-    the model at 126 layers; the counts are the same (tests compare them)."""
-    from ..simulation.simulate import _COLLECTIVE_NAMES, collective_counter
-
-    spec_names = set(_COLLECTIVE_NAMES.values())
-
-    def counted(name: str, args: tuple, out: Any) -> None:
-        if name in spec_names:
-            key = (axis_of(args) if axis_of is not None else "", name)
-            counts[key] += 1
-            sizes[key] += collective_bytes(args, out)
-
-    with collective_counter(counted):
-        yield
-
-
-def per_op(by_axis: dict[tuple[str, str], int]) -> dict[str, int]:
-    """{(axis, op): n} summed over the axes: {op: n}, sorted."""
-    found: Counter = Counter()
-    for (_, op), n in by_axis.items():
-        found[op] += n
-    return dict(sorted(found.items()))
+# -- collectives per axis -----------------------------------------------------------
 
 
 def nested(counts: dict[tuple[str, str], int], sizes: dict[tuple[str, str], int], axes) -> dict[str, dict[str, dict[str, int]]]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..simulation.layouts import ParamLayout
+from ..simulation.positions import MeshDims
 from .memory import plan_memory
 from .memory_report import DegreeFit, MemoryReport
 from .reuse import block_reuse
@@ -80,16 +81,16 @@ def unused_size_note(options) -> list[str]:
     return []
 
 
-def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> MemoryPlan:
+def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at: Callable[[int], MeshDims]) -> MemoryPlan:
     """The memory plan: at `options.tp`, or at every degree of the plan's mesh.sizes
     (the report then shows the smallest degree that fits, else the largest, and the
     table of all). At each degree, one simulated rank per distinct position of the
     mesh (simulation/positions.py; every rank with `options.every_rank`), the worst
-    of them reported. A PlanError when no degree could be planned, or when the model
-    fails on one device too (its own TP500)."""
+    of them reported; `dims_at(tp)` is the mesh simulated at degree tp (the dry run's
+    `dry_world.dry_run_dims`). A PlanError when no degree could be planned, or when the
+    model fails on one device too (its own TP500)."""
     from ..core.degrees import tp_degrees
     from ..core.problems import PlanError, first_line
-    from ..runtime.dry_world import dry_run_dims
     from ..simulation.fsdp import after_rules_notes
     from ..simulation.layouts import param_layouts
     from ..simulation.locate import FailureLocator, Sharded, shard_with_progress, unpromised_tp_note
@@ -151,7 +152,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None]) -> Memo
         return planned, applied["plan"]
 
     def one(tp: int) -> DegreePlan:
-        dims = dry_run_dims(options, plan, tp)
+        dims = dims_at(tp)
         planned, (sharded, params, _) = at_rank(dims, 0)
         layouts = planned.layouts
         positions = every_rank(dims) if options.every_rank else distinct_positions(dims, layouts, planned.memory.seq, plan.mesh_axis)

@@ -20,10 +20,10 @@ def render_memory(memory: MemoryReport, sweep: list[DegreeFit], console, mesh: d
     from rich.text import Text
 
     from ..core.units import human_bytes
-    from ..sharding.data_parallel import DP_DIMS
+    from ..core.axes_spec import DP_AXES
 
     where = f"TP {memory.tp}" + (f" x FSDP {memory.dp}" if memory.dp > 1 else "")
-    if mesh and any(dim in mesh for dim in DP_DIMS):  # a version 2 plan's named axes
+    if mesh and any(dim in mesh for dim in DP_AXES):  # a version 2 plan's named axes
         where = " x ".join(f"{dim} {size}" for dim, size in mesh.items())
     if ranks and len(ranks) > 1:
         where += f"; the highest of {len(ranks)} positions"

@@ -44,7 +44,8 @@ def world_of(options: ApplyOptions, plan: Plan) -> int:
     sizes = next((c for c in candidates if options.tp is None or c["tp"] == options.tp), None)
     if sizes is None:
         promised = ", ".join(str(c["tp"]) for c in candidates)
-        raise ApplyOptionsError("tp", "not-promised", f"--tp {options.tp}: the plan's mesh.tp promises {promised}")
+        raise ApplyOptionsError("tp", "not-promised", f"tp {options.tp}: the plan's mesh.tp promises {promised}",
+                                tp=options.tp, promised=promised)
     return world_at(options, plan, sizes["tp"])
 
 

@@ -36,8 +36,8 @@ def check_world(options: ApplyOptions, plan: Plan) -> None:
         raise ApplyOptionsError("world", "below-one", f"{options.world} is not at least 1", world=options.world)
     if plan.version == 1:
         if options.world is not None:
-            raise ApplyOptionsError("world", "version-1", "a version 1 plan's dry run simulates --tp ranks (x --fsdp): "
-                                    "--world sizes a version 2 plan's mesh", world=options.world)
+            raise ApplyOptionsError("world", "version-1", "a version 1 plan's dry run simulates tp ranks (times fsdp's): "
+                                    "the world size sizes a version 2 plan's mesh", world=options.world)
         return
     if options.train.fsdp:
         raise ApplyOptionsError("fsdp", "version-2", "FSDP on a dp dim is a version 1 plan's shorthand: a version 2 plan sets "

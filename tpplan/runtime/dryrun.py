@@ -47,7 +47,7 @@ from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with
 from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
 from .checkpoint_layout import applies, checkpoint_dry_run
-from .dry_world import check_world, simulates_world
+from .dry_world import check_world, dry_run_dims, simulates_world
 from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
 from .report import ApplyReport
 
@@ -159,11 +159,11 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     # as --fsdp's always was: per rank, with memory, on fake tensors.
     whole_world = simulates_world(plan, options)
     if whole_world and options.check:
-        raise ApplyOptionsError("check", "data-axes", "--check compares real per-rank values of the TP axis with one device; "
-                                "a dry run does not simulate the data axes with values (torchrun's --check does)")
+        raise ApplyOptionsError("check", "data-axes", "the check compares real per-rank values of the TP axis with one device; "
+                                "a dry run does not simulate the data axes with values (torchrun's check does)")
     if options.every_rank and not (whole_world or options.train.plans_memory):
-        raise ApplyOptionsError("every_rank", "needs-memory", "--every-rank simulates each rank's memory plan: give a memory "
-                                "option (--batch, --seq, --dtype, --optimizer, --memory-limit) or a plan with data axes")
+        raise ApplyOptionsError("every_rank", "needs-memory", "every rank's simulation is a memory plan: give a memory "
+                                "option (batch, seq, dtype, optimizer, memory limit) or a plan with data axes")
     tp, note = dry_run_tp(options, plan)
     planning = options.train.plans_memory or whole_world  # memory planning picks its own degrees without --tp
     notes = [note] if note and not (planning and plan.mesh_sizes) else []
@@ -185,7 +185,7 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
             from ..memory.memory_dryrun import dry_run_memory, unused_size_note
 
             notes += unused_size_note(options)
-            memory = dry_run_memory(options, plan, factory, event)
+            memory = dry_run_memory(options, plan, factory, event, lambda tp: dry_run_dims(options, plan, tp))
             if source is not None:
                 runs.append(_Run(notes=("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options",)))
             if options.check:

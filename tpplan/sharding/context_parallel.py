@@ -37,7 +37,9 @@ plan's context parallelism per process.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,13 +47,27 @@ from torch.overrides import TorchFunctionMode
 
 from ..core.problems import PlanError, Problem, error
 from ..core.sections import claim_section
-from ..simulation.device_rules import SEQ_DIM, simulating_context_parallel
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
 CP_DIM = "cp"
+SEQ_DIM = 2  # the sequence dim of q/k/v (batch, heads, seq, head_dim) that context parallelism shards
+
+_simulated_on_cpu = False
+
+
+@contextlib.contextmanager
+def simulated_on_cpu() -> Iterator[None]:
+    """Inside the body a CPU mesh is not refused (TP131): CPU attention runs context
+    parallelism's ring there (`simulation.device_rules.context_parallel_rules` enters it)."""
+    global _simulated_on_cpu
+    was, _simulated_on_cpu = _simulated_on_cpu, True
+    try:
+        yield
+    finally:
+        _simulated_on_cpu = was
 
 
 def section(plan: Any) -> Any:
@@ -64,7 +80,7 @@ def section(plan: Any) -> Any:
 def refuse_device(plan: Any, device_type: str) -> None:
     """TP131 where the plan asks for context parallelism on a device torch 2.13 cannot
     run it on (anything but CUDA), unless the CPU simulates CUDA's ring here."""
-    if section(plan) is None or device_type == "cuda" or simulating_context_parallel():
+    if section(plan) is None or device_type == "cuda" or _simulated_on_cpu:
         return
     raise PlanError([error("TP131", (
         f"context_parallel: context parallelism needs CUDA in torch 2.13, and this mesh is on {device_type}: torch's "

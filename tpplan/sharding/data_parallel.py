@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..core.axes_spec import TORCH_DTYPES
+from ..core.axes_spec import DP_AXES, TORCH_DTYPES
 from ..core.problems import PlanError
 from ..core.sections import fsdp_units
 
@@ -38,9 +38,7 @@ class Plan(Protocol):
     def match_experts(self, model: Any) -> dict[str, Any]: ...
 
 
-# The data-parallel mesh dims, outermost first: HSDP's two, or --fsdp's one.
-DP_DIMS = ("dp_replicate", "dp_shard")
-SHORTHAND_DIM = "dp"
+SHORTHAND_DIM = "dp"  # --fsdp's one data-parallel dim (a version 2 plan's are core.axes_spec.DP_AXES)
 
 
 @dataclass(frozen=True)
@@ -59,7 +57,7 @@ class DataParallel:
         if SHORTHAND_DIM in mesh:  # --fsdp N
             return f"FSDP2 (fully_shard {where}) over the dp dim of {mesh[SHORTHAND_DIM]}, after the plan"
         kind = "HSDP" if mesh.get("dp_replicate", 1) > 1 else "FSDP2"
-        over = " × ".join(f"{dim} {mesh[dim]}" for dim in DP_DIMS if dim in mesh)
+        over = " × ".join(f"{dim} {mesh[dim]}" for dim in DP_AXES if dim in mesh)
         return f"{kind} (fully_shard {where}) over {over}, after the plan"
 
 

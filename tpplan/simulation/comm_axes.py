@@ -12,8 +12,10 @@ the axes its ranks span.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,3 +79,55 @@ def mesh_axes(mesh: "DeviceMesh") -> AxisOf:
         return by_group[group]
 
     return axis
+
+
+# -- collectives counted with their bytes ---------------------------------------------
+
+
+def _tensor_bytes(value: Any) -> int:
+    """Bytes of a tensor, or of a list of tensors (one buffer per rank of a c10d op)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in value)
+    return 0
+
+
+def collective_bytes(args: tuple, result: Any) -> int:
+    """The larger of a collective's buffers: an all-gather's output, a
+    reduce-scatter's input, an all-reduce's tensor. c10d ops take output and
+    input as separate arguments (and return them with a Work); functional ones
+    return the output."""
+    results = result if isinstance(result, tuple) else (result,)
+    return max(_tensor_bytes(v) for v in (*args, *results))
+
+
+@contextlib.contextmanager
+def counting(counts: Counter, sizes: Counter, axis_of=None) -> Iterator[None]:
+    """Collectives of the body, counted and their bytes summed per (axis, op): the
+    mesh axis whose group each ran on (`axis_of(args)`, simulation/comm_axes.py;
+    without one, every collective is filed under "" (no mesh to name it by)) and its
+    SPEC name. Not CommDebugMode: its module tracker and per-op log cost more than
+    the model at 126 layers; the counts are the same (tests compare them)."""
+    from .simulate import _COLLECTIVE_NAMES, collective_counter
+
+    spec_names = set(_COLLECTIVE_NAMES.values())
+
+    def counted(name: str, args: tuple, out: Any) -> None:
+        if name in spec_names:
+            key = (axis_of(args) if axis_of is not None else "", name)
+            counts[key] += 1
+            sizes[key] += collective_bytes(args, out)
+
+    with collective_counter(counted):
+        yield
+
+
+def per_op(by_axis: dict[tuple[str, str], int]) -> dict[str, int]:
+    """{(axis, op): n} summed over the axes: {op: n}, sorted."""
+    found: Counter = Counter()
+    for (_, op), n in by_axis.items():
+        found[op] += n
+    return dict(sorted(found.items()))

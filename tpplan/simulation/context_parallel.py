@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..memory.memory import collective_bytes, counting
+from .comm_axes import collective_bytes, counting, per_op
 from .device_rules import context_parallel_rules
 from .simulate import fake_tensors, scalar_loss, simulated_world
 
@@ -87,9 +87,9 @@ def _ring_recorded(into: dict[str, tuple[Counter, Counter]], now: list[str], att
                 attention.append(tuple(args[0]._local_tensor.shape))
             counts, sizes = into[now[0]]
 
-            def record(name, op_args, out):
-                counts[name] += 1
-                sizes[name] += collective_bytes(op_args, out)
+            def record(name, op_args, out):  # keyed as `counting` keys them: the ring runs over cp
+                counts["cp", name] += 1
+                sizes["cp", name] += collective_bytes(op_args, out)
 
             with collective_counter(record):
                 return handler(op_call, args, kwargs)
@@ -103,4 +103,6 @@ def _ring_recorded(into: dict[str, tuple[Counter, Counter]], now: list[str], att
 
 
 def _as_comms(found: dict[str, tuple[Counter, Counter]]) -> Comms:
-    return {phase: {op: {"count": counts[op], "bytes": sizes[op]} for op in sorted(counts)} for phase, (counts, sizes) in found.items()}
+    """{phase: {op: {"count", "bytes"}}}, summed over the axes the counters key by."""
+    summed = {phase: (per_op(counts), per_op(sizes)) for phase, (counts, sizes) in found.items()}
+    return {phase: {op: {"count": n, "bytes": sizes[op]} for op, n in counts.items()} for phase, (counts, sizes) in summed.items()}

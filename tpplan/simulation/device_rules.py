@@ -42,14 +42,12 @@ from collections.abc import Iterator
 
 import torch
 
+from ..sharding.context_parallel import SEQ_DIM, simulated_on_cpu
+
 aten = torch.ops.aten
 
 # The strategies of one mesh dim: placements of [outputs..., tensor inputs...]
 # (the tensor inputs in schema order, kwargs last, as expand_to_full_mesh_op_strategy reads them).
-
-
-# The sequence dim of q/k/v (batch, heads, seq, head_dim) that context parallelism shards.
-SEQ_DIM = 2
 
 
 def _placements(sequence: bool) -> list:
@@ -201,20 +199,9 @@ def context_parallel_rules() -> Iterator[None]:
     handlers = dispatcher._custom_op_handlers
     _clear_sharding_prop_cache()  # a result cached under the rules without the sequence would outlive them
     dispatcher._custom_op_handlers = {**handlers, **dict.fromkeys(_rules(), _ring_handler)}
-    global _simulating
-    was, _simulating = _simulating, True
     try:
-        with cuda_rules(sequence=True):
+        with simulated_on_cpu(), cuda_rules(sequence=True):
             yield
     finally:
-        _simulating = was
         dispatcher._custom_op_handlers = handlers
         _clear_sharding_prop_cache()
-
-
-_simulating = False
-
-
-def simulating_context_parallel() -> bool:
-    """Whether CPU attention runs context parallelism's ring here (`context_parallel_rules`)."""
-    return _simulating

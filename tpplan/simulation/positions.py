@@ -93,11 +93,12 @@ class Layout:
         from torch.distributed.tensor import Replicate
 
         from ..core.local_shapes import shapes_on_mesh
-        from ..sharding.data_parallel import DP_DIMS, SHORTHAND_DIM
+        from ..core.axes_spec import DP_AXES
+        from ..sharding.data_parallel import SHORTHAND_DIM
 
         placements = self.placements
         if gathered:
-            placements = tuple(Replicate() if name in (*DP_DIMS, SHORTHAND_DIM) else p for name, p in zip(self.dims, placements))
+            placements = tuple(Replicate() if name in (*DP_AXES, SHORTHAND_DIM) else p for name, p in zip(self.dims, placements))
         return shapes_on_mesh(self.global_shape, self.mesh_shape, placements)
 
 
