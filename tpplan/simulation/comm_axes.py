@@ -7,7 +7,8 @@ the group's name, c10d ops (FSDP2's coalesced all-gather and reduce-scatter, HSD
 all-reduce) by the ProcessGroup object itself. Each dim of the mesh has one group per
 slice, and every mesh FSDP2 or DTensor derives from it (a submesh, FSDP2's mesh joined
 with TP's) reuses those groups; a group that is no dim's (none was seen) is named by
-the axes its ranks span.
+the axes its ranks span. `counting` files each collective of a body under (axis, op)
+with its bytes: what the memory plan and the CP simulation report.
 """
 
 from __future__ import annotations
