@@ -205,8 +205,7 @@ def test_each_collective_is_filed_under_the_mesh_dim_of_its_group_and_a_flattene
     import torch
     import torch.distributed._functional_collectives as funcol
 
-    from tpplan.simulation.comm_axes import counting
-    from tpplan.simulation.comm_axes import mesh_axes
+    from tpplan.simulation.comm_axes import counting, mesh_axes
     from tpplan.simulation.positions import MeshDims
     from tpplan.simulation.simulate import simulated_world
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-from .axes_spec import AXES, REST, SECTIONS, WORLD_AXES
+from .axes_spec import AXES, DP_AXES, REST, SECTIONS, WORLD_AXES
 from .degrees import divisors_text
 from .problems import Problem, error, warning
 
@@ -141,7 +141,7 @@ def _checks(spec: Any) -> list[_Check]:
     checks = [_Check(("dp_shard", "cp", "tp", "ep"), ("mesh", "ep"), "TP122", _ep)]
     if spec.training is not None:
         checks += [
-            _Check(("dp_replicate", "dp_shard"), ("training", "global_batch"), "TP123", _global_batch),
+            _Check(DP_AXES, ("training", "global_batch"), "TP123", _global_batch),
             _Check(("cp",), ("training", "seq"), "TP124", _seq),
         ]
     if spec.fsdp is not None:
@@ -255,7 +255,7 @@ def mesh_dims(plan: Any, world: int, tp: int | None = None) -> tuple[tuple[int, 
     if plan.version == 2:
         sizes = plan.mesh.resolve(world, tp)
         hsdp = sizes["dp_replicate"] > 1  # FSDP2's HSDP takes a 2-D mesh: dp_shard kept even at 1
-        dims = [(axis, sizes[axis]) for axis in ("dp_replicate", "dp_shard") if plan.mesh.sizes[axis] != 1 or hsdp]
+        dims = [(axis, sizes[axis]) for axis in DP_AXES if plan.mesh.sizes[axis] != 1 or hsdp]
         dims += [("cp", sizes["cp"])] if plan.mesh.sizes["cp"] != 1 else []
         dims.append((plan.mesh_axis, sizes["tp"]))
         return tuple(size for _, size in dims), tuple(name for name, _ in dims)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..core.axes_spec import WORLD_AXES
+from ..core.axes_spec import DP_AXES, WORLD_AXES
 from ..core.plan import Plan
 from ..core.problems import PlanError, error
 from ..simulation.positions import MeshDims
@@ -23,7 +23,7 @@ def simulates_world(plan: Plan, options: ApplyOptions) -> bool:
     if plan.version != 2:
         return False
     sizes = plan.mesh.sizes
-    return any(sizes[axis] != 1 for axis in ("dp_replicate", "dp_shard")) or plan.spec.fsdp is not None or plan.spec.checkpointing is not None
+    return any(sizes[axis] != 1 for axis in DP_AXES) or plan.spec.fsdp is not None or plan.spec.checkpointing is not None
 
 
 def check_world(options: ApplyOptions, plan: Plan) -> None:

@@ -108,7 +108,7 @@ def collective_bytes(args: tuple, result: Any) -> int:
 @contextlib.contextmanager
 def counting(counts: Counter, sizes: Counter, axis_of=None) -> Iterator[None]:
     """Collectives of the body, counted and their bytes summed per (axis, op): the
-    mesh axis whose group each ran on (`axis_of(args)`, simulation/comm_axes.py;
+    mesh axis whose group each ran on (`axis_of(args)`, e.g. `mesh_axes(mesh)`;
     without one, every collective is filed under "" (no mesh to name it by)) and its
     SPEC name. Not CommDebugMode: its module tracker and per-op log cost more than
     the model at 126 layers; the counts are the same (tests compare them)."""
