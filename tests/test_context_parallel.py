@@ -234,7 +234,7 @@ def test_apply_dry_run_of_a_plan_with_context_parallelism_reports_the_simulated_
     text = CliRunner().invoke(app, args).output
     assert "the ring's collectives (rotate: allgather): forward all_gather ×2 (64.00 KiB)" in text
     refused = CliRunner().invoke(app, [*args, "--check"])
-    assert refused.exit_code == 2 and "simulates shapes and collectives only" in refused.output
+    assert refused.exit_code == 2 and "simulates shapes, collectives and memory (no values or checkpoints yet)" in refused.output
 
 
 def test_torchrun_on_cuda_does_not_apply_context_parallelism_yet_and_says_where_it_is_applied(tmp_path):

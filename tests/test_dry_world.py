@@ -222,3 +222,23 @@ def test_each_collective_is_filed_under_the_mesh_dim_of_its_group_and_a_flattene
                 out.wait()
     assert counts == {("tp", "all_reduce"): 1, ("dp_shard", "all_gather"): 1, ("dp_replicate+dp_shard", "all_reduce"): 1}
     assert sizes == {("tp", "all_reduce"): 16, ("dp_shard", "all_gather"): 32, ("dp_replicate+dp_shard", "all_reduce"): 8}
+
+
+CP = "context_parallel:\n  modules: layers.*.attention\n"
+
+
+def test_context_parallel_in_the_world_is_exact_per_position_and_runs_the_cp_dry_runs_ring(tmp_path):
+    """dp_shard 2 × cp 2 × tp 2 with context parallelism (simulated as on CUDA), checkpointing
+    and FSDP2 over dp_shard·cp: one rank per position plans what every rank does (each cp
+    index its own position: the ring differs per cp rank); the ring's collectives under cp
+    are the shapes-only CP dry run's (the same step: checkpointing's recompute in both);
+    the report's sequence is the batch's whole one."""
+    plan = _plan(tmp_path, "  dp_shard: 2\n  cp: 2\n  tp: 2\n", SECTIONS + CP)
+    distinct = report(plan, "test_dry_world:uneven", 8, batch=2, seq=16, optimizer="adamw")
+    every = report(plan, "test_dry_world:uneven", 8, every_rank=True, batch=2, seq=16, optimizer="adamw")
+    assert len(distinct["ranks"]) > 1 and by_rank(distinct) == by_rank(every)
+    assert {entry["position"]["cp"] for entry in distinct["ranks"]} == {0, 1}
+    assert distinct["mesh"] == {"dp_shard": 2, "cp": 2, "tp": 2} and distinct["memory"]["seq"] == 16
+    ring = dry_run(ApplyOptions(plan=str(plan), model="test_dry_world:uneven", train=TrainOptions(batch=2, seq=16))).to_json()
+    assert distinct["comms_by_axis"]["cp"] == ring["context_parallel"]["ring"]
+    assert "FSDP2 (fully_shard on layers.* and the root) over dp_shard 2 × cp 2, after the plan" in " ".join(distinct["notes"])

@@ -217,3 +217,31 @@ def test_other_borrowings_of_ep_match_one_device(tmp_path, mesh, sizes):
     report = json.loads(result.stdout)
     assert report["mesh"] == sizes
     assert report["check"]["passed"] and report["steps"]["max_abs_diff"] < 5e-4
+
+
+@pytest.mark.parametrize("mesh, more, comms", [
+    (None, "", COMMS),
+    ("dp_shard: 2\ntp: 2\nep: 4\n", "checkpointing: {modules: model.layers.*, mode: full}\n", EP4_AC),
+], ids=["ep2-efsdp2", "ep4-efsdp1-ac"])
+def test_the_dry_run_simulates_the_ep_axis_with_torchruns_collectives_filed_by_axis(tmp_path, mesh, more, comms):
+    """The dry run of the world applies the experts over ep as torchrun does (the same
+    collectives as the torchrun runs above counted), filing the all-to-alls under ep and the
+    experts' FSDP2 under efsdp: the expert view's own axes."""
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.options import ApplyOptions
+
+    path = PLAN if mesh is None else _plan(tmp_path, mesh, more=more)
+    report = dry_run(ApplyOptions(plan=str(path), model=MODEL, world=4)).to_json()
+    assert report["ok"], report["problems"]
+    assert report["comms"] == comms
+    by_axis = report["comms_by_axis"]
+    assert {phase: {op: found["count"] for op, found in ops.items()} for phase, ops in by_axis["ep"].items()} == {
+        "forward": {"all_to_all": 3 * L}, "backward": {"all_to_all": 2 * L + (3 * L if more else 0)}}
+    efsdp = 4 // (2 if mesh is None else 4)
+    assert ("efsdp" in by_axis) == (efsdp > 1)
+    if efsdp > 1:  # the experts' own FSDP2 units: one all-gather each way, one reduce-scatter
+        assert {phase: {op: found["count"] for op, found in ops.items()} for phase, ops in by_axis["efsdp"].items()} == {
+            "forward": {"all_gather": L}, "backward": {"all_gather": L, "reduce_scatter": L}}
+    note = next(n for n in report["notes"] if n.startswith("expert_parallel"))
+    assert note.startswith(f"expert_parallel (all_to_all) over ep {4 // efsdp}, borrowed from dp_shard·cp·tp, on {L} module(s)")
+    assert "routing simulated as balanced" in note

@@ -135,7 +135,7 @@ MAY_IMPORT = {
     # world, the ladder, model building (hf.build: `--model hf:SPEC`), located runs.
     "simulation": {"core", "sharding", "checkpoint", "hf"},
     "check": {"core", "sharding", "checkpoint", "simulation"},  # the --check engine: a run against one device (CP's batches cut by sharding)
-    "memory": {"core", "simulation"},  # memory planning: one step under MemTracker, blocks once
+    "memory": {"core", "simulation", "sharding"},  # memory planning: one step under MemTracker, blocks once (a CP rank's sequence cut)
     "runtime": {"core", "sharding", "checkpoint", "simulation", "check", "memory"},  # orchestration: the dry run, torchrun
     "render": {"core", "simulation", "memory", "runtime", "init"},  # the reports' data, which render prints
     "lint": {"core", "sharding", "simulation", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs

@@ -233,7 +233,7 @@ def section_warnings(plan: Any) -> list[Problem]:
 # position, not yet the experts over ep (context parallelism: runtime/dryrun_cp.py).
 _TORCHRUN = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
 APPLIED = {"torchrun": _TORCHRUN, "api": (*_TORCHRUN, "cp", "context_parallel"),
-           "dry-run": ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing")}
+           "dry-run": ("tp", "dp_replicate", "dp_shard", "cp", "ep", "fsdp", "checkpointing", "context_parallel", "experts")}
 _DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}
 
 

@@ -166,7 +166,7 @@ _PLAN_CODES = {
         `tpplan apply` (and `Plan.apply`) was given a version 2 plan that sets
         an axis (to anything but 1) or a section beyond what that runner
         applies (under torchrun: `pp`, `cp`, `context_parallel`, `training`;
-        the dry run: anything beyond `mesh.tp` and `rules`), or an `experts`
+        `Plan.apply` and the dry run: `pp`, `training`), or an `experts`
         rule other than `expert_parallel` with `dispatch: all_to_all` (the
         one way the ep axis places experts). This tpplan checks them
         (`tpplan validate`) but does not apply them yet, and applying the

@@ -328,13 +328,16 @@ def plan_memory(
     `make_inputs(model)`. `run(fn)` wraps the step (the dry run's failure locator).
     `strategy(model, simulate)` decides how the built model is simulated
     (reuse.block_reuse: repeated blocks once); without one, it is simulated whole."""
+    from ..sharding.context_parallel import section
     from ..simulation.comm_axes import mesh_axes
+    from ..simulation.device_rules import context_parallel_rules
     from ..simulation.modelref import default_dtype
     from ..simulation.simulate import fake_tensors, simulated_world
 
-    with simulated_world(dims.world, rank):
+    # context parallelism simulated as a CUDA rank runs it (torch's ring on the CPU kernel's shapes)
+    with simulated_world(dims.world, rank), context_parallel_rules() if section(plan) is not None else contextlib.nullcontext():
         mesh = dims.build("cpu")
-        axis_of = mesh_axes(mesh)
+        axis_of = mesh_axes(mesh, plan)
         with fake_tensors():
             with default_dtype(torch_dtype(train.dtype)):
                 model = build()
@@ -348,14 +351,19 @@ def plan_memory(
 def _simulate(plan, model, inputs, shard, mesh, dims: "MeshDims", train: TrainOptions, run, recorder, wrap, axis_of) -> PlannedStep:
     """The plan, what follows it (activation checkpointing; FSDP2 on `wrap`, default: the
     plan's units or the model's blocks) and one measured step of a built model."""
+    from ..sharding.context_parallel import section, shard_sequence
     from ..simulation.fsdp import apply_after_rules, fake_friendly_meshes
     from ..simulation.positions import layouts
 
-    data_parallel = dims.dp > 1
+    # FSDP2 over the data dims, or (a version 2 plan) over efsdp alone where ep leaves the experts replicated
+    data_parallel = dims.dp > 1 or plan.version == 2
     with fake_friendly_meshes():
         shard(model, mesh)
         checkpointed, wrapped = apply_after_rules(plan, model, mesh, data_parallel, wrap)
-    step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, plan.loss_parallel, fsdp=data_parallel,
+    batch, seq = (int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0), (int(inputs[0].shape[1]) if inputs and inputs[0].ndim > 1 else 0)
+    if section(plan) is not None:  # this rank's part of the sequence, as the training loop cuts it (its labels alike)
+        inputs = tuple(shard_sequence(plan, mesh, list(inputs), [1] * len(inputs)))
+    step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, plan.loss_parallel, fsdp=bool(wrapped),
                                              recorder=recorder, axis_of=axis_of))
     first_param = next(model.parameters(), None)
     memory = MemoryReport(
@@ -366,8 +374,8 @@ def _simulate(plan, model, inputs, shard, mesh, dims: "MeshDims", train: TrainOp
         steady=step.after_step,
         peak_module=step.peak_module,
         limit_bytes=train.memory_limit,
-        batch=int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0,
-        seq=int(inputs[0].shape[1]) if inputs and inputs[0].ndim > 1 else 0,
+        batch=batch,
+        seq=seq,
         dtype=str(first_param.dtype).removeprefix("torch.") if first_param is not None else "",
         optimizer=train.optimizer_name,
     )

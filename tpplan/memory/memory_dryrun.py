@@ -91,7 +91,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
     model fails on one device too (its own TP500)."""
     from ..core.degrees import tp_degrees
     from ..core.problems import PlanError, first_line
-    from ..simulation.fsdp import after_rules_notes
+    from ..simulation.fsdp import after_rules_notes, expert_note
     from ..simulation.layouts import param_layouts
     from ..simulation.locate import FailureLocator, Sharded, shard_with_progress, unpromised_tp_note
     from ..simulation.modelref import build_model, make_inputs
@@ -167,6 +167,10 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
             modules, rule_of, params = reused.expand_dict(modules), reused.expand_dict(rule_of), reused.expand_params(params)
         notes = list(worst.notes)
         if plan.version == 2:  # what follows the TP rules, as torchrun's report says it
+            if experts := expert_note(plan, list(plan.match_experts(modules)), dims.sizes, planned.blocks):
+                notes += [experts[0] + "; routing simulated as balanced (each rank sends an equal share of its tokens to "
+                          "every ep rank: the fake world has no router values), so the all_to_all bytes and the experts' "
+                          "activations are those of even routing, and a skewed router needs headroom above them"]
             notes += after_rules_notes(plan, planned.checkpointed, dims.sizes if dims.dp > 1 else None)
         if dims.dp > 1 or len(positions) > 1 or options.every_rank:  # which ranks stand for which (a TP-only even world: rank 0 for all)
             notes.append(_positions_note(dims, positions, options.every_rank))
@@ -225,4 +229,5 @@ def _positions_note(dims, positions, every: bool) -> str:
     ) + (f"; and {len(positions) - 4} more" if len(positions) > 4 else "")
     return (f"{len(positions)} distinct position(s) of {dims.world} ranks simulated: {shown}. Ranks holding equal shapes "
             "(every parameter's shard and its FSDP2-gathered whole, the sequence chunk on tp) run the same step; dp_replicate ranks are replicas, "
-            "dp_shard and tp ranks differ only where a dim does not divide evenly")
+            "dp_shard and tp ranks differ only where a dim does not divide evenly"
+            + ("; each cp rank runs its own part of the ring" if dims.sizes.get("cp", 1) > 1 else ""))

@@ -26,6 +26,16 @@ def simulates_world(plan: Plan, options: ApplyOptions) -> bool:
     return any(sizes[axis] != 1 for axis in DP_AXES) or plan.spec.fsdp is not None or plan.spec.checkpointing is not None
 
 
+def plans_world(options: ApplyOptions) -> bool:
+    """Whether the options ask for a world's memory plan beyond the size of its batch
+    (--world, --every-rank, a dtype, an optimizer or a memory limit): what sends a plan
+    with context parallelism to memory planning rather than to one CUDA rank's shapes
+    and ring (runtime/dryrun_cp.py), which --batch and --seq size too."""
+    train = options.train
+    return options.world is not None or options.every_rank or any(
+        value is not None for value in (train.dtype, train.optimizer, train.memory_limit, train.fsdp))
+
+
 def check_world(options: ApplyOptions, plan: Plan) -> None:
     """The options that size the world, before anything is built: --world only for a
     version 2 plan (at least 1), --fsdp only for version 1, the plan's axes against

@@ -47,7 +47,7 @@ from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with
 from ..simulation.modelref import ModelRefError, build_model, load_callable, make_inputs
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
 from .checkpoint_layout import applies, checkpoint_dry_run
-from .dry_world import check_world, dry_run_dims, simulates_world
+from .dry_world import check_world, dry_run_dims, plans_world, simulates_world
 from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
 from .report import ApplyReport
 
@@ -149,10 +149,10 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
     if applies(options, plan):  # a layout not simulated yet: the checkpoint checked against it from headers alone
         return checkpoint_dry_run(options, plan, event)
-    if plan.version == 2 and plan.spec.context_parallel is not None and plan.mesh.sizes["cp"] != 1:
+    if plan.version == 2 and plan.spec.context_parallel is not None and plan.mesh.sizes["cp"] != 1 and not plans_world(options):
         from .dryrun_cp import context_parallel_dry_run
 
-        return context_parallel_dry_run(options, plan)
+        return context_parallel_dry_run(options, plan)  # one CUDA rank's shapes and the ring's collectives
     refuse_unapplied(plan, "dry-run")
     check_world(options, plan)
     # A world beyond the TP axis (a version 2 plan's data axes, checkpointing) is planned

@@ -6,8 +6,10 @@ collectives and the whole step's, count and bytes.
 
 The world is the plan's axes multiplied (`--tp` picks among promised TP degrees); the
 batch is `--batch` sequences (default 2) of `--seq` tokens (default 8 per chunk: 2·cp
-chunks with head-tail balance, cp without). Memory planning, `--check` and
-`--checkpoint` of such plans are not simulated yet: refused as usage errors.
+chunks with head-tail balance, cp without). With a memory option (`--dtype`,
+`--optimizer`, `--memory-limit`) or `--world`, the dry run plans the world's memory
+instead (memory/memory_dryrun.py, context parallelism applied there too). `--check`
+and `--checkpoint` of such plans are not simulated yet: refused as usage errors.
 """
 
 from __future__ import annotations
@@ -31,11 +33,10 @@ if TYPE_CHECKING:
 def context_parallel_dry_run(options: ApplyOptions, plan: "Plan") -> ApplyReport:
     from ..simulation.context_parallel import simulate_context_parallel
 
-    for given, option in ((options.check, "check"), (options.checkpoint, "checkpoint"), (options.save, "save"),
-                          (options.train.fsdp or options.train.dtype or options.train.optimizer or options.train.memory_limit, "memory")):
+    for given, option in ((options.check, "check"), (options.checkpoint, "checkpoint"), (options.save, "save")):
         if given:
-            raise ApplyOptionsError(option, "not-with-cp", "a dry run of context parallelism simulates shapes and collectives "
-                                    "only (no values, memory planning or checkpoints yet)")
+            raise ApplyOptionsError(option, "not-with-cp", "a dry run of context parallelism simulates shapes, collectives "
+                                    "and memory (no values or checkpoints yet)")
     refuse_unapplied(plan, "api")  # it simulates what Plan.apply applies
     world, tp = _world(plan, options.tp)
     spec, cp = plan.spec.context_parallel, plan.mesh.sizes["cp"]

@@ -57,8 +57,10 @@ class DataParallel:
         if SHORTHAND_DIM in mesh:  # --fsdp N
             return f"FSDP2 (fully_shard {where}) over the dp dim of {mesh[SHORTHAND_DIM]}, after the plan"
         kind = "HSDP" if mesh.get("dp_replicate", 1) > 1 else "FSDP2"
-        over = " × ".join(f"{dim} {mesh[dim]}" for dim in DP_AXES if dim in mesh)
-        return f"{kind} (fully_shard {where}) over {over}, after the plan"
+        dims = [dim for dim in DP_AXES if dim in mesh] + (["cp"] if mesh.get("cp", 1) > 1 else [])
+        over = " × ".join(f"{dim} {mesh[dim]}" for dim in dims)
+        return f"{kind} (fully_shard {where}) over {over}, after the plan" + (
+            " (the cp ranks hold the same parameters: FSDP2 shards over them too)" if mesh.get("cp", 1) > 1 else "")
 
 
 def blocks(model: "nn.Module") -> list[str]:
@@ -115,6 +117,10 @@ def data_parallel_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
 
 # dp_shard and cp flattened into one dim (torchtitan's name).
 CP_SHARD_DIM = "dp_shard_cp"
+# Every dim FSDP2 shards (or, HSDP's dp_replicate, replicates) parameters over, and
+# all-gathers them back over for the forward and backward: the data axes, cp with them,
+# --fsdp's dp, and the experts' efsdp (expert_mesh.EXPERT_DIMS).
+FSDP_DIMS = (*DP_AXES, "cp", CP_SHARD_DIM, SHORTHAND_DIM, "efsdp")
 
 
 def _shard_dim(mesh: "DeviceMesh", names: tuple[str, ...]) -> str | None:

@@ -49,15 +49,21 @@ def _registered(name: str) -> bool:
     return name in _world.pg_names.values()
 
 
-def mesh_axes(mesh: "DeviceMesh") -> AxisOf:
+def mesh_axes(mesh: "DeviceMesh", plan: Any = None) -> AxisOf:
     """`axis(args)`: the dim of `mesh` whose group a collective ran on (its name, e.g.
-    "tp", "dp_shard"); for a group that is no dim's, the dims its ranks span joined by
-    "+" (e.g. "dp_replicate+dp_shard" for a flattened data-parallel group)."""
+    "tp", "dp_shard"), or of the plan's expert view ("ep", "efsdp": its ranks borrowed
+    from the mesh's, its groups its own; built here, outside fake mode, and found again
+    when the experts are applied); for a group that is no dim's, the dims its ranks
+    span joined by "+" (e.g. "dp_replicate+dp_shard" for a flattened data-parallel group)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
+    from ..sharding.expert_mesh import expert_view
+
     names = tuple(mesh.mesh_dim_names or (f"dim{i}" for i in range(mesh.ndim)))
-    by_group = {mesh.get_group(dim).group_name: name for dim, name in enumerate(names)}
+    view = expert_view(plan, mesh) if plan is not None and plan.version == 2 else None
+    by_group = {view.get_group(dim).group_name: name for dim, name in enumerate(view.mesh_dim_names)} if view is not None else {}
+    by_group.update({mesh.get_group(dim).group_name: name for dim, name in enumerate(names)})  # a dim the view shares: the mesh's name
     coordinates = {}  # global rank -> its coordinate on the mesh
     layout = mesh.mesh.tolist()
     for coordinate in itertools.product(*(range(size) for size in mesh.shape)):

@@ -8,6 +8,7 @@ fake mode.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -40,13 +41,19 @@ def after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_paral
 def expert_notes(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", wrapped: list[str]) -> list[str]:
     """The report's note of the experts over ep (placed with the TP rules, locate.py), and
     whether FSDP2 shards them over efsdp (`wrapped`: the fqns it wrapped)."""
-    from ..sharding.expert_mesh import expert_view
+    return expert_note(plan, list(plan.match_experts(model)), dict(zip(mesh.mesh_dim_names or (), mesh.shape)), wrapped)
 
-    if (view := expert_view(plan, mesh)) is None:
+
+def expert_note(plan: "Plan", experts: list[str], sizes: dict[str, int], wrapped: list[str]) -> list[str]:
+    """`expert_notes` from the experts' fqns and the mesh's {dim: size} (efsdp: the ranks
+    ep leaves of dp_shard·cp·tp), for a report that holds no mesh (memory planning's)."""
+    from ..sharding.expert_mesh import BORROWED, expert_degree
+
+    if (ep := expert_degree(plan)) is None:
         return []
-    experts = plan.match_experts(model)
-    over = f", sharded by FSDP2 over efsdp {view['efsdp'].size()}" if set(experts) & set(wrapped) else ""
-    return [f"expert_parallel (all_to_all) over ep {view['ep'].size()}, borrowed from dp_shard·cp·tp, on {len(experts)} module(s){over}"]
+    efsdp = math.prod(sizes.get(name, 1) for name in BORROWED) // ep
+    over = f", sharded by FSDP2 over efsdp {efsdp}" if set(experts) & set(wrapped) else ""
+    return [f"expert_parallel (all_to_all) over ep {ep}, borrowed from dp_shard·cp·tp, on {len(experts)} module(s){over}"]
 
 
 def apply_after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool,
@@ -87,29 +94,40 @@ def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | No
 
 @contextlib.contextmanager
 def _meshes_outside_fake_mode() -> Iterator[None]:
-    """Let FSDP2 join the dp and tp meshes while FakeTensorMode is active.
+    """Let FSDP2 join the dp and tp meshes, and the experts' view be cut from the
+    mesh, while FakeTensorMode is active.
 
     FSDP2 concatenates the dp mesh with the TP parameters' mesh
-    (`DeviceMesh._concatenate`), which finds this rank's coordinates with a
-    data-dependent `nonzero` on the (real, tiny) mesh tensor; under the dry run's
-    FakeTensorMode that op has no fake result. The mesh is bookkeeping, not model
-    memory, so it is computed with fake mode suspended. Outside fake mode this
-    changes nothing.
+    (`DeviceMesh._concatenate`), and the expert view (sharding/expert_mesh.py)
+    flattens and unflattens the mesh (`_flatten`, `_unflatten`); each finds this
+    rank's coordinates with a data-dependent `nonzero` on the (real, tiny) mesh
+    tensor, which has no fake result under the dry run's FakeTensorMode. The mesh is
+    bookkeeping, not model memory, so it is computed with fake mode suspended.
+    Outside fake mode this changes nothing.
     """
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
-    original = DeviceMesh.__dict__["_concatenate"]
+    originals = {name: DeviceMesh.__dict__[name] for name in ("_concatenate", "_flatten", "_unflatten")}
 
     def concatenate(meshes):
         with unset_fake_temporarily():
-            return original.__func__(meshes)
+            return originals["_concatenate"].__func__(meshes)
+
+    def outside(method):
+        def run(self, *args, **kwargs):
+            with unset_fake_temporarily():
+                return method(self, *args, **kwargs)
+        return run
 
     DeviceMesh._concatenate = staticmethod(concatenate)
+    DeviceMesh._flatten = outside(originals["_flatten"])
+    DeviceMesh._unflatten = outside(originals["_unflatten"])
     try:
         yield
     finally:
-        DeviceMesh._concatenate = original
+        for name, original in originals.items():
+            setattr(DeviceMesh, name, original)
 
 
 @contextlib.contextmanager

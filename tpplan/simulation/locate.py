@@ -54,9 +54,14 @@ class Sharded:
 
 
 def shard_with_progress(plan: Plan, model: "nn.Module", mesh: "DeviceMesh", event: Callable[[str], None]) -> Sharded:
-    """`apply_located`, then a version 2 plan's experts over ep (after the TP rules, as
-    torchtitan), with a progress event per module."""
+    """`apply_located`, then a version 2 plan's context parallelism and experts over ep
+    (after the TP rules, in torchtitan's order), with a progress event per module.
+    Context parallelism on this CPU mesh needs `device_rules.context_parallel_rules()`
+    around the call and the step (the memory plan's)."""
+    from ..sharding.context_parallel import apply_context_parallel
+
     rules = apply_located(plan, model, mesh, lambda done, total, fqn: event(f"sharding {done}/{total}: {fqn or '<root>'}"))
+    apply_context_parallel(plan, model, mesh)
     experts = _located(plan, lambda: apply_experts(plan, model, mesh, lambda done, total, fqn: event(f"experts over ep {done}/{total}: {fqn}")))
     return Sharded({**rules, **experts}, plan.module_tree(model)[1])
 

@@ -14,7 +14,10 @@ shapes depend on the coordinate:
   and the unsharded gradients follow it, and it differs along tp where dp_shard's
   shard does not (251 rows: tp ranks hold 126 and 125, each cut in 63 and 63 or 62);
 - the rank's chunk of the sequence on tp (sequence parallelism shards activations on
-  the sequence dim, so an uneven chunk gives uneven activations).
+  the sequence dim, so an uneven chunk gives uneven activations);
+- its index on cp: context parallelism's ring attention runs a different program on
+  each cp rank (the chunks it holds, which of the ring's steps are causal-masked), so
+  every cp index is its own position.
 
 Hence the positions: dp_replicate ranks hold exactly what replica 0 holds (HSDP
 replicates, it never shards on that axis), and along dp_shard and tp ranks differ only
@@ -93,12 +96,11 @@ class Layout:
         from torch.distributed.tensor import Replicate
 
         from ..core.local_shapes import shapes_on_mesh
-        from ..core.axes_spec import DP_AXES
-        from ..sharding.data_parallel import SHORTHAND_DIM
+        from ..sharding.data_parallel import FSDP_DIMS
 
         placements = self.placements
         if gathered:
-            placements = tuple(Replicate() if name in (*DP_AXES, SHORTHAND_DIM) else p for name, p in zip(self.dims, placements))
+            placements = tuple(Replicate() if name in FSDP_DIMS else p for name, p in zip(self.dims, placements))
         return shapes_on_mesh(self.global_shape, self.mesh_shape, placements)
 
 
@@ -137,7 +139,8 @@ def distinct_positions(dims: MeshDims, found: Sequence[Layout], seq: int, tp_axi
     groups: dict[Any, list[int]] = {}
     for rank in range(dims.world):
         position = dims.position(rank)
-        key = (chunks[position.get(tp_axis, 0)] if chunks else 0, *(shapes[tuple(position[a] for a in spanned)] for spanned, shapes in held))
+        # a cp rank runs its own part of torch's ring (which chunks it holds, which steps it masks)
+        key = (chunks[position.get(tp_axis, 0)] if chunks else 0, position.get("cp", 0), *(shapes[tuple(position[a] for a in spanned)] for spanned, shapes in held))
         groups.setdefault(key, []).append(rank)
     return [Position(ranks[0], tuple(ranks)) for ranks in groups.values()]
 
