@@ -12,7 +12,10 @@ step, the loss difference of the step, the keys compared, the layout the load
 reports, the loaded parameters' placements, and per rank the bytes the load read
 and the bytes of its local shards.
 
-    torchrun --nproc-per-node 4 tests/ckpt_layout_worker.py ROOT SOURCE TARGET...
+    torchrun --nproc-per-node 4 tests/ckpt_layout_worker.py [--model MOD:FN] ROOT SOURCE TARGET...
+
+`--model` (default tpplan.models.llama:tiny): another model, e.g. transformers' Qwen3-MoE
+saved with its experts over ep and loaded with them sharded over tp.
 """
 
 from __future__ import annotations
@@ -28,16 +31,19 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torch.distributed.tensor import DTensor
 
 from tpplan import load_checkpoint, load_plan, save_checkpoint
-from tpplan.models.llama import tiny
+from tpplan.simulation.modelref import load_callable
 from worker_common import finish
 
-BATCHES = [torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+
+def batches(model) -> list[torch.Tensor]:
+    vocab = model.get_input_embeddings().num_embeddings if hasattr(model, "get_input_embeddings") else model.tok_embeddings.num_embeddings
+    return [torch.randint(0, vocab, (4, 17), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
 
 
-def laid_out(plan, seed: int):
-    """A tiny Llama of seed `seed` under `plan` on the 4 ranks, and its AdamW."""
+def laid_out(factory, plan, seed: int):
+    """The model of seed `seed` under `plan` on the 4 ranks, and its AdamW."""
     torch.manual_seed(seed)
-    model = tiny()
+    model = factory()
     plan.apply(model, plan.build_mesh(dist.get_world_size()))
     return model, torch.optim.AdamW(model.parameters(), lr=0.02)
 
@@ -46,6 +52,7 @@ def step(model, optimizer, batch: torch.Tensor) -> float:
     """One AdamW step on the whole batch (every rank the same: the data-parallel
     gradients are averaged over equal batches, so each layout computes the same step)."""
     logits = model(batch[:, :-1])
+    logits = getattr(logits, "logits", logits)  # transformers' output
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
@@ -93,10 +100,15 @@ def largest_difference(a: dict, b: dict) -> float:
 
 
 def main() -> None:
-    root, source, *targets = sys.argv[1:]
+    args, model_ref = sys.argv[1:], "tpplan.models.llama:tiny"
+    if args[0] == "--model":
+        model_ref, args = args[1], args[2:]
+    root, source, *targets = args
+    factory = load_callable(model_ref, "--model")
     dist.init_process_group("gloo")
     plan = load_plan(source)
-    model, optimizer = laid_out(plan, 0)
+    model, optimizer = laid_out(factory, plan, 0)
+    BATCHES = batches(model)
     losses = [step(model, optimizer, BATCHES[i]) for i in range(2)]
     save_checkpoint(model, Path(root) / "ckpt", optimizer=optimizer, plan=plan)
     saved = state(model, optimizer)
@@ -104,7 +116,7 @@ def main() -> None:
     stepped = state(model, optimizer)
     results = {}
     for target in targets:
-        model, optimizer = laid_out(load_plan(target), 99)
+        model, optimizer = laid_out(factory, load_plan(target), 99)
         info = load_checkpoint(model, Path(root) / "ckpt", optimizer=optimizer)
         loaded = state(model, optimizer)
         held = sum(_local(t).numel() * t.element_size() for t in model.state_dict().values())
@@ -113,12 +125,15 @@ def main() -> None:
         again = step(model, optimizer, BATCHES[2])
         results[Path(target).stem] = {
             "loaded": largest_difference(saved, loaded),
+            "differing": sorted(k for k in saved if k in loaded and largest_difference({k: saved[k]}, {k: loaded[k]}) > 0)[:8],
             "stepped": largest_difference(stepped, state(model, optimizer)),
             "loss": abs(again - loss),
             "keys": len(loaded),
             "steps": sorted({int(v) for k, v in loaded.items() if k.endswith(".step")}),
             "layout": info.layout,
-            "placements": str(model.layers[0].attention.wq.weight.placements),
+            "placements": {name: str(p.placements) for name, p in model.named_parameters()  # a first projection's, the experts'
+                           if isinstance(p, DTensor) and name.endswith(("attention.wq.weight", "q_proj.weight", "experts.gate_up_proj"))
+                           and ".0." in name},
             "reads": reads,  # per rank: (the bytes the load says it read, the bytes of its local shards)
         }
     if dist.get_rank() == 0:

@@ -71,9 +71,10 @@ def test_each_layout_loads_the_parameters_and_adamw_state_bitwise_and_steps_as_t
         assert got["layout"] == {"mesh": {"dp_shard": 2, "tp": 2}, "plan": {
             "name": "source", "file": str(directory / "source.yaml"), "version": 2, "fingerprint": got["layout"]["plan"]["fingerprint"]}}
     # the target layouts are what they say: TP only, FSDP2 over 4, HSDP's replicate × shard
-    assert report["targets"]["tp4"]["placements"] == "(Shard(dim=0),)"
-    assert report["targets"]["dp4"]["placements"] == "(Shard(dim=0), Shard(dim=0))"
-    assert report["targets"]["hsdp"]["placements"] == "(Replicate(), Shard(dim=0), Shard(dim=0))"
+    wq = "layers.0.attention.wq.weight"
+    assert report["targets"]["tp4"]["placements"][wq] == "(Shard(dim=0),)"
+    assert report["targets"]["dp4"]["placements"][wq] == "(Shard(dim=0), Shard(dim=0))"
+    assert report["targets"]["hsdp"]["placements"][wq] == "(Replicate(), Shard(dim=0), Shard(dim=0))"
 
 
 def test_the_manifest_records_the_mesh_and_the_plan(resharded):
@@ -171,3 +172,40 @@ def test_tpplan_apply_loads_it_under_hsdp_checks_against_one_device_and_saves_it
     assert (layout["saved"]["mesh"], layout["target"], layout["reshards"]) == ({"dp_shard": 2, "tp": 2}, report["mesh"], True)
     saved = json.loads((out / ".tpplan-checkpoint.json").read_text())["layout"]
     assert saved["mesh"] == report["mesh"] and saved["plan"]["name"] == "hsdp"
+
+
+QWEN3_MOE = "tpplan.models.hf:qwen3_moe"
+EXPERTS = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def moe_plans(directory: Path) -> tuple[Path, Path]:
+    """Qwen3-MoE on 4 ranks, dp_shard 2 × tp 2 both: the experts whole over ep 2 (the shipped
+    plans/qwen3_moe_fsdp_ep.yaml, FSDP2 over efsdp 2), and each expert sharded over tp
+    (plans/hf/qwen3_moe_tp.yaml's expert_tp, FSDP2 per block over dp_shard)."""
+    tp = directory / "experts_tp.yaml"
+    tp.write_text(f"version: 2\nname: experts-tp\nextends: {ROOT / 'plans' / 'hf' / 'qwen3_moe_tp.yaml'}\nrules: {{}}\n"
+                  "mesh:\n  dp_shard: 2\n  tp: 2\nfsdp:\n  units: [model.layers.*]\n")
+    return ROOT / "plans" / "qwen3_moe_fsdp_ep.yaml", tp
+
+
+@pytest.mark.parametrize("direction", ["ep-to-tp", pytest.param("tp-to-ep", marks=pytest.mark.slow)])
+def test_experts_saved_over_ep_load_sharded_over_tp_and_back_with_adamw_state(tmp_path, direction):
+    """EP ↔ TP experts (issue 28 item 8): the same parameter names, the experts' dim 0 split
+    over ep (whole experts) in one layout and their intermediate dim over tp in the other;
+    DCP reshards every tensor and the AdamW state, bitwise, and one more step equals that
+    step continued under the original layout."""
+    pytest.importorskip("transformers")
+    ep, tp = moe_plans(tmp_path)
+    source, target = (ep, tp) if direction == "ep-to-tp" else (tp, ep)
+    result = torchrun(4, "tests/ckpt_layout_worker.py", "--model", QWEN3_MOE, str(tmp_path), str(source), str(target),
+                      pythonpath=ROOT / "tests", timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    got = report["targets"][target.stem]
+    print(f"{direction}: after the load {got['loaded']}, after one more step {got['stepped']}, loss {got['loss']}", got.get("differing"))
+    assert got["keys"] == report["keys"] and got["steps"] == [2]
+    assert got["loaded"] == 0.0 and got["stepped"] < 1e-5 and got["loss"] < 1e-6
+    assert all(read == held for read, held in got["reads"])
+    # the experts as the target lays them out: whole experts over ep (then efsdp), or their intermediate dim over tp
+    placed = got["placements"][EXPERTS]
+    assert placed == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))" if target == ep else "(Shard(dim=0), _StridedShard(dim=1, sf=2))"), placed

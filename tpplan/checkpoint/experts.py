@@ -31,7 +31,7 @@ which overlaps the other ranks' (its DCP save failed with TP608).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -163,24 +163,31 @@ def _block(t: "torch.Tensor", part: Part, rows: int) -> "torch.Tensor":
 
 class PackedShardState:
     """A packed `_StridedShard(d, split_factor=s)` DTensor as torch.distributed.checkpoint
-    sees it: `s` plain chunks per rank (rank r holds rows [b * size/s + r * c, + c) of
-    dim d for each block b, c = size / (s * n)) instead of the one chunk torch 2.13's
-    `compute_local_shape_and_global_offset` gives it (which overlaps the other ranks'
-    and makes a DCP save fail). Save and load both use it, so the fused tensor is
-    written whole and reads back at any degree or layout. 1-D meshes only."""
+    sees it: `s` plain chunks per rank (rank r of the packed mesh dim holds rows
+    [b * size/s + r * c, + c) of dim d for each block b, c = size / (s * n)) instead of
+    the one chunk torch 2.13's `compute_local_shape_and_global_offset` gives it (which
+    overlaps the other ranks' and makes a DCP save fail, or a load put rows in the wrong
+    place). Save and load both use it, so the fused tensor is written whole and reads back
+    at any degree or layout. On a mesh of several dims (FSDP2 or HSDP over the data dims
+    beside TP's), the other dims' plain placements cut the other tensor dims as torch cuts
+    them (`packed_dim`: they must not cut dim d)."""
 
     def __init__(self, tensor: "torch.Tensor"):
-        from torch.distributed.tensor.placement_types import _StridedShard
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        placement = tensor.placements[0]
-        if tensor.device_mesh.ndim != 1 or not isinstance(placement, _StridedShard):
-            raise ValueError("PackedShardState needs a DTensor on a 1-D mesh with a _StridedShard placement")
+        mesh_dim = packed_dim(tensor)
+        if mesh_dim is None:
+            raise ValueError("PackedShardState needs a DTensor with one _StridedShard placement, on a dim no other placement cuts")
+        placement = tensor.placements[mesh_dim]
         self.tensor = tensor
         self.dim = placement.dim % tensor.dim()
         self.blocks = placement.split_factor
-        n, self.rank = tensor.device_mesh.size(), tensor.device_mesh.get_coordinate()[0]
+        n, self.rank = tensor.device_mesh.size(mesh_dim), tensor.device_mesh.get_coordinate()[mesh_dim]
         self.block_size = tensor.shape[self.dim] // self.blocks
         self.chunk = self.block_size // n
+        plain = [Replicate() if i == mesh_dim else p for i, p in enumerate(tensor.placements)]
+        _, self.base = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, plain)  # the other dims' offsets
         self.local = tensor._local_tensor  # to_local() of a parameter is an autograd view: no in-place reads into it
 
     def size(self) -> "torch.Size":
@@ -189,7 +196,7 @@ class PackedShardState:
     def _offsets(self, block: int) -> "torch.Size":
         import torch
 
-        offsets = [0] * self.tensor.dim()
+        offsets = list(self.base)
         offsets[self.dim] = block * self.block_size + self.rank * self.chunk
         return torch.Size(offsets)
 
@@ -226,17 +233,51 @@ class PackedShardState:
         raise ValueError(f"{index.fqn}: no packed chunk of this rank at offset {tuple(index.offset)}")
 
 
+def packed_dim(t: Any) -> int | None:
+    """The mesh dim of a plan's packed shard: the one `_StridedShard` placement of DTensor
+    `t`, on a tensor dim no other placement cuts (FSDP2 over the data dims shards another
+    dim); None for anything else (FSDP2's own `_StridedShard`s, of a dim TP already
+    shards, are torch's planner's to save as they are)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor):
+        return None
+    strided = [i for i, p in enumerate(t.placements) if isinstance(p, _StridedShard)]
+    if len(strided) != 1:
+        return None
+    dim = t.placements[strided[0]].dim % t.dim()
+    cut = [p.dim % t.dim() for i, p in enumerate(t.placements) if i != strided[0] and isinstance(p, Shard)]
+    return None if dim in cut else strided[0]
+
+
 def checkpoint_view(t: "torch.Tensor"):
     """What torch.distributed.checkpoint is given for `t`: a PackedShardState for a packed
     shard, `t` itself otherwise."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.placement_types import _StridedShard
+    return PackedShardState(t) if packed_dim(t) is not None else t
 
-    # Only a plan's packed shard (1-D TP mesh); FSDP2 on a (dp, tp) mesh also writes
-    # _StridedShard placements, which torch's own planner saves as they are.
-    if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and isinstance(t.placements[0], _StridedShard):
-        return PackedShardState(t)
-    return t
+
+def checkpoint_views(state: Any) -> Any:
+    """`checkpoint_view` of every tensor of a nested state (an optimizer's: dicts and
+    lists), as a new tree; the tensors themselves are shared, so a load fills them."""
+    if isinstance(state, dict):
+        return {key: checkpoint_views(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [checkpoint_views(value) for value in state]
+    return checkpoint_view(state)
+
+
+def optimizer_views(held: dict) -> dict:
+    """What DCP is given for a training checkpoint's extra state (training/state.py's
+    `state_for_save` or `targets_for_load`): the optimizer's moments as the checkpoint
+    stores them (a packed one as its plain chunks, read into the moment in place), the
+    rest the same objects (DCP fills the extra's dict); the caller keeps `held`."""
+    from .training.state import RESERVED
+
+    inner = held.get(RESERVED)
+    if inner is None or "optimizer" not in inner:
+        return held
+    return {RESERVED: {**inner, "optimizer": checkpoint_views(inner["optimizer"])}}
 
 
 def _lookup(state: dict, index, default):
@@ -265,11 +306,15 @@ def load_planner(mappable=frozenset(), **kwargs):
 
     class PackedLoadPlanner(DefaultLoadPlanner):
         def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-            # torch's _init_state_dict replaces objects it does not know with None: keep ours
+            from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+            # torch's _init_state_dict replaces objects it does not know with None: keep ours,
+            # nested ones (the optimizer's) under their flattened keys, as torch looks them up
             packed = {k: v for k, v in state_dict.items() if isinstance(v, PackedShardState)}
+            nested = {k: v for k, v in flatten_state_dict(state_dict)[0].items() if isinstance(v, PackedShardState)}
             super().set_up_planner(state_dict, metadata, is_coordinator)
             state_dict.update(packed)
-            self.state_dict.update(packed)
+            self.state_dict.update(nested)
 
         def lookup_tensor(self, index):
             return _lookup(self.state_dict, index, super().lookup_tensor)

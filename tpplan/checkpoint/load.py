@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from .buffers import init_weights_with_buffers, is_transformers, moved, recompute_buffers, takes_nan
 from .errors import CheckpointError, fail, quiet, reason, some
-from .experts import checkpoint_view, load_planner, part_targets
+from .experts import checkpoint_view, load_planner, optimizer_views, part_targets
 from .inspect import Match, match
 from .layout import optimizer_problems
 from .source import locate, read_metadata
@@ -121,7 +121,7 @@ def load_checkpoint(
     try:
         with torch.no_grad(), quiet():
             dcp.load(
-                {**state, **held},
+                {**state, **optimizer_views(held)},
                 storage_reader=source.reader(),
                 planner=load_planner(mappable=fresh, allow_partial_load=False),
                 no_dist=no_dist,

@@ -35,7 +35,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from .errors import fail, quiet
-from .experts import checkpoint_view, save_planner
+from .experts import checkpoint_view, optimizer_views, save_planner
 from .inspect import expected_tensors
 from .layout import saved_layout
 from .mapped import release
@@ -109,7 +109,7 @@ def save_checkpoint(
     release(model, target)  # tensors still viewing files there (a load from `path`) are copied before they are overwritten
     state = state_to_save(model, dtype)
     sharded = any(isinstance(t, DTensor) or hasattr(t, "__create_chunk_list__") for t in state.values())
-    state.update(state_for_save(model, optimizer, extra))
+    state.update(optimizer_views(state_for_save(model, optimizer, extra)))  # a packed moment: its plain chunks
     real_group = dist.is_initialized() and dist.get_backend() != "fake"
     if dist.is_initialized() and not real_group and sharded:
         raise ValueError("save_checkpoint needs real ranks (torchrun): the fake process group of a simulation cannot gather the shards")
