@@ -179,7 +179,8 @@ def llama3_70b() -> Transformer:
 
 
 def llama3_405b() -> Transformer:
-    """Llama 3.1 405B shapes (about 4.06e11 parameters); build it on the meta device or fake tensors only."""
+    """Llama 3.1 405B shapes (about 4.06e11 parameters; its 128K context); build it on the meta
+    device or fake tensors only."""
     return Transformer(
         LlamaConfig(
             dim=16384,
@@ -189,7 +190,7 @@ def llama3_405b() -> Transformer:
             vocab_size=128256,
             ffn_hidden=53248,
             rope_theta=500000.0,
-            max_seq_len=8192,
+            max_seq_len=131072,
         )
     )
 
