@@ -124,6 +124,25 @@ def test_the_same_measurement_runs_on_real_tensors():
     assert all(loss == loss and loss > 0 for loss in step.losses)  # real values: not NaN
 
 
+def test_a_transformers_model_plans_on_fake_tensors_what_it_measures_on_real_ones():
+    """transformers' masks: on fake position ids it cannot see that nothing is packed and
+    would build a causal mask the real run skips (hf/masks.py); with the real run's answer
+    every category of one step is equal, the model built inside fake mode as the dry run
+    builds it (transformers loaded by the factory)."""
+    pytest.importorskip("transformers")
+    from tpplan.models.hf import qwen3_moe
+    from tpplan.simulation.modelref import build_model
+    from tpplan.simulation.simulate import default_inputs, fake_tensors, simulated_world
+
+    torch.manual_seed(0)
+    model = qwen3_moe()
+    real = measure_training_step(model, (default_inputs(model, 1, 256),), "adamw")
+    with simulated_world(1, 0), fake_tensors():
+        model = build_model("tpplan.models.hf:qwen3_moe", "cpu")
+        fake = measure_training_step(model, (default_inputs(model, 1, 256),), "adamw")
+    assert fake.categories == real.categories and fake.peak_bytes == real.peak_bytes
+
+
 def test_memory_limit_says_which_plan_degrees_fit(tmp_path):
     small = plan_memory(tp=8, optimizer="adamw")["memory"]["per_rank_peak_bytes"]
     large = plan_memory(tp=2, optimizer="adamw")["memory"]["per_rank_peak_bytes"]

@@ -134,6 +134,7 @@ def build_model(
 
     from ..checkpoint.meta import meta_parameters
     from ..core.torch_range import warn_once
+    from ..hf.masks import real_run_masks
 
     warn_once()  # one line, once, for a torch outside the tested range
     factory = factory or load_callable(ref, "--model")
@@ -147,6 +148,7 @@ def build_model(
         kind = type(model).__name__
         article = "an" if kind[:1].lower() in "aeiou" else "a"
         raise PlanError([error("TP500", f"--model {ref} returned {article} {kind}, not a torch.nn.Module", *_definition(factory, ref))])
+    real_run_masks()  # the factory may have loaded transformers: its masks on fake tensors as on real ones
     return model
 
 

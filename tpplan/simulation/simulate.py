@@ -61,12 +61,15 @@ def fake_tensors(mode: Any = None) -> Iterator[Any]:
     failure (or retries with values), so the traceback is noise. Yields the mode;
     pass it back (`mode`) to run a model built in it later (fake tensors of two
     modes do not mix). `aten::_grouped_mm` takes every dtype its real kernels take
-    (hf.grouped_mm), not only the bfloat16 of torch's meta function."""
+    (hf.grouped_mm), not only the bfloat16 of torch's meta function; transformers'
+    masks are those of the real run (hf.masks)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..hf.grouped_mm import accept_real_dtypes
+    from ..hf.masks import real_run_masks
 
     accept_real_dtypes()  # a float32 MoE's grouped_mm, as on the GPU
+    real_run_masks()  # no causal mask the real run skips (modelref.build_model again, for a model built in the mode)
     mode = mode or FakeTensorMode(allow_non_fake_inputs=True)
     with loggers_quiet("torch._subclasses.fake_tensor"), mode:
         yield mode
