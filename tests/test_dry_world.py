@@ -227,6 +227,7 @@ def test_each_collective_is_filed_under_the_mesh_dim_of_its_group_and_a_flattene
 CP = "context_parallel:\n  modules: layers.*.attention\n"
 
 
+@pytest.mark.slow  # 12 simulated ranks (about 50 s here)
 def test_context_parallel_in_the_world_is_exact_per_position_and_runs_the_cp_dry_runs_ring(tmp_path):
     """dp_shard 2 × cp 2 × tp 2 with context parallelism (simulated as on CUDA), checkpointing
     and FSDP2 over dp_shard·cp: one rank per position plans what every rank does (each cp
@@ -242,3 +243,14 @@ def test_context_parallel_in_the_world_is_exact_per_position_and_runs_the_cp_dry
     ring = dry_run(ApplyOptions(plan=str(plan), model="test_dry_world:uneven", train=TrainOptions(batch=2, seq=16))).to_json()
     assert distinct["comms_by_axis"]["cp"] == ring["context_parallel"]["ring"]
     assert "FSDP2 (fully_shard on layers.* and the root) over dp_shard 2 × cp 2, after the plan" in " ".join(distinct["notes"])
+
+
+def test_a_cp_plan_given_a_memory_option_plans_the_worlds_memory_with_the_cp_dry_runs_ring(tmp_path):
+    """dp_shard 2 × cp 2 (world 4): `--optimizer` turns the CP dry run into the world's memory
+    plan, one position per cp index; the ring under cp is the one-rank CP dry run's."""
+    plan = _plan(tmp_path, "  dp_shard: 2\n  cp: 2\n  tp: 1\n", CP, parent="llama_tp.yaml")
+    found = report(plan, TINY, 4, batch=2, seq=16, optimizer="adamw")
+    assert [entry["position"] for entry in found["ranks"]] == [{"dp_shard": 0, "cp": 0, "tp": 0}, {"dp_shard": 0, "cp": 1, "tp": 0}]
+    assert found["memory"]["seq"] == 16 and found["memory"]["optimizer"] > 0
+    ring = dry_run(ApplyOptions(plan=str(plan), model=TINY, train=TrainOptions(batch=2, seq=16))).to_json()
+    assert found["comms_by_axis"]["cp"] == ring["context_parallel"]["ring"]
