@@ -24,8 +24,8 @@ from tpplan import Plan, PlanError, load_plan
 # The codes of loading a plan from text (TP001 is for files that cannot be read).
 LOAD_CODES = {
     "TP010", "TP011", "TP012", "TP013", "TP014",
-    "TP100", "TP101", "TP102", "TP103", "TP104", "TP105", "TP106", "TP109", "TP110",
-    "TP120", "TP122", "TP123", "TP124", "TP125",  # version 2's sizes (core/axes.py)
+    "TP100", "TP101", "TP102", "TP103", "TP104", "TP105", "TP106", "TP110",
+    "TP120", "TP122", "TP123", "TP124", "TP125", "TP150", "TP151", "TP152", "TP153",  # version 2's sizes (core/axes.py)
 }
 # PyYAML breaks lines on these (so may a plan, and positions count them).
 _LINE_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")

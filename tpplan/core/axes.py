@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from math import prod
 from typing import TYPE_CHECKING, Any
 
-from .axes_spec import AXES, DP_AXES, REST, SECTIONS, WORLD_AXES
+from .axes_spec import AXES, DP_AXES, MULTI_STAGE_SCHEDULES, REST, SECTIONS, V_SCHEDULES, WORLD_AXES
 from .degrees import divisors_text
 from .problems import Problem, error, warning
 
@@ -137,8 +137,68 @@ def _reshard(spec: Any, s: dict[str, int]) -> str | None:
             f"resharded to groups of {group} ranks within the dp_shard group; give a divisor of {s['dp_shard']}, or true")
 
 
+def _stage_count(spec: Any, s: dict[str, int]) -> str | None:
+    stages, pp, virtual = spec.pipeline.stages, s["pp"], spec.pipeline.virtual_stages
+    if stages is None or len(stages) == pp * virtual:
+        return None
+    return (f"pipeline.stages: {len(stages)} stages, but pp·virtual_stages = {pp}·{virtual} = {pp * virtual}: each of the "
+            f"pp ranks runs virtual_stages stages; give {pp * virtual} stages, or set mesh.pp to "
+            + (f"{len(stages) // virtual}" if len(stages) % virtual == 0 else f"a divisor of {len(stages)} with virtual_stages to match"))
+
+
+def _schedule(spec: Any, s: dict[str, int]) -> str | None:
+    pipe = spec.pipeline
+    name, virtual = pipe.schedule, pipe.virtual_stages
+    if name in V_SCHEDULES and virtual != 2:
+        return (f"pipeline.schedule: {name} runs exactly 2 stages per rank (stage r and 2·pp − 1 − r, in a V), but "
+                f"virtual_stages is {virtual}: set virtual_stages: 2")
+    if name not in MULTI_STAGE_SCHEDULES and virtual != 1:
+        return (f"pipeline.schedule: {name} runs one stage per rank, but virtual_stages is {virtual}: set virtual_stages: 1, "
+                "or take an interleaved schedule (Interleaved1F1B, InterleavedZeroBubble, LoopedBFS)")
+    return None
+
+
+def _microbatches(spec: Any, s: dict[str, int]) -> str | None:
+    pipe, pp = spec.pipeline, s["pp"]
+    m = pipe.microbatches
+    if m is None:
+        return None
+    if pipe.schedule == "1F1B" and m < pp:
+        return (f"pipeline.microbatches: 1F1B needs at least as many microbatches as pipeline ranks (pp = {pp}), "
+                f"not {m}: with fewer, a rank waits with nothing to run; give {pp} or more")
+    if pipe.schedule in MULTI_STAGE_SCHEDULES and m % pp:
+        return (f"pipeline.microbatches: {pipe.schedule} sends the microbatches round the pp ranks in groups of pp = {pp}, "
+                f"and {m} is not a multiple of it: give {(m // pp + 1) * pp}" + (f" or {m // pp * pp}" if m > pp else ""))
+    return None
+
+
+def _local_batch(spec: Any, s: dict[str, int]) -> str | None:
+    pipe, batch, dp = spec.pipeline, spec.training.global_batch, s["dp_replicate"] * s["dp_shard"]
+    if batch is None or batch % dp:
+        return None  # TP123's
+    local = batch // dp
+    if pipe.microbatches is not None and local % pipe.microbatches:
+        return (f"pipeline.microbatches: each data-parallel rank's batch of {local} sequences (training.global_batch {batch} "
+                f"/ dp_replicate·dp_shard {dp}) does not split into {pipe.microbatches} microbatches: "
+                f"give a divisor of {local}, or change the batch")
+    if pipe.microbatch_size is not None and local % pipe.microbatch_size:
+        return (f"pipeline.microbatch_size: each data-parallel rank's batch of {local} sequences (training.global_batch {batch} "
+                f"/ dp_replicate·dp_shard {dp}) is not a whole number of microbatches of {pipe.microbatch_size}: "
+                f"give a divisor of {local}")
+    return None
+
+
 def _checks(spec: Any) -> list[_Check]:
     checks = [_Check(("dp_shard", "cp", "tp", "ep"), ("mesh", "ep"), "TP122", _ep)]
+    if spec.pipeline is not None:
+        checks += [
+            _Check(("pp",), ("pipeline", "stages"), "TP150", _stage_count),
+            _Check((), ("pipeline", "schedule"), "TP151", _schedule),
+            _Check(("pp",), ("pipeline", "microbatches"), "TP152", _microbatches),
+        ]
+        if spec.training is not None:
+            key = ("pipeline", "microbatches" if spec.pipeline.microbatches is not None else "microbatch_size")
+            checks.append(_Check(DP_AXES, key, "TP153", _local_batch))
     if spec.training is not None:
         checks += [
             _Check(DP_AXES, ("training", "global_batch"), "TP123", _global_batch),

@@ -8,7 +8,7 @@ No `from __future__ import annotations` (see schema.py).
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, WithJsonSchema
+from pydantic import BeforeValidator, Field, WithJsonSchema, model_validator
 
 from .style_model import _Strict
 
@@ -124,5 +124,56 @@ class TrainingSpec(_Strict):
     optimizer: Literal[OPTIMIZERS] | None = Field(None, description="The optimizer whose state is planned for.")
 
 
-# The sections of version 2 beyond the TP rules, in the order a plan is applied (SPEC §7).
-SECTIONS = ("experts", "context_parallel", "fsdp", "checkpointing", "training")
+# torch.distributed.pipelining's schedules, by the names its `get_schedule_class` takes
+# (torch 2.13; its two base classes left out: they are no schedule a plan can ask for).
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# The schedules that run several stages per rank (torch's PipelineScheduleMulti), and those
+# that run exactly two, in a V (stage r and 2·pp − 1 − r on rank r).
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+_STAGE_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 1}
+
+
+def _stages(value: Any) -> Any:
+    if isinstance(value, list) and any(isinstance(stage, list) and not stage for stage in value):
+        raise ValueError("a stage names at least one module path (an empty stage runs nothing)")
+    return value
+
+
+class PipelineSpec(_Strict):
+    """SPEC §8: how the model is cut into stages and how the schedule runs them. Exactly
+    one way to cut the stages, at most one way to size the microbatches (JSON Schema
+    says so too: `json_schema_extra`)."""
+
+    model_config = {**_Strict.model_config, "json_schema_extra": {
+        "oneOf": [{"required": ["stages"], "properties": {"stages": {"type": "array"}}},
+                  {"required": ["layers_per_stage"], "properties": {"layers_per_stage": {"type": "integer"}}}],
+        "not": {"required": ["microbatches", "microbatch_size"],
+                "properties": {"microbatches": {"type": "integer"}, "microbatch_size": {"type": "integer"}}},
+    }}
+
+    stages: Annotated[list[Annotated[list[str], WithJsonSchema(_STAGE_SCHEMA)]], BeforeValidator(_stages)] | None = Field(
+        None, description="Module paths per stage, in the model's order; {a..b} in a segment is an integer range.")
+    layers_per_stage: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Blocks of the largest module list per stage; the first and last stages take what comes before and after.")
+    schedule: Literal[SCHEDULES] = Field("1F1B", description="torch.distributed.pipelining's schedule, by its name.")
+    microbatches: Annotated[int, Field(ge=1)] | None = Field(None, description="Microbatches per step (each rank's batch split).")
+    microbatch_size: Annotated[int, Field(ge=1)] | None = Field(None, description="Sequences per microbatch, instead of their count.")
+    virtual_stages: Annotated[int, Field(ge=1)] = Field(1, description="Stages per rank (interleaved and V schedules).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _choices(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            given = [key for key in ("stages", "layers_per_stage") if value.get(key) is not None]
+            if len(given) != 1:
+                raise ValueError("give the stages either as module lists (stages) or as a count (layers_per_stage)"
+                                 + (", not both" if given else ": neither is given"))
+            if value.get("microbatches") is not None and value.get("microbatch_size") is not None:
+                raise ValueError("give either microbatches or microbatch_size, not both")
+        return value
+
+
+# The sections of version 2 beyond the TP rules, in the order a plan is applied (SPEC §7, §8).
+SECTIONS = ("pipeline", "experts", "context_parallel", "fsdp", "checkpointing", "training")

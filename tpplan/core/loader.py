@@ -62,12 +62,6 @@ def parse_plan(text: str, file: str, _extending: tuple[str, ...] = ()) -> Plan:
     problems: list[Problem] = []
     spec = None
     spec_class = plan_spec_for(data)
-    if spec_class is not PlanSpec and "pipeline" in data:
-        problems.append(error(
-            "TP109", "'pipeline' (SPEC §8) is reserved: this tpplan does not read pipelines yet; remove the section "
-            "(mesh.pp is checked, not applied)", file, *source.locate(("pipeline",), key=True),
-        ))
-        data = {key: value for key, value in data.items() if key != "pipeline"}
     try:
         spec = spec_class.model_validate(data)
     except ValidationError as exc:

@@ -14,7 +14,7 @@ from pydantic import BeforeValidator, Discriminator, Field, Tag
 from .external_styles import external_specs, external_tag, is_external, like_names
 from .style_model import MODULE_KINDS, ModuleKind, StyleSemantics, StyleSpec, _Strict  # noqa: F401  (re-exported)
 from .style_table import STYLE_NAMES, STYLE_SPECS  # noqa: F401  (re-exported: the plan format's names)
-from .axes_spec import EXPERT_STYLES, CheckpointingSpec, ContextParallelSpec, FSDPSpec, NamedMeshSpec, TrainingSpec
+from .axes_spec import EXPERT_STYLES, CheckpointingSpec, ContextParallelSpec, FSDPSpec, NamedMeshSpec, PipelineSpec, TrainingSpec
 
 # `style: PKG.MOD:Class` (external_styles.py), one spec class per `like:`
 EXTERNAL_SPECS = external_specs(STYLE_SPECS)
@@ -95,6 +95,7 @@ class PlanV2Spec(_PlanFields):
     mesh: NamedMeshSpec = Field(
         NamedMeshSpec.model_construct(), description="Named axes, outermost first; -1 = world / (product of the others)."
     )
+    pipeline: PipelineSpec | None = Field(None, description="Stages over the pp axis, the schedule and the microbatches (SPEC §8).")
     experts: dict[str, RuleValue] | None = Field(
         None, description=f"Module-path glob -> a rule over the ep axis ({' or '.join(EXPERT_STYLES)})."
     )

@@ -81,9 +81,9 @@ _PLAN_CODES = {
         names differently); the message suggests the closest inherited key.
     """),
     "TP109": ("pipeline-reserved", """
-        A version 2 plan has a `pipeline:` section. Pipelines (SPEC §8) are
-        not read by this tpplan yet: the section is refused rather than
-        ignored. Remove it; `mesh.pp` is checked with the other axes.
+        No longer raised: pipelines (SPEC §8) are read. A `pipeline:` section
+        was refused by earlier tpplans; the code stays retired so that it
+        never names anything else.
     """),
     "TP110": ("glob-syntax", "A rule key is not a valid module-path glob (unbalanced `[` or `{`, `**` inside a segment, an empty segment)."),
     "TP120": ("mesh-rest-axes", """
@@ -126,6 +126,27 @@ _PLAN_CODES = {
         dp_replicate and dp_shard both 1. Likely a size left out: set it, or
         remove the section.
     """, "warning"),
+    "TP150": ("pipeline-stage-count", """
+        A version 2 plan's `pipeline.stages` lists another number of stages
+        than `mesh.pp` × `pipeline.virtual_stages`: each pp rank runs
+        virtual_stages stages. Located at `pipeline.stages`, with both counts.
+    """),
+    "TP151": ("pipeline-schedule", """
+        `pipeline.schedule` cannot run `pipeline.virtual_stages` stages per
+        rank: GPipe and 1F1B run one; ZBVZeroBubble and DualPipeV exactly two
+        (in a V); the interleaved schedules run any number.
+    """),
+    "TP152": ("pipeline-microbatches", """
+        `pipeline.microbatches` breaks its schedule's rule: 1F1B needs at least
+        pp microbatches (a rank would otherwise wait with nothing to run);
+        the multi-stage schedules send microbatches round the ranks in groups
+        of pp, so they need a multiple of pp.
+    """),
+    "TP153": ("pipeline-local-batch", """
+        Each data-parallel rank's batch (`training.global_batch` /
+        dp_replicate·dp_shard) does not split into `pipeline.microbatches`
+        microbatches, or into microbatches of `pipeline.microbatch_size`.
+    """),
     "TP127": ("expert-count", """
         A module an `experts` rule matches holds no stacked experts, or
         `mesh.ep` does not divide its expert count. With `validate --model`:
