@@ -79,11 +79,13 @@ class Plan:
         return list(degrees) if degrees else None
 
     # version 2's sections (None where the plan has none, and in every version 1 plan)
+    pipeline = property(lambda self: getattr(self.spec, "pipeline", None))
     experts = property(lambda self: getattr(self.spec, "experts", None))
     context_parallel = property(lambda self: getattr(self.spec, "context_parallel", None))
     fsdp = property(lambda self: getattr(self.spec, "fsdp", None))
     checkpointing = property(lambda self: getattr(self.spec, "checkpointing", None))
     training = property(lambda self: getattr(self.spec, "training", None))
+
     def __repr__(self) -> str:
         return f"Plan({self.name or self.file!r}, {len(self.rules)} rules)"
 

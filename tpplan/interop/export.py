@@ -196,6 +196,7 @@ def _transformers(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, 
     config.update(_transformers_experts(plan, notes))
     config.update(_transformers_fsdp(plan, sizes, notes))
     _common_losses(plan, notes, ("context_parallel",), "transformers has no context parallelism")
+    _common_losses(plan, notes, ("pipeline",), "DistributedConfig has pp_size alone: transformers splits the layers evenly with no schedule or microbatches")
     _common_losses(plan, notes, ("checkpointing",), "DistributedConfig has no activation checkpointing (the model's gradient_checkpointing_enable does it)")
     _common_losses(plan, notes, ("training",), "DistributedConfig holds no training step (TrainingArguments does)")
     return config
@@ -287,6 +288,7 @@ def _accelerate(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, An
                    f"(transformers: `tpplan export --to transformers` writes it)")
     _common_losses(plan, notes, ("experts",), "accelerate has no expert parallelism")
     _common_losses(plan, notes, ("fsdp", "checkpointing"), "ParallelismConfig holds sizes; accelerate's FullyShardedDataParallelPlugin takes these")
+    _common_losses(plan, notes, ("pipeline",), "accelerate 1.16 has no pipeline parallelism")
     _common_losses(plan, notes, ("training",), "ParallelismConfig holds no training step")
     return config
 
@@ -337,10 +339,28 @@ def _torchtitan(plan: Any, sizes: dict[str, int], notes: _Notes) -> dict[str, An
             else:
                 training[name] = value
     _common_losses(plan, notes, ("checkpointing",), "torchtitan 0.3's activation checkpointing is a Python policy class (ActivationCheckpointing.Config), not a [parallelism] field")
+    if (pipe := plan.pipeline) is not None:
+        _torchtitan_pipeline(pipe, parallelism, notes)
     config = {"parallelism": parallelism}
     if training:
         config["training"] = training
     return config
+
+
+def _torchtitan_pipeline(pipe: Any, parallelism: dict[str, Any], notes: _Notes) -> None:
+    """The pipeline section as torchtitan's [parallelism] fields: the schedule, the layers
+    per stage or each stage's module names, the microbatch size; what it has no field for, lost."""
+    parallelism["pipeline_parallel_schedule"] = pipe.schedule
+    if pipe.layers_per_stage is not None:
+        parallelism["pipeline_parallel_layers_per_stage"] = pipe.layers_per_stage
+    else:
+        parallelism["module_fqns_per_model_part"] = pipe.stages
+    if pipe.microbatch_size is not None:
+        parallelism["pipeline_parallel_microbatch_size"] = pipe.microbatch_size
+    elif pipe.microbatches is not None:
+        notes.lost(("pipeline", "microbatches"), f"{pipe.microbatches}: torchtitan sizes microbatches (pipeline_parallel_microbatch_size), not their count")
+    if pipe.virtual_stages != 1 and pipe.layers_per_stage is None:
+        notes.lost(("pipeline", "virtual_stages"), "torchtitan derives the stages per rank from its module lists and the schedule")
 
 
 def _torchtitan_dtype(training: dict[str, Any], name: str | None, value: str, key: tuple[str, ...], notes: _Notes) -> None:
