@@ -125,6 +125,26 @@ TABLE = [
      v2("dp_shard: 2", "checkpointing:\n  modules: [layers.*, 'layers.[0']\n"), (5, 23),
      "checkpointing.modules: bad glob 'layers.[0'",
      v2("dp_shard: 2", "checkpointing:\n  modules: [layers.*, 'norm']\n")),
+    # pipeline: the stages cut the model between its blocks, each module with parameters in one stage, in order
+    ("TP154", LLAMA, v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.0.attention'], ['layers.1', norm, output]]\n"),
+     (5, 29),
+     "pipeline.stages[0]: 'layers.0.attention' is inside 'layers.0': a stage takes whole units (cut between the blocks of layers); name 'layers.0'",
+     v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.0'], ['layers.1', norm, output]]\n")),
+    ("TP154", LLAMA, v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.{1..0}'], [norm, output]]\n"), (5, 29),
+     "pipeline.stages[0]: 'layers.{1..0}': the range {1..0} runs backwards: write {0..1}",
+     v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.{0..1}'], [norm, output]]\n")),
+    ("TP155", LLAMA, v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.{0..1}'], ['layers.1', norm, output]]\n"), (5, 48),
+     "pipeline.stages[1]: 'layers.1' is in stage 0 already: a module runs in one stage",
+     v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.0'], ['layers.1', norm, output]]\n")),
+    ("TP155", LLAMA, v2("pp: 2, tp: 1", "pipeline:\n  stages: [['layers.1', tok_embeddings], ['layers.0', norm, output]]\n"), (5, 13),
+     "pipeline.stages[0]: 'layers.1' comes after 'layers.0' (stage 1) in the model: the stages follow the model's order",
+     v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.0'], ['layers.1', norm, output]]\n")),
+    ("TP156", LLAMA, v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.0'], ['layers.1', norm]]\n"), (5, 11),
+     "pipeline.stages: 1 module(s) with parameters are in no stage: output; every one runs in exactly one stage",
+     v2("pp: 2, tp: 1", "pipeline:\n  stages: [[tok_embeddings, 'layers.0'], ['layers.1', norm, output]]\n")),
+    ("TP157", LLAMA, v2("pp: 2, tp: 1", "pipeline:\n  layers_per_stage: 2\n"), (5, 21),
+     "pipeline.layers_per_stage: 2 blocks of layers do not make pp·virtual_stages = 2·1 = 2 stages of 2: give layers_per_stage 1",
+     v2("pp: 2, tp: 1", "pipeline:\n  layers_per_stage: 1\n")),
 ]
 
 

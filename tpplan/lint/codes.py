@@ -147,6 +147,28 @@ _PLAN_CODES = {
         dp_replicate·dp_shard) does not split into `pipeline.microbatches`
         microbatches, or into microbatches of `pipeline.microbatch_size`.
     """),
+    "TP154": ("pipeline-stage-unit", """
+        An entry of `pipeline.stages` (its `{a..b}` ranges expanded) names no
+        unit the stages are cut from: the blocks of the model's largest module
+        list and, around them, the other children of its ancestors (the
+        embeddings, the final norm, the head). A module inside a block, a
+        path above the blocks, or no module at all; the message says which
+        and what to name. Checked by `validate --model`.
+    """),
+    "TP155": ("pipeline-stage-order", """
+        A unit is in two stages, or the stages do not follow the model's order
+        (a stage takes the units after the previous stage's).
+    """),
+    "TP156": ("pipeline-stage-missing", """
+        Modules with parameters are in no stage of `pipeline.stages`: each runs
+        in exactly one. Modules without parameters (a rotary table) are kept in
+        every stage.
+    """),
+    "TP157": ("pipeline-layers-per-stage", """
+        `pipeline.layers_per_stage` does not cut the model's blocks into
+        pp·virtual_stages stages (the blocks are not that many stages of that
+        many), or the model has no module list of blocks to cut.
+    """),
     "TP127": ("expert-count", """
         A module an `experts` rule matches holds no stacked experts, or
         `mesh.ep` does not divide its expert count. With `validate --model`:

@@ -4,7 +4,9 @@ match modules, once each (TP200, TP201: core/sections.py; an experts rule's modu
 claimed by no TP rule, TP201), `mesh.ep` divides the
 experts of each module an `experts` rule matches (TP127), each `context_parallel`
 module calls an attention with a CP rule (TP128, from the traced forward), and the
-`fsdp.units` nest innermost first (TP129).
+`fsdp.units` nest innermost first (TP129), the pipeline's stages cut the model
+between the blocks of its module list, each module with parameters in one stage, in
+order (TP154-TP157, core/stages.py).
 
 Like resolution, these always run (`--select` chooses among the TP3xx rules only).
 """
@@ -17,6 +19,7 @@ from ..core.degrees import divisors_text
 from ..core.expert_styles import expert_count, not_experts
 from ..core.problems import Problem, error, sort_problems
 from ..core.sections import claim_section, claimed_twice, fsdp_units
+from ..core.stages import stage_problems
 
 if TYPE_CHECKING:
     from .context import LintContext
@@ -41,6 +44,8 @@ def section_problems(ctx: "LintContext") -> list[Problem]:
     if plan.fsdp is not None:
         problems += fsdp_units(plan, tree, under)[1]
     problems += claim_section(plan, tree, under, "checkpointing.modules")[1]
+    if plan.pipeline is not None:
+        problems += stage_problems(plan, tree, lambda fqn: next(ctx.modules[fqn].parameters(), None) is not None)[1]
     return sort_problems(problems)
 
 
