@@ -3,17 +3,19 @@ one-device reference trained as many, step by step and parameter by parameter.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ..simulation.training import LEARNING_RATE, train_steps
 from .result import CheckResult
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 
 def compare_training(
-    model: "nn.Module",
+    model: "nn.Module | Mapping[str, torch.Tensor]",
     reference: "nn.Module",
     inputs: tuple,
     losses: list[float],
@@ -24,7 +26,9 @@ def compare_training(
     """Train `reference` (one device, the sharded model's initial weights) for as many
     steps as `losses` holds and compare: every step's loss, then every final
     parameter (gathered to full size) against the reference's. A CheckResult;
-    tolerances by dtype as everywhere (`simulate.tolerance`)."""
+    tolerances by dtype as everywhere (`simulate.tolerance`). `model` may be the
+    parameters a pipeline rank's stages hold, by name: the reference's others are not
+    compared here (another rank holds them)."""
     import math
 
     import torch
@@ -47,8 +51,11 @@ def compare_training(
     # usual tolerance (seen: 1.9e-4 after 2 steps at lr 1e-3 on transformers' Llama).
     # The losses, compared strictly, carry the rest: a wrong plan changes them.
     moved = lr * len(losses) if optimizer_name == "adamw" else 0.0
-    params = dict(model.named_parameters())
+    held = isinstance(model, Mapping)  # a pipeline stage's parameters: those it holds are compared
+    params = dict(model) if held else dict(model.named_parameters())
     for name, want in reference.named_parameters():
+        if held and name not in params:
+            continue
         got = params[name]
         got = got.full_tensor() if hasattr(got, "full_tensor") else got
         diff, limit = max_abs_diff(got, want.detach()), allowed_diff(want.detach(), *tolerance(want.dtype)) + moved

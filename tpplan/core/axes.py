@@ -286,13 +286,14 @@ def section_warnings(plan: Any) -> list[Problem]:
 
 
 # What each runner applies of a version 2 plan: torchrun and `Plan.apply` apply the experts
-# over ep, activation checkpointing and FSDP2/HSDP after the TP rules (sharding/), and
-# `Plan.apply` context parallelism after the TP rules, on CUDA (torchrun's batches are not cut
-# on the sequence yet; off CUDA it is TP131); the dry run simulates the data axes,
-# checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one rank per distinct
-# position, not yet the experts over ep (context parallelism: runtime/dryrun_cp.py).
-_TORCHRUN = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
-APPLIED = {"torchrun": _TORCHRUN, "api": (*_TORCHRUN, "cp", "context_parallel"),
+# over ep, activation checkpointing and FSDP2/HSDP after the TP rules (sharding/); torchrun
+# also the pipeline (runtime/pipelined.py: a stage per pp rank, torch's PipelineStage), and
+# `Plan.apply` context parallelism after the TP rules, on CUDA (torchrun's batches are not
+# cut on the sequence yet; off CUDA it is TP131); the dry run simulates the data axes,
+# cp, ep, checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one rank per
+# distinct position, not yet the pipeline.
+_EVERYWHERE = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
+APPLIED = {"torchrun": (*_EVERYWHERE, "pp", "pipeline"), "api": (*_EVERYWHERE, "cp", "context_parallel"),
            "dry-run": ("tp", "dp_replicate", "dp_shard", "cp", "ep", "fsdp", "checkpointing", "context_parallel", "experts")}
 _DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}
 
@@ -309,13 +310,14 @@ def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
 
 def mesh_dims(plan: Any, world: int, tp: int | None = None) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """The device mesh a plan runs on over `world` ranks, outermost first, tp the fastest
-    dim: version 2's data axes above 1 (dp_replicate, dp_shard), cp above 1, then tp; version 1's
+    dim: version 2's pp above 1, its data axes above 1 (dp_replicate, dp_shard), cp above 1, then tp; version 1's
     tp alone, or (dp, tp) below the world (--fsdp's shorthand). ValueError where the
     sizes do not make the world."""
     if plan.version == 2:
         sizes = plan.mesh.resolve(world, tp)
         hsdp = sizes["dp_replicate"] > 1  # FSDP2's HSDP takes a 2-D mesh: dp_shard kept even at 1
-        dims = [(axis, sizes[axis]) for axis in DP_AXES if plan.mesh.sizes[axis] != 1 or hsdp]
+        dims = [("pp", sizes["pp"])] if plan.mesh.sizes["pp"] != 1 or plan.spec.pipeline is not None else []
+        dims += [(axis, sizes[axis]) for axis in DP_AXES if plan.mesh.sizes[axis] != 1 or hsdp]
         dims += [("cp", sizes["cp"])] if plan.mesh.sizes["cp"] != 1 else []
         dims.append((plan.mesh_axis, sizes["tp"]))
         return tuple(size for _, size in dims), tuple(name for name, _ in dims)
@@ -345,11 +347,14 @@ class NotAppliedError(ValueError):
 
 
 def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
-    """NotAppliedError where `plan` says more than `by` applies, or has an experts rule
-    that the ep axis does not carry (`experts_unapplied`)."""
+    """NotAppliedError where `plan` says more than `by` applies, has an experts rule
+    that the ep axis does not carry (`experts_unapplied`), or a pipeline with experts
+    (`pipeline_unapplied`)."""
     keys = unapplied(plan, by)
     if not keys:
         if by in APPLIED and "experts" in APPLIED[by] and (problem := experts_unapplied(plan)) is not None:
+            raise NotAppliedError(problem)
+        if by in APPLIED and "pipeline" in APPLIED[by] and (problem := pipeline_unapplied(plan)) is not None:
             raise NotAppliedError(problem)
         return
     names = ", ".join(".".join(key) for key in keys)
@@ -362,6 +367,18 @@ def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
                     "(sharding/context_parallel.py's shard_sequence)")
     at = plan.source.locate(keys[0], key=True) if plan.source is not None else (1, 1)
     raise NotAppliedError(error("TP130", message, plan.file, *at))
+
+
+def pipeline_unapplied(plan: Any) -> Problem | None:
+    """TP130 at the experts section of a version 2 plan with a pipeline: each stage takes
+    the TP rules, activation checkpointing and FSDP2 (HSDP); experts over ep inside a
+    stage are not applied yet."""
+    if plan.version != 2 or plan.spec.pipeline is None or not plan.spec.experts:
+        return None
+    at = plan.source.locate(("experts",), key=True) if plan.source is not None else (1, 1)
+    return error("TP130", "not applied yet: experts with a pipeline. Each stage takes the TP rules, checkpointing and "
+                          "FSDP2 (HSDP); the experts over ep inside a stage are not applied yet: remove the pipeline "
+                          "or the experts section to apply the other", plan.file, *at)
 
 
 # What the ep axis carries of an experts rule: whole experts per ep rank, the tokens (sharded

@@ -169,6 +169,17 @@ _PLAN_CODES = {
         pp·virtual_stages stages (the blocks are not that many stages of that
         many), or the model has no module list of blocks to cut.
     """),
+    "TP158": ("pipeline-stage-forward", """
+        Under torchrun, a pipeline stage cannot run the model's own forward
+        with the other stages' modules removed: it raised on the hidden states
+        the stage before hands on (located at `pipeline`, with the stage, its
+        modules and the error). A model whose forward reads the sequence length
+        from its input (a rotary table built per call) cannot take a
+        sequence-parallel stage boundary, where each rank hands on its shard of
+        the sequence: end the TP rules' sequence parallelism before the
+        boundary, or build the table as torchtitan does (once, sliced where the
+        attention sees the whole sequence).
+    """),
     "TP127": ("expert-count", """
         A module an `experts` rule matches holds no stacked experts, or
         `mesh.ep` does not divide its expert count. With `validate --model`:
@@ -208,10 +219,11 @@ _PLAN_CODES = {
     "TP130": ("not-applied-yet", """
         `tpplan apply` (and `Plan.apply`) was given a version 2 plan that sets
         an axis (to anything but 1) or a section beyond what that runner
-        applies (under torchrun: `pp`, `cp`, `context_parallel`, `training`;
-        `Plan.apply` and the dry run: `pp`, `training`), or an `experts`
-        rule other than `expert_parallel` with `dispatch: all_to_all` (the
-        one way the ep axis places experts). This tpplan checks them
+        applies (under torchrun: `cp`, `context_parallel`, `training`, and
+        `experts` beside a `pipeline`; `Plan.apply`: `pp`, `pipeline`,
+        `training`; the dry run: `pp`, `pipeline`, `training`), or an
+        `experts` rule other than `expert_parallel` with `dispatch:
+        all_to_all` (the one way the ep axis places experts). This tpplan checks them
         (`tpplan validate`) but does not apply them yet, and applying the
         rest alone would silently ignore them: it is refused as a usage
         error (exit 2) located at the first such key. A

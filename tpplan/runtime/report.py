@@ -68,6 +68,7 @@ class ApplyReport:
     comms_by_axis: dict[str, Any] | None = None
     ranks: list = field(default_factory=list)
     context_parallel: dict | None = None  # a dry run with CP: this rank's shapes, the ring's collectives (runtime/dryrun_cp.py)
+    pipeline: dict | None = None  # a pipelined run: schedule, microbatches, each stage's modules and pp rank (SPEC §8)
 
     @property
     def ok(self) -> bool:
@@ -113,6 +114,7 @@ class ApplyReport:
             "notes": list(self.notes),  # what the run chose or changed for the user (e.g. dropout off for --check)
             **({"mesh": dict(self.mesh)} if self.mesh is not None else {}),
             **({"context_parallel": self.context_parallel} if self.context_parallel is not None else {}),
+            **({"pipeline": self.pipeline} if self.pipeline is not None else {}),
             **self._memory_json(),
         }
 

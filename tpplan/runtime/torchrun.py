@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from ..core.axes_spec import DP_AXES
 from ..core.plan import Plan
 from ..core.problems import PlanError, Problem, error, first_line, raised_by_tpplan
 from ..check.result import CheckResult
@@ -80,6 +81,7 @@ class _Ran:
     saved: dict | None = None
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    pipeline: dict | None = None  # the stages and schedule of a pipelined run (runtime/pipelined.py)
 
 
 def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
@@ -117,7 +119,8 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     assert loaded.plan is not None and loaded.model is not None and loaded.mesh is not None
     ran = _apply_and_run(ctx, options, loaded.plan, loaded.model, loaded.mesh, event)
     report = _report(ctx, options, loaded, ran, [])
-    if not ran.problems and not ran.data_parallel:  # under FSDP2 a rank holds a dp shard of its layout: the memory plan's figure
+    # under FSDP2 a rank holds a dp shard of its layout (the memory plan's figure); a pp rank its stages
+    if not ran.problems and not ran.data_parallel and ran.pipeline is None:
         _assert_held(ctx, loaded.model, report)
     return report
 
@@ -141,7 +144,7 @@ def _report(ctx: _Rank, options: ApplyOptions, loaded: _Loaded, ran: _Ran | None
     return ApplyReport(**found, tp=ran.tp, dp=ran.dp, params=ran.params, comms=ran.comms, step_time_s=ran.step_time_s,
                        check=ran.check, steps=ran.steps, checkpoint=ran.checkpoint, saved=ran.saved, problems=problems, notes=notes,
                        modules=sharded.modules if sharded else {}, rule_of=sharded.rule_of if sharded else {},
-                       rule_where=sharded.rule_where if sharded else {}, mesh=ran.mesh)
+                       rule_where=sharded.rule_where if sharded else {}, mesh=ran.mesh, pipeline=ran.pipeline)
 
 
 def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _Loaded:
@@ -214,6 +217,8 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     from ..simulation.simulate import forward_backward
 
     shape, names = mesh_spec
+    if plan.pipeline is not None:
+        return _apply_pipelined(ctx, options, plan, model, dict(zip(names, shape)), event)
     if plan.version == 2:  # the named mesh, and the experts' (dp_replicate, efsdp, ep) view with it, once
         mesh = plan.build_mesh(math.prod(shape), ctx.device.type, shape[-1])
     else:
@@ -271,6 +276,21 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
 
             event(f"saving to {options.save}")
             ran.saved = save_from(model, options.save, options.save_format, plan)
+    except PlanError as exc:
+        ran.problems = exc.problems
+    except CommFailure as exc:
+        ran.problems = [exc.problem]
+    return ran
+
+
+def _apply_pipelined(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Module", sizes: dict[str, int], event) -> _Ran:
+    """A version 2 plan with a pipeline (runtime/pipelined.py): its stages on the pp ranks."""
+    from .pipelined import apply_pipelined
+
+    dp = math.prod(size for dim, size in sizes.items() if dim in DP_AXES)
+    ran = _Ran(tp=sizes[plan.mesh_axis], dp=dp, mesh=sizes, data_parallel=dp > 1)
+    try:
+        apply_pipelined(ctx, options, plan, model, ran, event)
     except PlanError as exc:
         ran.problems = exc.problems
     except CommFailure as exc:

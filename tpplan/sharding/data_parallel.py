@@ -133,10 +133,12 @@ def _shard_dim(mesh: "DeviceMesh", names: tuple[str, ...]) -> str | None:
     return CP_SHARD_DIM
 
 
-def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None) -> list[str]:
+def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMesh", wrap: list[str] | None = None,
+                        units: list[str] | None = None) -> list[str]:
     """`fully_shard` the plan's experts over efsdp (`shard_experts`), then its units (`wrap`:
     these fqns instead of the default blocks where the plan names no units, as memory
-    planning's block reuse asks) and the root over the mesh's data-parallel dims; returns
+    planning's block reuse asks; `units`: these fqns whatever the plan names, a pipeline
+    stage's share of them) and the root over the mesh's data-parallel dims; returns
     the wrapped fqns (root: ""). Without data-parallel dims, the experts alone where ep
     leaves them replicated (efsdp above 1: e.g. tp 4, ep 2), so that their replicas reduce
     their gradients; else nothing."""
@@ -162,7 +164,10 @@ def apply_data_parallel(plan: "Plan | None", model: "nn.Module", mesh: "DeviceMe
     experts = shard_experts(plan, model, mesh, kwargs)  # inside the units: wrapped first
     if dp_mesh is None:
         return experts
-    wrapped = [*wrap, ""] if wrap is not None and wanted.units is None else unit_modules(plan, model, wanted)
+    if units is not None:  # resolved already: a pipeline stage's share of the whole model's units
+        wrapped = [*units, ""]
+    else:
+        wrapped = [*wrap, ""] if wrap is not None and wanted.units is None else unit_modules(plan, model, wanted)
     for fqn in wrapped:
         if fqn not in experts:  # a unit that is an experts module is sharded over efsdp already
             fully_shard(model.get_submodule(fqn) if fqn else model, **kwargs)
