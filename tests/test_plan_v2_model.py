@@ -145,6 +145,10 @@ TABLE = [
     ("TP157", LLAMA, v2("pp: 2, tp: 1", "pipeline:\n  layers_per_stage: 2\n"), (5, 21),
      "pipeline.layers_per_stage: 2 blocks of layers do not make pp·virtual_stages = 2·1 = 2 stages of 2: give layers_per_stage 1",
      v2("pp: 2, tp: 1", "pipeline:\n  layers_per_stage: 1\n")),
+    # a parameter two stages share (a head tied to the embeddings) would be trained as two copies
+    ("TP159", "tpplan.models.hf:llama_tied", v2("pp: 2, tp: 1", "pipeline:\n  layers_per_stage: 1\n"), (5, 21),
+     "pipeline: 'model.embed_tokens.weight' (stage 0) and 'lm_head.weight' (stage 1) are one tied parameter",
+     v2("pp: 1, tp: 1", "pipeline:\n  layers_per_stage: 2\n")),
 ]
 
 

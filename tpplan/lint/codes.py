@@ -169,6 +169,14 @@ _PLAN_CODES = {
         pp·virtual_stages stages (the blocks are not that many stages of that
         many), or the model has no module list of blocks to cut.
     """),
+    "TP159": ("pipeline-tied-across-stages", """
+        Modules of two pipeline stages share one parameter (tied weights: a
+        head tied to the embeddings, as transformers' `tie_word_embeddings`).
+        Each stage would hold and train its own copy, so the model would not
+        be the one-device model after the first step. Untie them, or put both
+        modules in one stage. Located at `pipeline.stages` (or
+        `layers_per_stage`), with `validate --model` and under torchrun.
+    """),
     "TP158": ("pipeline-stage-forward", """
         Under torchrun, a pipeline stage cannot run the model's own forward
         with the other stages' modules removed: it raised on the hidden states

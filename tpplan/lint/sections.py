@@ -19,7 +19,7 @@ from ..core.degrees import divisors_text
 from ..core.expert_styles import expert_count, not_experts
 from ..core.problems import Problem, error, sort_problems
 from ..core.sections import claim_section, claimed_twice, fsdp_units
-from ..core.stages import stage_problems
+from ..sharding.pipeline import stage_problems_of
 
 if TYPE_CHECKING:
     from .context import LintContext
@@ -45,7 +45,7 @@ def section_problems(ctx: "LintContext") -> list[Problem]:
         problems += fsdp_units(plan, tree, under)[1]
     problems += claim_section(plan, tree, under, "checkpointing.modules")[1]
     if plan.pipeline is not None:
-        problems += stage_problems(plan, tree, lambda fqn: next(ctx.modules[fqn].parameters(), None) is not None)[1]
+        problems += stage_problems_of(plan, ctx.model)[2]
     return sort_problems(problems)
 
 

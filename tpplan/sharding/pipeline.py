@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from ..core.axes_spec import V_SCHEDULES
-from ..core.problems import PlanError
+from ..core.problems import PlanError, Problem, error
 from ..core.stages import split_units, stage_problems
 
 
@@ -37,13 +37,44 @@ class NotInStage(nn.Module):
 
 def stages_of(plan: Any, model: nn.Module) -> tuple[list[list[str]], list[str]]:
     """(the units of each stage, in stage order; every unit) of `model` as the plan's
-    pipeline cuts it (core/stages.py); a PlanError where it cannot (TP154–TP157)."""
+    pipeline cuts it; a PlanError where it cannot (`stage_problems_of`)."""
+    stages, units, problems = stage_problems_of(plan, model)
+    if problems:
+        raise PlanError(problems)
+    return stages, units
+
+
+def stage_problems_of(plan: Any, model: nn.Module) -> tuple[list[list[str]], list[str], list[Problem]]:
+    """The stages, the units and the problems of the plan's pipeline on `model`: those of
+    the module names (core/stages.py: TP154–TP157), then parameters tied across stages
+    (TP159)."""
     tree, _ = plan.module_tree(model)
     modules = dict(model.named_modules())
     stages, problems = stage_problems(plan, tree, lambda fqn: next(modules[fqn].parameters(), None) is not None)
-    if problems:
-        raise PlanError(problems)
-    return stages, split_units(tree)[0]
+    if not problems:
+        problems = _tied_across(plan, model, stages)
+    return stages, split_units(tree)[0], problems
+
+
+def _tied_across(plan: Any, model: nn.Module, stages: list[list[str]]) -> list[Problem]:
+    """TP159 for each parameter that modules of two stages share (tied embeddings and head):
+    each stage would hold and train its own copy."""
+    from .tied import shared_parameters
+
+    def stage_of(fqn: str) -> int | None:
+        return next((i for i, units in enumerate(stages) for unit in units if fqn == unit or fqn.startswith(unit + ".")), None)
+
+    pipe, problems = plan.spec.pipeline, []
+    key = ("pipeline", "stages" if pipe.stages is not None else "layers_per_stage")
+    at = plan.source.locate(key) if plan.source is not None else (1, 1)
+    for group in shared_parameters(model):
+        held = {(stage_of(fqn), f"{fqn}.{name}" if fqn else name) for fqn, name in group}
+        if len({stage for stage, _ in held}) > 1:
+            (a_stage, a), (b_stage, b) = sorted(held, key=lambda item: (item[0] is None, item[0] or 0))[:2]
+            problems.append(error("TP159", f"pipeline: '{a}' (stage {a_stage}) and '{b}' (stage {b_stage}) are one tied "
+                                           "parameter: each stage would train its own copy; untie them (transformers: "
+                                           "tie_word_embeddings: false) or put both modules in one stage", plan.file, *at))
+    return problems
 
 
 def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
