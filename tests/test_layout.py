@@ -144,9 +144,13 @@ MAY_IMPORT = {
     "interop": {"core"},  # other frameworks' configs: export and import-config, plan-side, no torch
     "models": set(),  # the reference models: model code, importing no tpplan module
 }
-# The one way down a layer: Plan.apply and Plan.resolve (SPEC §5's API) call the applier, lazily
-# (and name the styles' type for their annotations).
-ALLOWED_EDGES = {("tpplan.core.plan", "tpplan.sharding.apply"), ("tpplan.core.plan", "tpplan.sharding.styles")}
+# The one way down a layer: Plan.apply, Plan.resolve and Plan.pipeline_stages (SPEC §5's API) call
+# the applier, lazily (and name the styles' type for their annotations).
+ALLOWED_EDGES = {
+    ("tpplan.core.plan", "tpplan.sharding.apply"),
+    ("tpplan.core.plan", "tpplan.sharding.pipeline"),
+    ("tpplan.core.plan", "tpplan.sharding.styles"),
+}
 
 
 def _layer(module: str) -> str:

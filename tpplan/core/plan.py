@@ -164,6 +164,22 @@ class Plan:
             )
         return mesh[self.mesh_axis]
 
+    def pipeline_stages(self, model: "nn.Module", mesh: "DeviceMesh") -> list["nn.Module"]:
+        """A version 2 plan with a `pipeline`: this rank's stages of `model` over `mesh`
+        (`build_mesh`, pp outermost), for torch's `PipelineStage` and schedule. The TP rules
+        and activation checkpointing apply to `model`, which is then cut into the stages
+        this pp rank runs (one, or several for interleaved and V schedules), each keeping
+        the model's parameter names (a DCP checkpoint reshards across PP degrees) and
+        running its forward with the other stages' modules removed, FSDP2 on each over
+        the mesh's data dims. The last stage is `model` itself. (sharding/pipeline.py)"""
+        from ..sharding.pipeline import apply_pipeline
+        from .axes import refuse_unapplied
+
+        if self.pipeline is None:
+            raise ValueError("the plan has no pipeline section: apply it with plan.apply(model, mesh)")
+        refuse_unapplied(self, "torchrun")
+        return apply_pipeline(self, model, mesh)
+
     def apply(self, model: "nn.Module", mesh: "DeviceMesh", on_module: "Callable[[str], None] | None" = None) -> "nn.Module":
         """Parallelize `model` in place over the plan's mesh axis; returns it.
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..check.result import CheckResult
 from ..core.plan import Plan
@@ -32,54 +32,40 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .torchrun import _Ran, _Rank
+    from .ranks import Ran, Rank
     from .options import ApplyOptions
 
 
-def apply_pipelined(ctx: "_Rank", options: "ApplyOptions", plan: Plan, model: "nn.Module", ran: "_Ran", event) -> None:
+def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn.Module", ran: "Ran", event) -> None:
     """Shard, split into this rank's stages and run the schedule; fills `ran` (its
     problems: why it stopped)."""
     import torch
     from torch.distributed.pipelining import PipelineStage
 
     from ..sharding.activation_checkpoint import apply_activation_checkpointing
-    from ..sharding.pipeline import keep_stage, output_tensor, rank_stages, stages_of
+    from ..sharding.pipeline import after_split, stages_of
     from ..simulation.locate import shard_with_progress
     from ..simulation.modelref import make_inputs
     from ..simulation.training import make_targets
 
     pipe = plan.spec.pipeline
     mesh = plan.build_mesh(ctx.world, ctx.device.type, ran.tp)
-    pp_mesh = mesh["pp"]
-    pp_rank = pp_mesh.get_local_rank()
     reference = copy.deepcopy(model) if options.check else None
     torch.manual_seed(options.seed + 1)  # the same inputs on every rank, as apply's
-    inputs = make_inputs(options.inputs, model, ctx.device, batch=local_batch(plan, ran.dp))
+    inputs = make_inputs(options.inputs, model, ctx.device, batch=local_batch(plan))
     microbatches = microbatch_count(plan, inputs)
     targets = make_targets(model, inputs, torch.Generator().manual_seed(options.seed + 2))
     stages, units = stages_of(plan, model)
-    ids = rank_stages(pp_rank, ran.mesh["pp"], pipe.virtual_stages, pipe.schedule)
 
     ran.sharded = shard_with_progress(plan, model, mesh, event)
     checkpointed = apply_activation_checkpointing(plan, model)
-    fsdp_units = _fsdp_units(plan, model) if ran.data_parallel else None
-    event(f"pipeline stages {', '.join(map(str, ids))} of {len(stages)}")
-    modules = []
-    for k, index in enumerate(ids):
-        stage = model if k == len(ids) - 1 else copy.deepcopy(model)  # the last takes the model itself
-        keep_stage(stage, units, stages[index])
-        if fsdp_units is not None:
-            from ..sharding.data_parallel import apply_data_parallel
-
-            held = {name for name, _ in stage.named_modules()}
-            apply_data_parallel(plan, stage, mesh, units=[fqn for fqn in fsdp_units if fqn in held and _has_params(stage, fqn)])
-        stage.register_forward_hook(output_tensor)
-        modules.append(stage)
+    event(f"pipeline stages of {len(stages)}")
+    ids, modules = after_split(plan, model, mesh, stages, units, ran.data_parallel)
     ran.notes += _notes(plan, ran, checkpointed, microbatches)
     ran.pipeline = {"schedule": pipe.schedule, "microbatches": microbatches,
                     "stages": [{"stage": i, "modules": units_, "pp_rank": _pp_rank_of(i, ran.mesh["pp"], pipe.schedule)}
                                for i, units_ in enumerate(stages)]}
-    torch_stages = [PipelineStage(stage, index, len(stages), ctx.device, group=pp_mesh.get_group())
+    torch_stages = [PipelineStage(stage, index, len(stages), ctx.device, group=mesh["pp"].get_group())
                     for stage, index in zip(modules, ids)]
     schedule = _schedule(pipe.schedule, torch_stages, microbatches, plan.loss_parallel)
     holds_first, holds_last = 0 in ids, len(stages) - 1 in ids
@@ -157,12 +143,11 @@ class _Stages:
         return (p for module in self.modules for p in module.parameters())
 
 
-def local_batch(plan: Plan, dp: int) -> int:
-    """The batch each rank is given: the plan's `training.global_batch` over its data ranks,
-    else the microbatches of one sequence each (`microbatch_size` of them: pp microbatches)."""
-    pipe, training = plan.spec.pipeline, plan.spec.training
-    if training is not None and training.global_batch is not None:
-        return training.global_batch // dp
+def local_batch(plan: Plan) -> int:
+    """The batch each data-parallel rank is given (torchrun refuses a `training` section,
+    TP130): the microbatches of one sequence each, or pp·virtual_stages microbatches of
+    `microbatch_size`."""
+    pipe = plan.spec.pipeline
     if pipe.microbatches is not None:
         return pipe.microbatches
     return pipe.microbatch_size * plan.mesh.sizes["pp"] * pipe.virtual_stages
@@ -203,18 +188,7 @@ def _schedule(name: str, stages: list, microbatches: int, loss_parallel: bool):
     return cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
 
 
-def _fsdp_units(plan: Plan, model: "nn.Module") -> list[str]:
-    """The whole model's FSDP2 units (the root left out: each stage is its own root)."""
-    from ..sharding.data_parallel import data_parallel_of, unit_modules
-
-    return [fqn for fqn in unit_modules(plan, model, data_parallel_of(plan)) if fqn]
-
-
-def _has_params(module: "nn.Module", fqn: str) -> bool:
-    return next(module.get_submodule(fqn).parameters(), None) is not None
-
-
-def _notes(plan: Plan, ran: "_Ran", checkpointed: list[str], microbatches: int) -> list[str]:
+def _notes(plan: Plan, ran: "Ran", checkpointed: list[str], microbatches: int) -> list[str]:
     from ..simulation.fsdp import after_rules_notes
 
     pipe = plan.spec.pipeline
@@ -228,14 +202,13 @@ def _full(tensor: "torch.Tensor") -> "torch.Tensor":
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def _gathered_loss(ctx: "_Rank", plan: Plan, loss: float | None) -> float:
+def _gathered_loss(ctx: "Rank", plan: Plan, loss: float | None) -> float:
     """The step's loss, which the ranks of the last stage hold, on every rank."""
-    from .torchrun import _gather
 
-    return next(value for value in _gather(ctx, loss, plan, "sharing the pipeline's loss") if value is not None)
+    return next(value for value in ctx.gather(loss, plan, "sharing the pipeline's loss") if value is not None)
 
 
-def _check_step(ctx: "_Rank", plan: Plan, reference: "nn.Module", inputs: tuple, targets, loss: float | None, grads: dict) -> CheckResult:
+def _check_step(ctx: "Rank", plan: Plan, reference: "nn.Module", inputs: tuple, targets, loss: float | None, grads: dict) -> CheckResult:
     """One step's loss (on the ranks of the last stage, which compute it) and the gradients
     this rank's stages hold against one device, merged over the ranks."""
     import math
@@ -245,7 +218,6 @@ def _check_step(ctx: "_Rank", plan: Plan, reference: "nn.Module", inputs: tuple,
     from ..check.verify import merge_ranks
     from ..simulation.simulate import allowed_diff, max_abs_diff, tolerance
     from ..simulation.training import training_loss
-    from .torchrun import _gather
 
     want_loss = training_loss(reference(*inputs), targets)
     want_loss.backward()
@@ -262,14 +234,13 @@ def _check_step(ctx: "_Rank", plan: Plan, reference: "nn.Module", inputs: tuple,
         worst = math.inf if math.isnan(diff) else max(worst, diff)
     reference.zero_grad(set_to_none=True)
     local = CheckResult(passed=not problems, max_abs_diff=worst, problems=problems[:10])
-    return merge_ranks(_gather(ctx, local, plan, "comparing the check results"))
+    return merge_ranks(ctx.gather(local, plan, "comparing the check results"))
 
 
-def _check_steps(ctx: "_Rank", plan: Plan, modules: list, reference: "nn.Module", inputs: tuple, losses: list[float],
+def _check_steps(ctx: "Rank", plan: Plan, modules: list, reference: "nn.Module", inputs: tuple, losses: list[float],
                  optimizer: str, seed: int) -> CheckResult:
     from ..check.training import compare_training
     from ..check.verify import merge_ranks
-    from .torchrun import _gather
 
     held = {name: p for stage in modules for name, p in stage.named_parameters()}
-    return merge_ranks(_gather(ctx, compare_training(held, reference, inputs, losses, optimizer, seed), plan, "comparing the training"))
+    return merge_ranks(ctx.gather(compare_training(held, reference, inputs, losses, optimizer, seed), plan, "comparing the training"))

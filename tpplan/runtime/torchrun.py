@@ -25,29 +25,19 @@ from ..core.axes_spec import DP_AXES
 from ..core.plan import Plan
 from ..core.problems import PlanError, Problem, error, first_line, raised_by_tpplan
 from ..check.result import CheckResult
-from ..simulation.layouts import ParamLayout
 from .report import ApplyReport, StepsResult
 from ..simulation.comm import CommFailure, comm_problem, is_comm_failure
 from .consensus import disagreements, gather_states, rank_state, usage_errors
 from ..check.check_problems import check_problems
 from .devices import fsdp_tp, init_process_group, mesh_shape, pick_device, rank_device, synchronize, torchrun_env
 from ..simulation.layouts import param_layouts
-from ..simulation.locate import FailureLocator, Sharded, run_located, shard_with_progress, unpromised_tp_note
+from ..simulation.locate import FailureLocator, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, make_inputs, module_structure
+from .ranks import Ran, Rank
 from .options import ApplyOptions, ApplyOptionsError, RanksUsageError, UsageError, refuse_unapplied
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
-
-
-@dataclass
-class _Rank:
-    rank: int
-    world: int
-    device: "torch.device"
-    backend: str
-    control: Any  # gloo group for object collectives (consensus, results)
 
 
 @dataclass
@@ -60,28 +50,6 @@ class _Loaded:
     mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None
     problems: list[Problem] = field(default_factory=list)
     usage: UsageError | ModelRefError | None = None
-
-
-@dataclass
-class _Ran:
-    """What applying the plan and running the model found, as far as it got
-    (`problems`: why it stopped)."""
-
-    tp: int
-    dp: int  # the data-parallel ranks: dp_replicate·dp_shard, or --fsdp's dp
-    mesh: dict[str, int] = field(default_factory=dict)
-    data_parallel: bool = False  # FSDP2 (HSDP) shards the data axes (or the experts over efsdp)
-    sharded: Sharded | None = None
-    params: list[ParamLayout] = field(default_factory=list)
-    comms: dict | None = None
-    step_time_s: float | None = None
-    check: CheckResult | None = None
-    steps: StepsResult | None = None
-    checkpoint: dict | None = None
-    saved: dict | None = None
-    problems: list[Problem] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    pipeline: dict | None = None  # the stages and schedule of a pipelined run (runtime/pipelined.py)
 
 
 def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
@@ -101,12 +69,12 @@ def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None =
         return report
     try:
         control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=options.timeout))
-        return _run(_Rank(rank, world, device, backend, control), options, on_event or (lambda text: None))
+        return _run(Rank(rank, world, device, backend, control), options, on_event or (lambda text: None))
     finally:
         dist.destroy_process_group()
 
 
-def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> ApplyReport:
+def _run(ctx: Rank, options: ApplyOptions, event: Callable[[str], None]) -> ApplyReport:
     """Load, agree across ranks, apply and run: each step returns what it found."""
     loaded = _load(ctx, options, event)
     event("comparing plans across ranks")
@@ -125,7 +93,7 @@ def _run(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> App
     return report
 
 
-def _report(ctx: _Rank, options: ApplyOptions, loaded: _Loaded, ran: _Ran | None, stopped: list[Problem]) -> ApplyReport:
+def _report(ctx: Rank, options: ApplyOptions, loaded: _Loaded, ran: Ran | None, stopped: list[Problem]) -> ApplyReport:
     """The one place the report is assembled: from the problems that stopped every
     rank before sharding, or from what applying and running found."""
     plan = loaded.plan
@@ -147,7 +115,7 @@ def _report(ctx: _Rank, options: ApplyOptions, loaded: _Loaded, ran: _Ran | None
                        rule_where=sharded.rule_where if sharded else {}, mesh=ran.mesh, pipeline=ran.pipeline)
 
 
-def _load(ctx: _Rank, options: ApplyOptions, event: Callable[[str], None]) -> _Loaded:
+def _load(ctx: Rank, options: ApplyOptions, event: Callable[[str], None]) -> _Loaded:
     import torch
 
     from ..core.loader import load_plan
@@ -200,7 +168,7 @@ def _mesh(world: int, options: ApplyOptions, plan: Plan) -> tuple[tuple[int, ...
     return shape, names
 
 
-def _agree(ctx: _Rank, loaded: _Loaded, timeout: float) -> list[Problem]:
+def _agree(ctx: Rank, loaded: _Loaded, timeout: float) -> list[Problem]:
     """The problems that stop every rank before sharding; raises the usage errors of any rank."""
     states = gather_states(rank_state(ctx.rank, loaded.plan, loaded.structure, loaded.problems, loaded.usage), ctx.control, timeout)
     if errors := usage_errors(states):
@@ -208,7 +176,7 @@ def _agree(ctx: _Rank, loaded: _Loaded, timeout: float) -> list[Problem]:
     return disagreements(states)[1]
 
 
-def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Module", mesh_spec, event) -> _Ran:
+def _apply_and_run(ctx: Rank, options: ApplyOptions, plan: Plan, model: "nn.Module", mesh_spec, event) -> Ran:
     """Shard, run once counting collectives, once timed, then --check and --steps;
     a located problem stops it with what it found so far."""
     import torch
@@ -228,7 +196,7 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     sizes = dict(zip(names, shape)) | ({"ep": plan.mesh.sizes["ep"]} if plan.version == 2 and plan.experts else {})
     # (and on the experts over efsdp, which ep may leave replicated without data axes)
     data_parallel = (dp > 1 and (plan.version == 2 or bool(options.train.fsdp))) or "ep" in sizes
-    ran = _Ran(tp=shape[-1], dp=dp, mesh=sizes, data_parallel=data_parallel)
+    ran = Ran(tp=shape[-1], dp=dp, mesh=sizes, data_parallel=data_parallel)
     try:
         if options.check:  # both sides in eval mode: dropout would draw different masks on each
             from ..check.dropout import for_check
@@ -283,12 +251,12 @@ def _apply_and_run(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Mod
     return ran
 
 
-def _apply_pipelined(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.Module", sizes: dict[str, int], event) -> _Ran:
+def _apply_pipelined(ctx: Rank, options: ApplyOptions, plan: Plan, model: "nn.Module", sizes: dict[str, int], event) -> Ran:
     """A version 2 plan with a pipeline (runtime/pipelined.py): its stages on the pp ranks."""
     from .pipelined import apply_pipelined
 
     dp = math.prod(size for dim, size in sizes.items() if dim in DP_AXES)
-    ran = _Ran(tp=sizes[plan.mesh_axis], dp=dp, mesh=sizes, data_parallel=dp > 1)
+    ran = Ran(tp=sizes[plan.mesh_axis], dp=dp, mesh=sizes, data_parallel=dp > 1)
     try:
         apply_pipelined(ctx, options, plan, model, ran, event)
     except PlanError as exc:
@@ -298,7 +266,7 @@ def _apply_pipelined(ctx: _Rank, options: ApplyOptions, plan: Plan, model: "nn.M
     return ran
 
 
-def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocator, model, reference, inputs: tuple, tp: int, event):
+def _train(ctx: Rank, options: ApplyOptions, plan: Plan, locator: FailureLocator, model, reference, inputs: tuple, tp: int, event):
     """--steps: train (AdamW unless --optimizer says), inside loss_parallel() when the
     plan asks; with --check, the same steps on one device compared (merged over ranks),
     and the replicas compared across ranks after each step."""
@@ -311,7 +279,7 @@ def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocato
     replicas: list = []
 
     def compare_replicas(step: int) -> None:
-        replicas.extend(differences_across_ranks(model, f"after step {step}", lambda value: _gather(ctx, value, plan, "comparing the replicas"), tp))
+        replicas.extend(differences_across_ranks(model, f"after step {step}", lambda value: ctx.gather(value, plan, "comparing the replicas"), tp))
 
     losses, times = run_located(locator, lambda: train_steps(
         model, inputs, options.steps, name, plan.loss_parallel, options.seed, lambda: synchronize(ctx.device),
@@ -322,11 +290,11 @@ def _train(ctx: _Rank, options: ApplyOptions, plan: Plan, locator: FailureLocato
     event(f"checking {options.steps} steps against a single device")
     from ..check.verify import merge_ranks
 
-    trained = merge_ranks(_gather(ctx, compare_training(model, reference, inputs, losses, name, options.seed), plan, "comparing the training"))
+    trained = merge_ranks(ctx.gather(compare_training(model, reference, inputs, losses, name, options.seed), plan, "comparing the training"))
     return StepsResult(losses, times, OPTIMIZER_NAMES[name]), trained, replicas
 
 
-def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran: _Ran, event) -> "nn.Module | None":
+def _load_checkpoint(ctx: Rank, options: ApplyOptions, model: "nn.Module", ran: Ran, event) -> "nn.Module | None":
     """Load --checkpoint into the sharded meta model (each rank its slices); with
     --check, also into a single-device reference, which the check then compares
     as it is (not with the sharded weights copied in)."""
@@ -342,7 +310,7 @@ def _load_checkpoint(ctx: _Rank, options: ApplyOptions, model: "nn.Module", ran:
     return reference
 
 
-def _timed_step(ctx: _Rank, locator: FailureLocator, model: "nn.Module", inputs: tuple) -> float:
+def _timed_step(ctx: Rank, locator: FailureLocator, model: "nn.Module", inputs: tuple) -> float:
     """One clean forward and backward, timed (the counted pass before is the warm-up)."""
     from ..simulation.simulate import scalar_loss
 
@@ -353,7 +321,7 @@ def _timed_step(ctx: _Rank, locator: FailureLocator, model: "nn.Module", inputs:
     return time.perf_counter() - start
 
 
-def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict,
+def _check(ctx: Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", inputs: tuple, output: Any, grads: dict,
            order: list, tp: int, copy_weights: bool = True) -> CheckResult:
     """This rank's comparison with a single device, merged over the ranks; a failure
     located at its first differing tensor and then at the module whose own computation
@@ -373,10 +341,10 @@ def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", i
         if is_comm_failure(exc):
             raise CommFailure(comm_problem(plan, "gathering the weights for --check", exc)) from None
         raise PlanError([error("TP502", f"--check: the single-device reference run fails: {first_line(exc)}", plan.file)]) from None
-    result = merge_ranks(_gather(ctx, local, plan, "comparing the check results"))
+    result = merge_ranks(ctx.gather(local, plan, "comparing the check results"))
 
     def gather(value):
-        return _gather(ctx, value, plan, "locating the check's differences")
+        return ctx.gather(value, plan, "locating the check's differences")
 
     if not result.passed:
         recorded = record_across_ranks(model, reference, inputs)
@@ -387,7 +355,7 @@ def _check(ctx: _Rank, plan: Plan, model: "nn.Module", reference: "nn.Module", i
     return add_to(result, differences_across_ranks(model, "after backward", gather, tp, grads), plan, model, order)
 
 
-def _assert_held(ctx: _Rank, model: "nn.Module", report: ApplyReport) -> None:
+def _assert_held(ctx: Rank, model: "nn.Module", report: ApplyReport) -> None:
     """The per-rank bytes come from the layouts (shard sizes as torch chunks them);
     every real rank checks that it holds what its TP coordinate predicts."""
     from torch.distributed.tensor import DTensor
@@ -395,14 +363,3 @@ def _assert_held(ctx: _Rank, model: "nn.Module", report: ApplyReport) -> None:
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in model.parameters())
     predicted = report.rank_bytes[ctx.rank % report.tp]  # mesh ranks are row-major: tp is the fastest dim
     assert held == predicted, f"rank {ctx.rank} holds {held} parameter bytes, its layout says {predicted}"
-
-
-def _gather(ctx: _Rank, value: Any, plan: Plan, doing: str) -> list[Any]:
-    import torch.distributed as dist
-
-    values: list[Any] = [None] * ctx.world
-    try:
-        dist.all_gather_object(values, value, group=ctx.control)
-    except RuntimeError as exc:
-        raise CommFailure(comm_problem(plan, doing, exc)) from None
-    return values

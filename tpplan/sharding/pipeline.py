@@ -19,13 +19,16 @@ and `2·pp − 1 − pp_rank` for the V schedules (torch's `ScheduleZBVZeroBubbl
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from ..core.axes_spec import V_SCHEDULES
 from ..core.problems import PlanError, Problem, error
 from ..core.stages import split_units, stage_problems
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 class NotInStage(nn.Module):
@@ -105,3 +108,43 @@ def output_tensor(module: nn.Module, args: Any, output: Any) -> Any:
     tensors), a model output's `.logits` (the hidden states, where the head is another
     stage's)."""
     return output.logits if hasattr(output, "logits") else output
+
+
+def after_split(plan: Any, model: nn.Module, mesh: "DeviceMesh", stages: list[list[str]], units: list[str],
+                data_parallel: bool) -> tuple[list[int], list[nn.Module]]:
+    """This pp rank's stage indices and modules, from `model` already laid out by the TP
+    rules and checkpointed: each stage the model with the other stages' units removed
+    (a copy per stage but the last, which takes the model itself), FSDP2 over the data
+    axes on each (`data_parallel`; the stage its root, its share of the plan's units),
+    its output a tensor (`output_tensor`)."""
+    import copy
+
+    from .data_parallel import apply_data_parallel, data_parallel_of, unit_modules
+
+    pipe = plan.spec.pipeline
+    ids = rank_stages(mesh["pp"].get_local_rank(), mesh["pp"].size(), pipe.virtual_stages, pipe.schedule)
+    fsdp_units = [fqn for fqn in unit_modules(plan, model, data_parallel_of(plan)) if fqn] if data_parallel else None
+    modules = []
+    for k, index in enumerate(ids):
+        stage = model if k == len(ids) - 1 else copy.deepcopy(model)
+        keep_stage(stage, units, stages[index])
+        if fsdp_units is not None:
+            held = dict(stage.named_modules())
+            apply_data_parallel(plan, stage, mesh, units=[fqn for fqn in fsdp_units
+                                                          if fqn in held and next(held[fqn].parameters(), None) is not None])
+        stage.register_forward_hook(output_tensor)
+        modules.append(stage)
+    return ids, modules
+
+
+def apply_pipeline(plan: Any, model: nn.Module, mesh: "DeviceMesh") -> list[nn.Module]:
+    """`Plan.pipeline_stages`: the TP rules, activation checkpointing, then this pp rank's
+    stages (`after_split`) with FSDP2 over the mesh's data dims."""
+    from .activation_checkpoint import apply_activation_checkpointing
+    from .apply import apply_plan
+    from .data_parallel import data_parallel_mesh
+
+    stages, units = stages_of(plan, model)
+    apply_plan(plan, model, mesh)
+    apply_activation_checkpointing(plan, model)
+    return after_split(plan, model, mesh, stages, units, data_parallel_mesh(mesh) is not None)[1]
