@@ -135,13 +135,12 @@ def test_interleaved_1f1b_with_two_stages_per_rank_matches_one_device_on_a_trans
 
 
 @pytest.mark.slow
-def test_pp2_by_tp2_matches_one_device(tmp_path):
-    plan = plan_file(tmp_path, f"version: 2\nextends: {PLANS / 'llama_tp.yaml'}\nrules: {{}}\nmesh: {{pp: 2, tp: 2}}\n"
-                               "pipeline:\n  layers_per_stage: 1\n  schedule: 1F1B\n  microbatches: 4\n")
-    code, report = apply_json(4, plan, "tpplan.models.llama:tiny", "--check", "--steps", "3")
+def test_the_shipped_pp2_by_tp2_plan_matches_one_device():
+    code, report = apply_json(4, PLANS / "llama_pp_tp.yaml", "tpplan.models.llama:tiny", "--check", "--steps", "3")
     assert code == 0
     assert_parity(report)
     assert (report["tp"], report["mesh"]) == (2, {"pp": 2, "tp": 2})
+    assert [stage["modules"] for stage in report["pipeline"]["stages"]] == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
 
 
 @pytest.mark.slow
