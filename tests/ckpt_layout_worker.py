@@ -16,6 +16,10 @@ and the bytes of its local shards.
 
 `--model` (default tpplan.models.llama:tiny): another model, e.g. transformers' Qwen3-MoE
 saved with its experts over ep and loaded with them sharded over tp.
+
+A plan with a pipeline runs its stages (`plan.pipeline_stages`) with torch's
+`PipelineStage` and the plan's schedule; the stages are what is saved and loaded, and
+their states (each pp rank holding its own keys) are gathered into one to compare.
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
 from tpplan import load_checkpoint, load_plan, save_checkpoint
+from tpplan.checkpoint.stages import as_one
+from tpplan.sharding.pipeline import rank_stages
 from tpplan.simulation.modelref import load_callable
 from worker_common import finish
 
@@ -40,26 +49,62 @@ def batches(model) -> list[torch.Tensor]:
     return [torch.randint(0, vocab, (4, 17), generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
 
 
-def laid_out(factory, plan, seed: int):
-    """The model of seed `seed` under `plan` on the 4 ranks, and its AdamW."""
-    torch.manual_seed(seed)
-    model = factory()
-    plan.apply(model, plan.build_mesh(dist.get_world_size()))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.02)
+class Job:
+    """A model laid out by a plan on the ranks, and its AdamW: the model itself, or this
+    rank's pipeline stages run by the plan's schedule."""
+
+    def __init__(self, factory, plan, seed: int):
+        torch.manual_seed(seed)
+        model = factory()
+        mesh = plan.build_mesh(dist.get_world_size())
+        self.schedule = None
+        if plan.pipeline is None:
+            self.parts = [plan.apply(model, mesh)]
+        else:
+            self.parts = plan.pipeline_stages(model, mesh)
+            pipe, pp = plan.spec.pipeline, mesh["pp"]
+            self.ids = rank_stages(pp.get_local_rank(), pp.size(), pipe.virtual_stages, pipe.schedule)
+            count = pp.size() * pipe.virtual_stages
+            stages = [PipelineStage(part, i, count, torch.device("cpu"), group=pp.get_group()) for part, i in zip(self.parts, self.ids)]
+            schedule = get_schedule_class(pipe.schedule)
+            self.schedule = schedule(stages if len(stages) > 1 else stages[0], n_microbatches=pipe.microbatches, loss_fn=cross_entropy)
+            self.first, self.last = 0 in self.ids, count - 1 in self.ids
+        self.one = as_one(self.parts)  # the stages' tensors under one module, for torch's state dicts
+        self.optimizer = torch.optim.AdamW([p for part in self.parts for p in part.parameters()], lr=0.02)
+
+    def step(self, batch: torch.Tensor) -> float:
+        """One AdamW step on the whole batch (every rank the same: the data-parallel
+        gradients are averaged over equal batches, so each layout computes the same step)."""
+        inputs, target = batch[:, :-1], batch[:, 1:]
+        if self.schedule is None:
+            loss = cross_entropy(self.parts[0](inputs), target)
+            loss.backward()
+        else:
+            losses: list = []
+            self.schedule.step(*((inputs,) if self.first else ()), **({"target": target, "losses": losses} if self.last else {}))
+            loss = torch.stack(losses).mean() if losses else None
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        return next(v for v in gathered(None if loss is None else loss.item()) if v is not None)
+
+    def state(self) -> dict:
+        """Every rank's tensors, full, as one state: the pp ranks' keys merged."""
+        optim = get_optimizer_state_dict(self.one, self.optimizer)
+        mine = {**full(get_model_state_dict(self.one), "model."), **full(optim["state"], "optimizer.")}
+        return {key: value for state in gathered(mine) for key, value in state.items()}
 
 
-def step(model, optimizer, batch: torch.Tensor) -> float:
-    """One AdamW step on the whole batch (every rank the same: the data-parallel
-    gradients are averaged over equal batches, so each layout computes the same step)."""
-    logits = model(batch[:, :-1])
+def cross_entropy(logits, target: torch.Tensor) -> torch.Tensor:
     logits = getattr(logits, "logits", logits)  # transformers' output
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
+    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def gathered(value) -> list:
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def full(value, prefix: str = "") -> dict:
@@ -71,11 +116,6 @@ def full(value, prefix: str = "") -> dict:
     if isinstance(value, DTensor):
         value = value.full_tensor()
     return {prefix[:-1]: value.detach().clone() if isinstance(value, torch.Tensor) else value}
-
-
-def state(model, optimizer) -> dict:
-    optim = get_optimizer_state_dict(model, optimizer)
-    return {**full(get_model_state_dict(model), "model."), **full(optim["state"], "optimizer.")}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -107,31 +147,30 @@ def main() -> None:
     factory = load_callable(model_ref, "--model")
     dist.init_process_group("gloo")
     plan = load_plan(source)
-    model, optimizer = laid_out(factory, plan, 0)
-    BATCHES = batches(model)
-    losses = [step(model, optimizer, BATCHES[i]) for i in range(2)]
-    save_checkpoint(model, Path(root) / "ckpt", optimizer=optimizer, plan=plan)
-    saved = state(model, optimizer)
-    loss = step(model, optimizer, BATCHES[2])
-    stepped = state(model, optimizer)
+    job = Job(factory, plan, 0)
+    BATCHES = batches(factory())
+    losses = [job.step(BATCHES[i]) for i in range(2)]
+    save_checkpoint(job.parts, Path(root) / "ckpt", optimizer=job.optimizer, plan=plan)
+    saved = job.state()
+    loss = job.step(BATCHES[2])
+    stepped = job.state()
     results = {}
     for target in targets:
-        model, optimizer = laid_out(factory, load_plan(target), 99)
-        info = load_checkpoint(model, Path(root) / "ckpt", optimizer=optimizer)
-        loaded = state(model, optimizer)
-        held = sum(_local(t).numel() * t.element_size() for t in model.state_dict().values())
-        reads = [None] * dist.get_world_size()
-        dist.all_gather_object(reads, (info.read_bytes, held))
-        again = step(model, optimizer, BATCHES[2])
+        job = Job(factory, load_plan(target), 99)
+        info = load_checkpoint(job.parts, Path(root) / "ckpt", optimizer=job.optimizer)
+        loaded = job.state()
+        held = sum(_local(t).numel() * t.element_size() for t in job.one.state_dict().values())
+        reads = gathered((info.read_bytes, held))
+        again = job.step(BATCHES[2])
         results[Path(target).stem] = {
             "loaded": largest_difference(saved, loaded),
             "differing": sorted(k for k in saved if k in loaded and largest_difference({k: saved[k]}, {k: loaded[k]}) > 0)[:8],
-            "stepped": largest_difference(stepped, state(model, optimizer)),
+            "stepped": largest_difference(stepped, job.state()),
             "loss": abs(again - loss),
             "keys": len(loaded),
             "steps": sorted({int(v) for k, v in loaded.items() if k.endswith(".step")}),
             "layout": info.layout,
-            "placements": {name: str(p.placements) for name, p in model.named_parameters()  # a first projection's, the experts'
+            "placements": {name: str(p.placements) for name, p in job.one.named_parameters()  # a first projection's, the experts'
                            if isinstance(p, DTensor) and name.endswith(("attention.wq.weight", "q_proj.weight", "experts.gate_up_proj"))
                            and ".0." in name},
             "reads": reads,  # per rank: (the bytes the load says it read, the bytes of its local shards)

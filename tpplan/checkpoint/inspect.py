@@ -22,6 +22,7 @@ from ..core.problems import Problem, error
 from .errors import some
 from .experts import Conversions, conversions, fused_parts, part_shape
 from .source import Source
+from .stages import others_prefixes
 
 if TYPE_CHECKING:
     import torch
@@ -115,9 +116,10 @@ def _add(by_id: dict, name: str, t: "torch.Tensor", is_parameter: bool) -> None:
 
 
 def _ignored_unexpected(model: "nn.Module") -> list[re.Pattern]:
-    """transformers models list keys of old checkpoints to ignore (rotary inv_freq tables)."""
+    """transformers models list keys of old checkpoints to ignore (rotary inv_freq tables);
+    a pipeline stage leaves the other stages' keys to the ranks that hold them."""
     patterns = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])
-    return [re.compile(p) for p in patterns]
+    return [re.compile(p) for p in patterns] + [re.compile("^" + re.escape(prefix)) for prefix in others_prefixes(model)]
 
 
 def match(model: "nn.Module", source: Source, allow_missing: Iterable[str] = ()) -> Match:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +41,7 @@ from .experts import checkpoint_view, load_planner, optimizer_views, part_target
 from .inspect import Match, match
 from .layout import optimizer_problems
 from .source import locate, read_metadata
+from .stages import as_one
 from .training.asyncsave import wait_pending
 from .training.state import restore, targets_for_load
 
@@ -67,7 +68,7 @@ class LoadResult:
 
 
 def load_checkpoint(
-    model: "nn.Module",
+    model: "nn.Module | Sequence[nn.Module]",
     path: str | os.PathLike,
     *,
     dtype: "torch.dtype | None" = None,
@@ -77,6 +78,8 @@ def load_checkpoint(
 ) -> LoadResult:
     """Load `path` into `model` in place (parallelized by a plan or not, on the meta
     device or materialized). Each rank allocates and reads only its local shards.
+    Under a pipeline, `model` is this rank's materialized stages (`plan.pipeline_stages`;
+    or load the whole model before cutting it): each reads its own keys.
 
     `dtype`: floating-point tensors become this dtype (default: the checkpoint's
     for tensors on the meta device; a materialized tensor keeps its own).
@@ -103,6 +106,10 @@ def load_checkpoint(
     from torch.distributed.checkpoint.api import CheckpointException
 
     wait_pending()  # an asynchronous save still in flight is committed first
+    parts, model = model, as_one(model)
+    if parts is not model and any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError("load_checkpoint: stages on the meta device are loaded into copies; load the model "
+                         "before plan.pipeline_stages(...) cuts it, or materialize the stages (to_empty) first")
     source = locate(path)
     read_metadata(source)
     found = match(model, source, allow_missing)

@@ -78,7 +78,7 @@ def problems_of(model: "nn.Module", source: Source, found) -> list:
     return list(found.problems) or optimizer_problems(model, source)
 
 
-def save_from(model: "nn.Module", path: str, format: str, plan=None) -> dict:
+def save_from(model: "nn.Module | list[nn.Module]", path: str, format: str, plan=None) -> dict:
     from .save import save_checkpoint
 
     save_checkpoint(model, path, format=format, plan=plan)

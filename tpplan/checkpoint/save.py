@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import fail, quiet
@@ -39,6 +40,7 @@ from .experts import checkpoint_view, optimizer_views, save_planner
 from .inspect import expected_tensors
 from .layout import saved_layout
 from .mapped import release
+from .stages import as_one, is_stage
 from .training import asyncsave, commit
 from .training.state import state_for_save
 from .training.steps import check_step, step_dir
@@ -66,7 +68,7 @@ def state_to_save(model: "nn.Module", dtype: "torch.dtype | None" = None) -> dic
 
 
 def save_checkpoint(
-    model: "nn.Module",
+    model: "nn.Module | Sequence[nn.Module]",
     path: str | os.PathLike,
     *,
     format: str = "dcp",
@@ -79,7 +81,8 @@ def save_checkpoint(
     plan: Any = None,
 ) -> "str | asyncsave.AsyncSave":
     """Save `model` (sharded or not) to the directory `path`, atomically; every rank
-    of the model's mesh must call it. `dtype` casts floating-point tensors (e.g. an
+    of the model's mesh must call it. Under a pipeline, `model` is this rank's stages
+    (`plan.pipeline_stages(...)`): each rank saves the keys its stages hold. `dtype` casts floating-point tensors (e.g. an
     fp32 model saved as bfloat16).
 
     Training checkpoints: `step=N` writes `path/step-N` and records it in
@@ -104,6 +107,7 @@ def save_checkpoint(
     if format == "hf" and (optimizer is not None or extra is not None or async_save):
         raise ValueError("optimizer=, extra= and async_save=True need format='dcp' (safetensors hold tensors of the model only)")
     asyncsave.wait_pending()  # one save at a time: the previous asynchronous one is committed first
+    model = as_one(model)
     root = os.fspath(path)
     target = step_dir(root, step) if step is not None else root
     release(model, target)  # tensors still viewing files there (a load from `path`) are copied before they are overwritten
@@ -114,7 +118,7 @@ def save_checkpoint(
     if dist.is_initialized() and not real_group and sharded:
         raise ValueError("save_checkpoint needs real ranks (torchrun): the fake process group of a simulation cannot gather the shards")
     save = commit.Save(root=root, target=target, step=step, keep=keep, format=format,
-                       distributed=real_group and sharded, rank=dist.get_rank() if real_group else 0, real_group=real_group,
+                       distributed=real_group and (sharded or is_stage(model)), rank=dist.get_rank() if real_group else 0, real_group=real_group,
                        layout=saved_layout(model, plan))
     save.prepare()
     return save.run(lambda: _write(model, state, save), lambda: _write_async(state, save), async_save=async_save)

@@ -171,7 +171,9 @@ class Plan:
         this pp rank runs (one, or several for interleaved and V schedules), each keeping
         the model's parameter names (a DCP checkpoint reshards across PP degrees) and
         running its forward with the other stages' modules removed, FSDP2 on each over
-        the mesh's data dims. The last stage is `model` itself. (sharding/pipeline.py)"""
+        the mesh's data dims. The last stage is `model` itself. In stage order: stage
+        pp_rank, then pp_rank + pp·k (interleaved) or 2·pp − 1 − pp_rank (V schedules).
+        `save_checkpoint` and `load_checkpoint` take the list. (sharding/pipeline.py)"""
         from ..sharding.pipeline import apply_pipeline
         from .axes import refuse_unapplied
 

@@ -25,6 +25,10 @@ from .problems import Problem, error
 
 _RANGE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
+# A stage module's attribute: the units it dropped, the other stages' (sharding/pipeline.py
+# sets it; a checkpoint of the stage leaves their keys to the ranks that hold them).
+OTHER_STAGES = "tpplan_other_stages"
+
 
 def expand(path: str) -> list[str]:
     """Every path `path` names, its `{a..b}` ranges expanded in order; ValueError for a

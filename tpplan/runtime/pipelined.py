@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING
 from ..check.result import CheckResult
 from ..core.plan import Plan
 from .options import ApplyOptionsError
+from .ranks import Ran, Rank, load_checkpoint_of
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from .ranks import Ran, Rank
     from .options import ApplyOptions
 
 
@@ -50,14 +50,16 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
 
     pipe = plan.spec.pipeline
     mesh = plan.build_mesh(ctx.world, ctx.device.type, ran.tp)
-    reference = copy.deepcopy(model) if options.check else None
-    torch.manual_seed(options.seed + 1)  # the same inputs on every rank, as apply's
-    inputs = make_inputs(options.inputs, model, ctx.device, batch=local_batch(plan))
-    microbatches = microbatch_count(plan, inputs)
-    targets = make_targets(model, inputs, torch.Generator().manual_seed(options.seed + 2))
+    reference = copy.deepcopy(model) if options.check and not options.checkpoint else None
     stages, units = stages_of(plan, model)
 
     ran.sharded = shard_with_progress(plan, model, mesh, event)
+    if options.checkpoint:  # into the whole model on every rank, before it is cut: a stage copies its part
+        reference = load_checkpoint_of(ctx, options, model, ran, event)
+    torch.manual_seed(options.seed + 1)  # the same inputs on every rank, as apply's (after a load: on its device)
+    inputs = make_inputs(options.inputs, model, ctx.device, batch=local_batch(plan))
+    microbatches = microbatch_count(plan, inputs)
+    targets = make_targets(model, inputs, torch.Generator().manual_seed(options.seed + 2))
     checkpointed = apply_activation_checkpointing(plan, model)
     event(f"pipeline stages of {len(stages)}")
     ids, modules = after_split(plan, model, mesh, stages, units, ran.data_parallel)
@@ -113,6 +115,11 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
             ran.check = CheckResult(passed=ran.check.passed and trained.passed, max_abs_diff=ran.check.max_abs_diff,
                                     problems=ran.check.problems + trained.problems)
             ran.steps.max_abs_diff = trained.max_abs_diff
+    if options.save:  # each rank its stages' keys, under the model's names: it loads under any layout
+        from ..checkpoint.run import save_from
+
+        event(f"saving to {options.save}")
+        ran.saved = save_from(modules, options.save, options.save_format, plan)
 
 
 def _stage_failure(plan: Plan, exc: Exception, held: list[tuple[int, list[str]]]) -> Exception:

@@ -1,6 +1,6 @@
-"""What one rank of a `tpplan apply` torchrun job knows (`Rank`) and what applying
-the plan there found (`Ran`): shared by the plain run (runtime/torchrun.py) and
-the pipelined one (runtime/pipelined.py)."""
+"""What one rank of a `tpplan apply` torchrun job knows (`Rank`), what applying the
+plan there found (`Ran`) and `--checkpoint`'s load: shared by the plain run
+(runtime/torchrun.py) and the pipelined one (runtime/pipelined.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ from .report import StepsResult
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
+
+    from .options import ApplyOptions
 
 
 @dataclass
@@ -59,3 +62,22 @@ class Ran:
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     pipeline: dict | None = None  # the stages and schedule of a pipelined run (runtime/pipelined.py)
+
+
+def load_checkpoint_of(ctx: Rank, options: "ApplyOptions", model: "nn.Module", ran: Ran, event) -> "nn.Module | None":
+    """Load --checkpoint into the sharded meta model (each rank its slices); with
+    --check, also into a single-device reference, which the check then compares
+    as it is (not with the sharded weights copied in)."""
+    from ..checkpoint.run import load_into
+    from ..simulation.modelref import build_model
+
+    event(f"loading {options.checkpoint}")
+    ran.checkpoint = load_into(model, options.checkpoint, options.allow_missing, ctx.device, ran.mesh)
+    if not options.check:
+        return None
+    event(f"loading {options.checkpoint} on a single device for --check")
+    reference = build_model(options.model, "meta", real_buffers=True)
+    load_into(reference, options.checkpoint, options.allow_missing, ctx.device, {})
+    return reference
+
+

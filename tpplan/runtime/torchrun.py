@@ -33,7 +33,7 @@ from .devices import fsdp_tp, init_process_group, mesh_shape, pick_device, rank_
 from ..simulation.layouts import param_layouts
 from ..simulation.locate import FailureLocator, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, make_inputs, module_structure
-from .ranks import Ran, Rank
+from .ranks import Ran, Rank, load_checkpoint_of
 from .options import ApplyOptions, ApplyOptionsError, RanksUsageError, UsageError, refuse_unapplied
 
 if TYPE_CHECKING:
@@ -206,7 +206,7 @@ def _apply_and_run(ctx: Rank, options: ApplyOptions, plan: Plan, model: "nn.Modu
 
         ran.sharded = shard_with_progress(plan, model, mesh, event)
         if options.checkpoint:
-            reference = _load_checkpoint(ctx, options, model, ran, event)
+            reference = load_checkpoint_of(ctx, options, model, ran, event)
             if reference is not None:
                 reference.eval()  # as the sharded side (for_check above)
         ran.params = param_layouts(model, ran.tp)  # after a load: the checkpoint's dtypes
@@ -292,22 +292,6 @@ def _train(ctx: Rank, options: ApplyOptions, plan: Plan, locator: FailureLocator
 
     trained = merge_ranks(ctx.gather(compare_training(model, reference, inputs, losses, name, options.seed), plan, "comparing the training"))
     return StepsResult(losses, times, OPTIMIZER_NAMES[name]), trained, replicas
-
-
-def _load_checkpoint(ctx: Rank, options: ApplyOptions, model: "nn.Module", ran: Ran, event) -> "nn.Module | None":
-    """Load --checkpoint into the sharded meta model (each rank its slices); with
-    --check, also into a single-device reference, which the check then compares
-    as it is (not with the sharded weights copied in)."""
-    from ..checkpoint.run import load_into
-
-    event(f"loading {options.checkpoint}")
-    ran.checkpoint = load_into(model, options.checkpoint, options.allow_missing, ctx.device, ran.mesh)
-    if not options.check:
-        return None
-    event(f"loading {options.checkpoint} on a single device for --check")
-    reference = build_model(options.model, "meta", real_buffers=True)
-    load_into(reference, options.checkpoint, options.allow_missing, ctx.device, {})
-    return reference
 
 
 def _timed_step(ctx: Rank, locator: FailureLocator, model: "nn.Module", inputs: tuple) -> float:

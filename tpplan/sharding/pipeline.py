@@ -25,7 +25,7 @@ from torch import nn
 
 from ..core.axes_spec import V_SCHEDULES
 from ..core.problems import PlanError, Problem, error
-from ..core.stages import split_units, stage_problems
+from ..core.stages import OTHER_STAGES, split_units, stage_problems
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -91,15 +91,18 @@ def keep_stage(model: nn.Module, units: list[str], kept: list[str]) -> nn.Module
     """`model` with the units (with parameters) outside `kept` removed, in place (module
     docstring); units without parameters (a rotary table) stay: every stage runs them."""
     kept_set = set(kept)
+    dropped = []
     for unit in units:
         if unit in kept_set or next(model.get_submodule(unit).parameters(), None) is None:
             continue
+        dropped.append(unit)
         parent, _, name = unit.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         if isinstance(owner, (nn.ModuleList, nn.ModuleDict)):
             del owner._modules[name]  # not `del owner[i]`: a ModuleList would renumber the blocks after it
         else:
             setattr(owner, name, NotInStage())
+    setattr(model, OTHER_STAGES, tuple(dropped))
     return model
 
 
