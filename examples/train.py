@@ -20,6 +20,9 @@ or a model type), whose output is the logits or has `.logits`.
     # its units and the TP rules, all from the file
     torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_fsdp_tp.yaml --tp 2 --steps 20
 
+    # a pipeline (pp 2 × tp 2): this rank's stages run by torch's schedule, the plan's microbatches
+    torchrun --nproc-per-node 4 examples/train.py --plan plans/llama_pp_tp.yaml --steps 20
+
     # a transformers model with its plan
     torchrun --nproc-per-node 2 examples/train.py --model tpplan.models.hf:qwen3 --plan plans/hf/qwen3_tp.yaml --tp 2
 
@@ -29,7 +32,10 @@ or a model type), whose output is the logits or has `.logits`.
 
 Every rank builds the model from the same seed (`tpplan.build_model`, as the
 CLI's --model), `load_plan(...).apply` shards it over the tp dim, `fully_shard`
-(per block, then the root) shards it again over dp. The data is a fixed random
+(per block, then the root) shards it again over dp. A plan with a `pipeline`
+gives each rank its stages (`plan.pipeline_stages`), which torch's
+`PipelineStage`s and the plan's schedule run: the first stage takes the tokens,
+the last computes the loss, and checkpoints hold each rank's stages' keys. The data is a fixed random
 token stream of the model's vocabulary: step N's global batch is the
 same on every run, and dp rank r trains on rows r::dp of it, so the mean loss
 over dp ranks equals the one-device loss of the whole batch.
@@ -100,18 +106,22 @@ class Batches:
 
 
 def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int | None, device: torch.device):
-    """Shard `model` over every rank; returns the mesh. A version 2 plan names every
-    axis: its mesh (dp_replicate, dp_shard, tp) is built once and `apply` lays out all
-    of it (the TP rules, activation checkpointing, FSDP2/HSDP on its units). A version 1
-    plan is the tp dim of a (dp, tp) mesh, FSDP2 per block then the root on dp."""
+    """Shard `model` over every rank; returns (the mesh, this rank's part of the model: the
+    model, or its pipeline stages). A version 2 plan names every axis: its mesh (pp,
+    dp_replicate, dp_shard, tp) is built once and `apply` lays out all of it (the TP
+    rules, activation checkpointing, FSDP2/HSDP on its units), or `pipeline_stages` cuts
+    this rank's stages from it. A version 1 plan is the tp dim of a (dp, tp) mesh,
+    FSDP2 per block then the root on dp."""
     world = dist.get_world_size()
     if plan.version == 2:
         try:
             mesh = plan.build_mesh(world, device.type, tp)
         except ValueError as exc:  # its sizes do not make the world: the message has the numbers
             raise SystemExit(f"{plan.file}: {exc}") from None
+        if plan.pipeline is not None:
+            return mesh, plan.pipeline_stages(model, mesh)
         plan.apply(model, mesh)
-        return mesh
+        return mesh, model
     tp = tp or 2
     if world % tp:
         raise SystemExit(f"--tp ({tp}) must divide the world size ({world})")
@@ -121,7 +131,39 @@ def parallelize(model: torch.nn.Module, plan: tpplan.Plan, tp: int | None, devic
         for block in blocks(model):
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
-    return mesh
+    return mesh, model
+
+
+class Pipeline:
+    """This rank's stages under torch's schedule: `step` runs one batch's microbatches
+    and returns the loss on the last stage's ranks (None on the others)."""
+
+    def __init__(self, plan: tpplan.Plan, stages: list, mesh, device: torch.device, local_batch: int):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+        pipe, pp = plan.spec.pipeline, mesh["pp"]
+        count = pp.size() * pipe.virtual_stages
+        microbatches = pipe.microbatches or local_batch // pipe.microbatch_size
+        if not microbatches or local_batch % microbatches:
+            raise SystemExit(f"--batch: each data-parallel rank's {local_batch} sequences do not split into the plan's "
+                             f"{microbatches} microbatches")
+        ids = plan.stage_ids(mesh)  # the stages' indices, in the order pipeline_stages gives them
+        torch_stages = [PipelineStage(stage, i, count, device, group=pp.get_group()) for stage, i in zip(stages, ids)]
+        schedule = get_schedule_class(pipe.schedule)
+        multi = issubclass(schedule, PipelineScheduleMulti)
+        self.schedule = schedule(torch_stages if multi else torch_stages[0], n_microbatches=microbatches, loss_fn=cross_entropy)
+        self.first, self.last = 0 in ids, count - 1 in ids
+
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        losses: list = []
+        self.schedule.step(*((tokens,) if self.first else ()), **({"target": targets, "losses": losses} if self.last else {}))
+        return torch.stack(losses).mean() if self.last else None
+
+
+def cross_entropy(output, targets: torch.Tensor) -> torch.Tensor:
+    logits = getattr(output, "logits", output)  # transformers' output, or the logits themselves
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 DATA_DIMS = ("dp", "dp_replicate", "dp_shard")  # v1's dp, v2's data axes: the ranks that split the batch
@@ -146,7 +188,7 @@ def save(model, optimizer, step: int, data: Batches, args, plan: tpplan.Plan) ->
 
 
 def resume(model, optimizer, data: Batches, path: str) -> int:
-    """The latest complete step of `path` into the sharded model and its optimizer; the last step done."""
+    """The latest complete step of `path` into the sharded model (or its stages) and its optimizer; the last step done."""
     info = tpplan.load_checkpoint(model, path, optimizer=optimizer)
     data.generator.set_state(info.extra["data"])
     torch.set_rng_state(info.extra["rng"])
@@ -197,20 +239,22 @@ def main() -> None:
     plan = tpplan.load_plan(args.plan)
     model = build(args.model, device)
     vocab = vocab_size(model)
-    dp, dp_rank, use_loss_parallel = 1, 0, False
+    dp, dp_rank, use_loss_parallel, part, pipeline = 1, 0, False, model, None
     if distributed:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         init_process_group("nccl" if device.type == "cuda" else "gloo")
-        mesh = parallelize(model, plan, args.tp, device)
+        mesh, part = parallelize(model, plan, args.tp, device)
         dp_rank, dp = data_rank(mesh)
         use_loss_parallel = plan.loss_parallel  # the head keeps the logits sharded on the vocabulary
+        if isinstance(part, list):  # this rank's pipeline stages
+            pipeline = Pipeline(plan, part, mesh, device, args.batch // dp)
     # a group for the DTensors and one for what the plan leaves whole: AdamW's default foreach
     # step on a GPU refuses one call mixing them
-    optimizer = torch.optim.AdamW(tpplan.param_groups(model), lr=args.lr)
+    optimizer = torch.optim.AdamW(tpplan.param_groups(torch.nn.ModuleList(part) if pipeline else part), lr=args.lr)
     data = Batches(vocab, args.batch, args.seq)
     source = resume_from(args)
-    done = resume(model, optimizer, data, source) if source else 0
+    done = resume(part, optimizer, data, source) if source else 0
     if source and (not distributed or dist.get_rank() == 0):
         print(f"resumed from {source} at step {done}", flush=True)
 
@@ -218,21 +262,24 @@ def main() -> None:
     for step in range(done + 1, args.steps + 1):
         tokens, targets = (t[dp_rank::dp].to(device) for t in next(data))
         with loss_parallel() if use_loss_parallel else contextlib.nullcontext():
-            output = model(tokens)
-            logits = getattr(output, "logits", output)  # transformers' output, or the logits themselves
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-            loss.backward()  # inside loss_parallel() too
+            if pipeline is not None:
+                loss = pipeline.step(tokens, targets)  # forward and backward of every microbatch
+            else:
+                loss = cross_entropy(model(tokens), targets)
+                loss.backward()  # inside loss_parallel() too
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-        value = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-        if distributed and dp > 1:  # the mean over dp ranks (each tp rank holds its dp rank's): the whole batch's loss
+        value = torch.zeros((), device=device) if loss is None else (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        if distributed and (dp > 1 or pipeline is not None):
+            # the mean over the ranks holding a loss (each tp rank holds its dp rank's; under a
+            # pipeline, the last stage's ranks): the whole batch's loss
             dist.all_reduce(value)
-            value /= dist.get_world_size()
+            value /= dist.get_world_size() // (mesh["pp"].size() if pipeline is not None else 1)
         if not distributed or dist.get_rank() == 0:
             print(f"step {step} loss {value.item()!r}", flush=True)  # every digit: resumed runs compare bitwise
         if args.save and (step == args.steps or (args.save_every and step % args.save_every == 0)):
-            pending = save(model, optimizer, step, data, args, plan)
+            pending = save(part, optimizer, step, data, args, plan)
 
     if pending is not None and args.async_save:
         pending.wait()  # the last checkpoint is committed before the job ends

@@ -39,7 +39,6 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 
 from tpplan import load_checkpoint, load_plan, save_checkpoint
 from tpplan.checkpoint.stages import as_one
-from tpplan.sharding.pipeline import rank_stages
 from tpplan.simulation.modelref import load_callable
 from worker_common import finish
 
@@ -63,7 +62,7 @@ class Job:
         else:
             self.parts = plan.pipeline_stages(model, mesh)
             pipe, pp = plan.spec.pipeline, mesh["pp"]
-            self.ids = rank_stages(pp.get_local_rank(), pp.size(), pipe.virtual_stages, pipe.schedule)
+            self.ids = plan.stage_ids(mesh)
             count = pp.size() * pipe.virtual_stages
             stages = [PipelineStage(part, i, count, torch.device("cpu"), group=pp.get_group()) for part, i in zip(self.parts, self.ids)]
             schedule = get_schedule_class(pipe.schedule)

@@ -15,7 +15,8 @@ import torch
 
 from tpplan import load_plan
 from tpplan.core.axes import NotAppliedError, mesh_dims, refuse_unapplied
-from tpplan.sharding.pipeline import keep_stage, output_tensor, rank_stages, stages_of
+from tpplan.core.stages import rank_stages
+from tpplan.sharding.pipeline import keep_stage, output_tensor, stages_of
 from tpplan.simulation.modelref import build_model
 
 from test_torchrun import torchrun

@@ -96,3 +96,23 @@ def test_the_example_trainer_takes_a_version_2_plan_fsdp_and_checkpointing_from_
     got, want = _losses(sharded.stdout), _losses(single.stdout)
     assert len(got) == len(want) == 3  # a fresh random batch each step: the curve need not fall
     assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)
+
+
+def test_the_example_trainer_runs_a_pipeline_on_its_one_device_curve_and_resumes_it(tmp_path):
+    # pp 2 (1F1B, 2 microbatches of each step's 4 sequences) from the plan, no other flag:
+    # the first stage takes the tokens, the last computes the loss, and the losses are the
+    # one-device run's; 2 steps saved (each rank its stage's keys) and resumed to 3 stay on it.
+    plan = tmp_path / "llama_pp.yaml"
+    plan.write_text(f"version: 2\nextends: {ROOT / 'plans/llama_tp.yaml'}\nrules: {{}}\nmesh: {{pp: 2, tp: 1}}\n"
+                    "pipeline: {layers_per_stage: 1, schedule: 1F1B, microbatches: 2}\n")
+    args = ["examples/train.py", "--plan", str(plan), "--lr", "0.02"]
+    first = torchrun(2, *args, "--steps", "2", "--save", str(tmp_path / "ckpt"), timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = torchrun(2, *args, "--steps", "3", "--resume", str(tmp_path / "ckpt"), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    single = subprocess.run([sys.executable, *args, "--steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    got, want = _losses(first.stdout) + _losses(resumed.stdout), _losses(single.stdout)
+    assert len(got) == len(want) == 3
+    assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)

@@ -171,9 +171,9 @@ class Plan:
         this pp rank runs (one, or several for interleaved and V schedules), each keeping
         the model's parameter names (a DCP checkpoint reshards across PP degrees) and
         running its forward with the other stages' modules removed, FSDP2 on each over
-        the mesh's data dims. The last stage is `model` itself. In stage order: stage
-        pp_rank, then pp_rank + pp·k (interleaved) or 2·pp − 1 − pp_rank (V schedules).
-        `save_checkpoint` and `load_checkpoint` take the list. (sharding/pipeline.py)"""
+        the mesh's data dims. The last stage is `model` itself. In the order of
+        `stage_ids(mesh)`; `save_checkpoint` and `load_checkpoint` take the list.
+        (sharding/pipeline.py)"""
         from ..sharding.pipeline import apply_pipeline
         from .axes import refuse_unapplied
 
@@ -181,6 +181,16 @@ class Plan:
             raise ValueError("the plan has no pipeline section: apply it with plan.apply(model, mesh)")
         refuse_unapplied(self, "torchrun")
         return apply_pipeline(self, model, mesh)
+
+    def stage_ids(self, mesh: "DeviceMesh") -> list[int]:
+        """The indices of the pipeline stages this rank runs on `mesh` (`build_mesh`), in
+        the order `pipeline_stages` returns them (for torch's `PipelineStage`)."""
+        from .stages import rank_stages
+
+        if self.pipeline is None:
+            raise ValueError("the plan has no pipeline section")
+        pipe = self.spec.pipeline
+        return rank_stages(mesh["pp"].get_local_rank(), mesh["pp"].size(), pipe.virtual_stages, pipe.schedule)
 
     def apply(self, model: "nn.Module", mesh: "DeviceMesh", on_module: "Callable[[str], None] | None" = None) -> "nn.Module":
         """Parallelize `model` in place over the plan's mesh axis; returns it.

@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from .axes_spec import V_SCHEDULES
 from .globs import ModuleTree
 from .problems import Problem, error
 
@@ -158,3 +159,18 @@ def _by_count(plan: Any, units: list[str], blocks: str | None, has_params: Calla
     stages[0] = [u for u in units[:first] if has_params(u)] + stages[0]
     stages[-1] = stages[-1] + [u for u in units[last + 1:] if has_params(u)]
     return stages, []
+
+
+def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The stage indices the pp rank `pp_rank` runs, in the order its schedule takes them:
+    pp_rank, then pp_rank + pp·k (looped), or pp_rank and 2·pp − 1 − pp_rank (a V)."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+def stage_rank(stage: int, pp: int, schedule: str) -> int:
+    """The pp rank that runs stage `stage` (rank_stages' inverse)."""
+    if schedule in V_SCHEDULES:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..check.result import CheckResult
 from ..core.plan import Plan
+from ..core.stages import stage_rank
 from .options import ApplyOptionsError
 from .ranks import Ran, Rank, load_checkpoint_of
 
@@ -65,7 +66,7 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
     ids, modules = after_split(plan, model, mesh, stages, units, ran.data_parallel)
     ran.notes += _notes(plan, ran, checkpointed, microbatches)
     ran.pipeline = {"schedule": pipe.schedule, "microbatches": microbatches,
-                    "stages": [{"stage": i, "modules": units_, "pp_rank": _pp_rank_of(i, ran.mesh["pp"], pipe.schedule)}
+                    "stages": [{"stage": i, "modules": units_, "pp_rank": stage_rank(i, ran.mesh["pp"], pipe.schedule)}
                                for i, units_ in enumerate(stages)]}
     torch_stages = [PipelineStage(stage, index, len(stages), ctx.device, group=mesh["pp"].get_group())
                     for stage, index in zip(modules, ids)]
@@ -172,14 +173,6 @@ def microbatch_count(plan: Plan, inputs: tuple) -> int:
         raise ApplyOptionsError("inputs", "microbatches", f"the batch of {batch} does not split into pipeline.{key} "
                                 f"{getattr(pipe, key)}: give a batch that it divides", batch=batch)
     return count
-
-
-def _pp_rank_of(stage: int, pp: int, schedule: str) -> int:
-    from ..core.axes_spec import V_SCHEDULES
-
-    if schedule in V_SCHEDULES:
-        return stage if stage < pp else 2 * pp - 1 - stage
-    return stage % pp
 
 
 def _schedule(name: str, stages: list, microbatches: int, loss_parallel: bool):

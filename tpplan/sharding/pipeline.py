@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from ..core.axes_spec import V_SCHEDULES
 from ..core.problems import PlanError, Problem, error
 from ..core.stages import OTHER_STAGES, split_units, stage_problems
 
@@ -80,13 +79,6 @@ def _tied_across(plan: Any, model: nn.Module, stages: list[list[str]]) -> list[P
     return problems
 
 
-def rank_stages(pp_rank: int, pp: int, virtual_stages: int, schedule: str) -> list[int]:
-    """The stage indices the pp rank `pp_rank` runs, in the order its schedule takes them."""
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual_stages)]
-
-
 def keep_stage(model: nn.Module, units: list[str], kept: list[str]) -> nn.Module:
     """`model` with the units (with parameters) outside `kept` removed, in place (module
     docstring); units without parameters (a rotary table) stay: every stage runs them."""
@@ -124,8 +116,7 @@ def after_split(plan: Any, model: nn.Module, mesh: "DeviceMesh", stages: list[li
 
     from .data_parallel import apply_data_parallel, data_parallel_of, unit_modules
 
-    pipe = plan.spec.pipeline
-    ids = rank_stages(mesh["pp"].get_local_rank(), mesh["pp"].size(), pipe.virtual_stages, pipe.schedule)
+    ids = plan.stage_ids(mesh)
     fsdp_units = [fqn for fqn in unit_modules(plan, model, data_parallel_of(plan)) if fqn] if data_parallel else None
     modules = []
     for k, index in enumerate(ids):
