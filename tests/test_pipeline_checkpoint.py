@@ -4,10 +4,11 @@ checkpoints reshard across PP degrees), the optimizer state included.
 On 2 gloo ranks (tests/ckpt_layout_worker.py) a tiny Llama trains 2 AdamW steps as a
 two-stage pipeline (1F1B, 4 microbatches) and its stages are saved, each rank its own
 keys; the checkpoint loads under TP 2, under FSDP2 over dp_shard 2, into the stages
-of another schedule, and on one device: the parameters and AdamW's moments and step
+of GPipe and of Interleaved1F1B (two stages a rank), and on one device: the parameters and AdamW's moments and step
 equal the saved ones bitwise, and one more step equals that step continued under the
 pipeline to float32 rounding. Measured on torch 2.13 CPU: 0.0 after the load, after
-the step at most ~2.4e-7. `tpplan apply --save` of a pipelined run loads the same way.
+the step at most ~2.4e-7. `tpplan apply --save` of an interleaved run (each rank's two
+stages saved as one) loads the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ LAYOUTS = {  # name: the mesh and what else the plan says; the first is the layo
     "tp2": "mesh: {tp: 2}\n",
     "dp2": "mesh: {dp_shard: 2, tp: 1}\nfsdp: {units: [layers.*]}\n",
     "pp2_gpipe": "mesh: {pp: 2, tp: 1}\npipeline: {layers_per_stage: 1, schedule: GPipe, microbatches: 2}\n",
+    # two stages per rank (0 and 2 on pp rank 0): the rank's stages held as one for the checkpoint
+    "pp2_interleaved": "mesh: {pp: 2, tp: 1}\npipeline:\n  stages: [[tok_embeddings], [layers.0], [layers.1], [norm, output]]\n"
+                       "  schedule: Interleaved1F1B\n  virtual_stages: 2\n  microbatches: 2\n",
 }
 
 
@@ -49,7 +53,7 @@ def pp2_saved(tmp_path_factory):
     return directory, json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("target", ["tp2", "dp2", "pp2_gpipe"])
+@pytest.mark.parametrize("target", ["tp2", "dp2", "pp2_gpipe", "pp2_interleaved"])
 def test_a_pipelines_checkpoint_loads_under_tp_fsdp_and_another_schedule(pp2_saved, target):
     _, report = pp2_saved
     found = report["targets"][target]
@@ -84,10 +88,10 @@ def test_a_pipelines_checkpoint_loads_on_one_device_as_training_there(pp2_saved)
         assert torch.allclose(mine["exp_avg_sq"], theirs["exp_avg_sq"], atol=1e-8), name
 
 
-def test_tpplan_apply_saves_a_pipelined_run_that_loads_under_tp(tmp_path):
-    plans = {name: plan_file(tmp_path, name, LAYOUTS[name]) for name in ("pp2", "tp2")}
+def test_tpplan_apply_saves_an_interleaved_pipelined_run_that_loads_under_tp(tmp_path):
+    plans = {name: plan_file(tmp_path, name, LAYOUTS[name]) for name in ("pp2_interleaved", "tp2")}
     model = "tpplan.models.llama:tiny"
-    saved = torchrun(2, "-m", "tpplan", "apply", "--plan", str(plans["pp2"]), "--model", model, "--steps", "2",
+    saved = torchrun(2, "-m", "tpplan", "apply", "--plan", str(plans["pp2_interleaved"]), "--model", model, "--steps", "2",
                      "--save", str(tmp_path / "ckpt"), "--format", "json")
     assert saved.returncode == 0, saved.stderr[-3000:]
     assert json.loads(saved.stdout)["saved"] == {"path": str(tmp_path / "ckpt"), "format": "dcp"}

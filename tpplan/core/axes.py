@@ -362,6 +362,8 @@ def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
                "(`tpplan validate` checks the rest); remove these to apply the others alone")
     if by != "torchrun" and all(key[-1] in APPLIED["torchrun"] for key in keys):
         message += f"; under torchrun, `tpplan apply` applies {_keys_text(APPLIED['torchrun'])}"
+        if by == "api" and ("pipeline",) in keys:
+            message += "; in Python, `plan.pipeline_stages(model, mesh)` gives this rank's stages of a pipeline"
     elif by == "torchrun" and all(key[-1] in APPLIED["api"] for key in keys):
         message += ("; `Plan.apply` applies context parallelism on CUDA, with the training loop cutting each batch "
                     "(sharding/context_parallel.py's shard_sequence)")
