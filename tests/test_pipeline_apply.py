@@ -113,6 +113,8 @@ def test_pp2_1f1b_with_four_microbatches_matches_one_device_after_three_adamw_st
     assert report["pipeline"] == {"schedule": "1F1B", "microbatches": 4, "stages": [
         {"stage": 0, "modules": ["tok_embeddings", "layers.0"], "pp_rank": 0},
         {"stage": 1, "modules": ["layers.1", "norm", "output"], "pp_rank": 1}]}
+    assert ("pipeline: 1F1B over pp 2, 2 stages, 4 microbatches per step (stage 0 on pp 0: tok_embeddings, layers.0; "
+            "stage 1 on pp 1: layers.1, norm, output)") in report["notes"]
 
 
 INTERLEAVED = """\

@@ -64,10 +64,10 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
     checkpointed = apply_activation_checkpointing(plan, model)
     event(f"pipeline stages of {len(stages)}")
     ids, modules = after_split(plan, model, mesh, stages, units, ran.data_parallel)
-    ran.notes += _notes(plan, ran, checkpointed, microbatches)
     ran.pipeline = {"schedule": pipe.schedule, "microbatches": microbatches,
                     "stages": [{"stage": i, "modules": units_, "pp_rank": stage_rank(i, ran.mesh["pp"], pipe.schedule)}
                                for i, units_ in enumerate(stages)]}
+    ran.notes += _notes(plan, ran, checkpointed, microbatches)
     torch_stages = [PipelineStage(stage, index, len(stages), ctx.device, group=mesh["pp"].get_group())
                     for stage, index in zip(modules, ids)]
     schedule = _schedule(pipe.schedule, torch_stages, microbatches, plan.loss_parallel)
@@ -193,9 +193,15 @@ def _notes(plan: Plan, ran: "Ran", checkpointed: list[str], microbatches: int) -
 
     pipe = plan.spec.pipeline
     data = {dim: size for dim, size in ran.mesh.items() if dim != "pp"} if ran.data_parallel else None
-    stages = ran.mesh["pp"] * pipe.virtual_stages
-    return [f"pipeline: {pipe.schedule} over pp {ran.mesh['pp']}, {stages} stages, {microbatches} microbatches per step",
+    stages = ran.pipeline["stages"]
+    cut = "; ".join(f"stage {stage['stage']} on pp {stage['pp_rank']}: " + _span(stage["modules"]) for stage in stages)
+    return [f"pipeline: {pipe.schedule} over pp {ran.mesh['pp']}, {len(stages)} stages, {microbatches} microbatches per step ({cut})",
             *after_rules_notes(plan, checkpointed, data)]
+
+
+def _span(units: list[str]) -> str:
+    """A stage's units in a few words: all of up to three, else the first and the last."""
+    return ", ".join(units) if len(units) <= 3 else f"{units[0]} … {units[-1]} ({len(units)} units)"
 
 
 def _full(tensor: "torch.Tensor") -> "torch.Tensor":
