@@ -94,7 +94,7 @@ def main() -> None:
 
     plan = tpplan.load_plan(args.plan)
     model = train.build("tpplan.models.llama:tiny", torch.device("cpu"))
-    mesh = train.parallelize(model, plan, args.tp, torch.device("cpu"))
+    mesh, model = train.parallelize(model, plan, args.tp, torch.device("cpu"))
     dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     data = train.Batches(model.tok_embeddings.num_embeddings, 4, 16)
