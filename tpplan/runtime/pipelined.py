@@ -101,7 +101,7 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
 
         name = options.train.optimizer_name
         event(f"{options.steps} {OPTIMIZER_NAMES[name]} steps")
-        optimizer = make_optimizer(name, _Stages(modules))
+        optimizer = make_optimizer(name, torch.nn.ModuleList(modules))  # this rank's stages as one, for the optimizer
         losses, times = [], []
         for _ in range(options.steps):
             loss, seconds = step(optimizer)
@@ -139,16 +139,6 @@ def _stage_failure(plan: Plan, exc: Exception, held: list[tuple[int, list[str]]]
                                      f"stages' modules removed: {first_line(exc)}. A forward that reads the sequence length "
                                      "from its input cannot take a sequence-parallel boundary, where each rank hands on its "
                                      "shard of the sequence", plan.file, *at)])
-
-
-class _Stages:
-    """This rank's stage modules, as one for the optimizer (`param_groups` reads `parameters()`)."""
-
-    def __init__(self, modules: list["nn.Module"]):
-        self.modules = modules
-
-    def parameters(self):
-        return (p for module in self.modules for p in module.parameters())
 
 
 def local_batch(plan: Plan) -> int:
