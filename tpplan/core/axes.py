@@ -291,10 +291,11 @@ def section_warnings(plan: Any) -> list[Problem]:
 # `Plan.apply` context parallelism after the TP rules, on CUDA (torchrun's batches are not
 # cut on the sequence yet; off CUDA it is TP131); the dry run simulates the data axes,
 # cp, ep, checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one rank per
-# distinct position, not yet the pipeline.
+# distinct position, and the pipeline stage by stage (memory/pipeline_dryrun.py).
 _EVERYWHERE = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
 APPLIED = {"torchrun": (*_EVERYWHERE, "pp", "pipeline"), "api": (*_EVERYWHERE, "cp", "context_parallel"),
-           "dry-run": ("tp", "dp_replicate", "dp_shard", "cp", "ep", "fsdp", "checkpointing", "context_parallel", "experts")}
+           "dry-run": ("tp", "dp_replicate", "dp_shard", "cp", "ep", "fsdp", "checkpointing", "context_parallel", "experts",
+                       "pp", "pipeline")}
 _DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}
 
 

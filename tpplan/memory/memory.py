@@ -92,8 +92,13 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool, recorder=
 
     class PeakSite(base):
         peak_site: tuple[list[str], str] = ([], "forward")
+        phase = "start"  # the step's part now running (measure_training_step sets it)
+        phase_peaks: dict[str, tuple[int, dict]]  # its highest total, and the snapshot there
 
         def _update_peak_stats(self, peak_state) -> None:
+            total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
+            if total > self.phase_peaks.get(self.phase, (-1, None))[0]:
+                self.phase_peaks[self.phase] = (total, {device: dict(snapshot) for device, snapshot in self._curr_mem_snap.items()})
             # torch's version also updates every tracked module's own peak, walking all
             # of them after every op: quadratic in depth (minutes at 126 layers). Only
             # the global peak is read here, with the modules active when it rose.
@@ -112,6 +117,7 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool, recorder=
     else:
         tracker = PeakSite()
         tracker.track_external(model, *([optimizer] if optimizer is not None else []), *inputs)
+    tracker.phase_peaks = {}
     from ..simulation.held import held_modules
 
     root = type(model).__name__  # the tracker's name for the model; its children's are under it
@@ -188,6 +194,12 @@ class StepMemory:
     axis_bytes: dict[str, dict[tuple[str, str], int]]
     losses: list[float] = field(default_factory=list)
     untracked_backward: int = 0  # modules whose backward torch's ModTracker skipped (freed after their forward)
+    # the highest total of each part of the step ("forward", "backward", "reduce" (a stage's), "optimizer"),
+    # and the total where each part ends ("start" included): what a pipeline's composition reads
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    phase_ends: dict[str, int] = field(default_factory=dict)
+    phase_categories: dict[str, dict[str, int]] = field(default_factory=dict)  # by category at each part's peak ("start": its end)
+    stage_output: "tuple[tuple[int, ...], torch.dtype] | None" = None  # a non-last pipeline stage's output: shape, dtype
 
     @property
     def comms(self) -> dict[str, dict[str, int]]:
@@ -203,6 +215,56 @@ class StepMemory:
         phases = {phase: nested(self.axis_comms[phase], self.axis_bytes[phase], axes) for phase in ("forward", "backward")}
         every = {**dict.fromkeys(axes), **phases["forward"], **phases["backward"]}  # the mesh's, then any group that is no dim's
         return {axis: {phase: phases[phase].get(axis, {}) for phase in phases} for axis in every}
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """One microbatch of a pipeline stage, as torch's `PipelineStage` runs it: whether
+    it is the first (token inputs) or the last (its loss starts the backward; else a
+    gradient received for its output), the microbatches its gradients are divided by.
+    The receive buffers (its input, its output's gradient) are not counted in the
+    measured step: PipelineStage holds one per microbatch across steps, and the
+    composition (pipeline_memory.py) counts them once."""
+
+    first: bool
+    last: bool
+    microbatches: int
+    targets: "torch.Tensor | None" = None  # the last stage's
+    fsdp_units: tuple[str, ...] = ()  # the stage's share of the plan's FSDP2 units
+
+
+def _held_stage(model: "nn.Module") -> Any:
+    """A stand-in for torch's `PipelineStage` holding `model`, for its own methods: the
+    fake process group cannot build a stage (pytorch#191538)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    held = SimpleNamespace(submod=model)
+    held.scale_grads = lambda factor: _PipelineStageBase.scale_grads(held, factor)
+    return held
+
+
+def _stage_backward(model: "nn.Module", stage: StageIO, inputs: tuple, output: Any) -> None:
+    """One microbatch's backward by torch's `PipelineStage` code: from the loss, or from a
+    gradient received for the output (made here, freed after: the composition counts
+    the receive buffers), into the stage's input; FSDP2 left unsharded and unsynced,
+    as between microbatches."""
+    import torch
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    grad = None if stage.last else torch.empty_like(output)
+    received = [t for t in inputs if getattr(t, "requires_grad", False)]
+    _PipelineStageBase.backward_maybe_with_nosync(_held_stage(model), "full", {
+        "stage_output": output, "output_grads": grad, "input_values": received})
+
+
+def _stage_reduce(model: "nn.Module", stage: StageIO) -> None:
+    """The end of a pipeline step's backward, by torch's `PipelineStage` code: FSDP2's
+    gradient reduction, then the gradients divided by the microbatch count."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    _PipelineStageBase.perform_reduce_grad(_held_stage(model), stage.microbatches)
 
 
 @contextlib.contextmanager
@@ -235,21 +297,24 @@ def measure_training_step(
     seed: int = 0,
     recorder=None,
     axis_of=None,
+    stage: "StageIO | None" = None,
 ) -> StepMemory:
     """Peak memory of this rank over a steady-state training step (the optimizer
     state made first, then `reset_mod_stats()` and the measured step), by
     category, with the collectives of the step. Works on real and on fake tensors.
     `recorder` (reuse.Timeline) sees every op and the memory where the step's
     forward, backward and optimizer step begin and end; `axis_of` names the mesh
-    axis of each collective (simulation/comm_axes.py)."""
+    axis of each collective (simulation/comm_axes.py). With `stage`, the step is one
+    microbatch of a pipeline stage, run as torch's `PipelineStage` runs it (`_stage_backward`, `_stage_reduce`)."""
     import torch
 
     from ..simulation.fsdp import fake_friendly_meshes
     from ..simulation.training import loss_context, loss_value, training_loss
 
     optimizer = make_optimizer(optimizer_name, model)
-    targets = make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
-    tracker = _tracker(model, optimizer, inputs, fsdp, recorder)
+    targets = stage.targets if stage is not None else make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
+    # a stage's input is PipelineStage's receive buffer, held across the step: counted by the composition, not here
+    tracker = _tracker(model, optimizer, () if stage is not None else inputs, fsdp, recorder)
     if recorder is not None:
         recorder.begin(type(model).__name__)
 
@@ -260,24 +325,50 @@ def measure_training_step(
     counts = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
     sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
     losses = []
+    ends: dict[str, int] = {}
+
+    start: dict[str, int] = {}
+
+    def phase(name: str) -> None:  # the step's next part begins: the one before ends here
+        ends[tracker.phase], now = _categories(tracker.get_tracker_snapshot())
+        start.update(now if tracker.phase == "start" else {})
+        tracker.phase = name
+
     with _untracked_modules() as untracked, fake_friendly_meshes(), _propagation_untracked(), tracker:
         if optimizer is not None:
             _initialize_state(model, optimizer)
         tracker.reset_mod_stats()
+        tracker.phase_peaks.clear()
         mark("start")
+        phase("forward")
         generator = torch.Generator().manual_seed(seed + 3)
         with loss_context(loss_parallel):
             with counting(counts["forward"], sizes["forward"], axis_of):
-                loss = training_loss(model(*inputs), targets, loss_parallel, generator)
+                output = model(*inputs)
+                loss = training_loss(output, targets, loss_parallel, generator) if stage is None or stage.last else None
             mark("forward")
+            phase("backward")
             with counting(counts["backward"], sizes["backward"], axis_of):
-                loss.backward()
+                if stage is None:
+                    loss.backward()
+                else:
+                    _stage_backward(model, stage, inputs, output if loss is None else loss)
+            stage_output = (tuple(output.shape), output.dtype) if stage is not None and not stage.last else None
+            del output
             mark("backward")
+        if stage is not None:
+            phase("reduce")
+            counts["reduce"], sizes["reduce"] = Counter(), Counter()
+            with counting(counts["reduce"], sizes["reduce"], axis_of):
+                _stage_reduce(model, stage)
+        phase("optimizer")
         if optimizer is not None:
             with counting(counts["optimizer"], sizes["optimizer"], axis_of):
                 optimizer.step()
         model.zero_grad(set_to_none=True)
-        losses.append(loss_value(loss.detach()))
+        phase("end")
+        if loss is not None:
+            losses.append(loss_value(loss.detach()))
         del loss
         after = _categories(tracker.get_tracker_snapshot())
     total, categories = _categories(tracker.get_tracker_snapshot("peak"))
@@ -290,6 +381,10 @@ def measure_training_step(
         axis_bytes={phase: dict(sorted(s.items())) for phase, s in sizes.items()},
         losses=losses,
         untracked_backward=len(untracked),
+        phase_peaks={name: total for name, (total, _) in tracker.phase_peaks.items()},
+        phase_ends=ends,
+        phase_categories={"start": start, **{name: _categories(snap)[1] for name, (_, snap) in tracker.phase_peaks.items()}},
+        stage_output=stage_output,
     )
 
 
@@ -320,6 +415,7 @@ def plan_memory(
     run: Callable[[Callable[[], Any]], Any] = lambda fn: fn(),
     strategy: "Callable[[nn.Module, Simulate], PlannedStep] | None" = None,
     rank: int = 0,
+    stage: "Callable[[nn.Module], StageIO] | None" = None,
 ) -> PlannedStep:
     """Simulate the world of mesh `dims` as global `rank`, on fake tensors: `build()`
     the model, cast it to `train.dtype`, `shard(model, mesh)` (the plan's TP rules),
@@ -327,7 +423,9 @@ def plan_memory(
     1: a version 2 plan's axes or --fsdp's dp), and measure one training step on
     `make_inputs(model)`. `run(fn)` wraps the step (the dry run's failure locator).
     `strategy(model, simulate)` decides how the built model is simulated
-    (reuse.block_reuse: repeated blocks once); without one, it is simulated whole."""
+    (reuse.block_reuse: repeated blocks once); without one, it is simulated whole.
+    `stage(model)` (on the whole built model): the step is one microbatch of that
+    pipeline stage (`shard` cuts the stage from the model after the TP rules)."""
     from ..sharding.context_parallel import section
     from ..simulation.comm_axes import mesh_axes
     from ..simulation.device_rules import context_parallel_rules
@@ -343,12 +441,14 @@ def plan_memory(
                 model = build()
 
             def simulate(model: "nn.Module", recorder=None, wrap: list[str] | None = None) -> PlannedStep:
-                return _simulate(plan, model, make_inputs(model), shard, mesh, dims, train, run, recorder, wrap, axis_of)
+                io = stage(model) if stage is not None else None
+                return _simulate(plan, model, make_inputs(model), shard, mesh, dims, train, run, recorder, wrap, axis_of, io)
 
             return (strategy or (lambda model, simulate: simulate(model)))(model, simulate)
 
 
-def _simulate(plan, model, inputs, shard, mesh, dims: "MeshDims", train: TrainOptions, run, recorder, wrap, axis_of) -> PlannedStep:
+def _simulate(plan, model, inputs, shard, mesh, dims: "MeshDims", train: TrainOptions, run, recorder, wrap, axis_of,
+              stage: StageIO | None = None) -> PlannedStep:
     """The plan, what follows it (activation checkpointing; FSDP2 on `wrap`, default: the
     plan's units or the model's blocks) and one measured step of a built model."""
     from ..sharding.context_parallel import section, shard_sequence
@@ -359,12 +459,17 @@ def _simulate(plan, model, inputs, shard, mesh, dims: "MeshDims", train: TrainOp
     data_parallel = dims.dp > 1 or plan.version == 2
     with fake_friendly_meshes():
         shard(model, mesh)
-        checkpointed, wrapped = apply_after_rules(plan, model, mesh, data_parallel, wrap)
+        units = None
+        if stage is not None:
+            from ..sharding.pipeline import held_units
+
+            units = held_units(model, stage.fsdp_units)
+        checkpointed, wrapped = apply_after_rules(plan, model, mesh, data_parallel, wrap, units)
     batch, seq = (int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0), (int(inputs[0].shape[1]) if inputs and inputs[0].ndim > 1 else 0)
-    if section(plan) is not None:  # this rank's part of the sequence, as the training loop cuts it (its labels alike)
+    if section(plan) is not None and stage is None:  # this rank's part of the sequence, as the training loop cuts it (its labels alike)
         inputs = tuple(shard_sequence(plan, mesh, list(inputs), [1] * len(inputs)))
     step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, plan.loss_parallel, fsdp=bool(wrapped),
-                                             recorder=recorder, axis_of=axis_of))
+                                             recorder=recorder, axis_of=axis_of, stage=stage))
     first_param = next(model.parameters(), None)
     memory = MemoryReport(
         tp=dims.tp,

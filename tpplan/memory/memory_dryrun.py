@@ -61,6 +61,7 @@ class DegreePlan:
     notes: tuple[str, ...]  # what the planning chose (e.g. why no block was reused)
     ranks: tuple[RankPlan, ...] = ()
     comms_by_axis: dict[str, Any] | None = None  # the worst rank's
+    pipeline: Any = None  # pipeline_dryrun.PipelinePlan: a pipeline's stages and pp ranks
 
 
 @dataclass(frozen=True)
@@ -114,14 +115,18 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
         event("forward and backward without the plan")
         return one_device_failure(options, factory, torch_dtype(train.dtype), batch, seq)
 
-    def at_rank(dims, rank: int):
-        """One simulated rank: its planned step, and the plan as applied there (modules, parameters)."""
+    def at_rank(dims, rank: int, stage=None):
+        """One simulated rank: its planned step, and the plan as applied there (modules, parameters).
+        `stage`: (make_inputs, split, stage_io) of a pipeline stage (pipeline_dryrun.py), cut by
+        `split` from the model after the TP rules, its microbatch's step measured."""
         applied: dict[str, tuple[Sharded, list[ParamLayout], FailureLocator]] = {}
         failed: list[PlanError] = []  # the sharded step raised (not the build or the plan's application)
 
         def shard(model, mesh):
             sharded = shard_with_progress(plan, model, mesh, event)
             applied["plan"] = (sharded, param_layouts(model, dims.tp), FailureLocator(plan, model, sharded.rules, dims.tp))
+            if stage is not None:
+                stage[1](model)
 
         def run(step):
             from ..simulation.locate import run_located
@@ -138,20 +143,60 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
             planned = plan_memory(
                 plan,
                 lambda: build_model(options.model, "cpu", factory),
-                lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
+                stage[0] if stage is not None else lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
                 shard,
                 dims,
                 train,
                 run,
-                None if not options.reuse_blocks else block_reuse(plan, event),
+                None if not options.reuse_blocks or stage is not None else block_reuse(plan, event),
                 rank,
+                stage[2] if stage is not None else None,
             )
         except PlanError as exc:
             # a failed step is the plan's only if the model runs without it
             raise (blamed(exc, blame_model) if failed else exc) from None
         return planned, applied["plan"]
 
+    def pipelined(tp: int) -> DegreePlan:
+        """A pipeline's plan (pipeline_dryrun.py): each stage's microbatch, each pp rank's step; the worst rank reported."""
+        from .pipeline_dryrun import plan_pipeline, rank_comms
+
+        dims = dims_at(tp)
+        whole: list = []  # the first stage's build: the plan as applied to the whole model
+
+        def simulate(rank: int, stage_inputs, split, stage_io):
+            planned, applied = at_rank(dims, rank, (stage_inputs, split, stage_io))
+            whole.append(applied)
+            return planned
+
+        pipeline, steps = plan_pipeline(plan, dims, train.batch, seq, simulate, lambda model, size: make_inputs(
+            options.inputs, model, "cpu", batch=size, seq=seq), event)
+        sharded, params, _ = whole[0]
+        pp = dims.sizes["pp"]
+        per = dims.world // pp
+        reports = []
+        first = steps[0].memory
+        for rank in pipeline.ranks:
+            reports.append(MemoryReport(tp=dims.tp, dp=dims.dp, per_rank_peak_bytes=rank.peak_bytes, categories=rank.categories,
+                                        peak_module=rank.peak_action, limit_bytes=train.memory_limit, batch=pipeline.microbatch_size,
+                                        seq=first.seq, dtype=first.dtype, optimizer=first.optimizer))
+        worst = max(range(pp), key=lambda r: reports[r].per_rank_peak_bytes)
+        comms = rank_comms(pipeline, worst, dims.names)
+        notes = [f"pipeline: {pipeline.schedule} over pp {pp}, {len(pipeline.stages)} stages, {pipeline.microbatches} "
+                 f"microbatches of {pipeline.microbatch_size} per step; each stage's microbatch simulated once "
+                 f"({len(steps)} simulated, alike stages reused), each pp rank's step composed in its schedule's order; "
+                 f"bubble {pipeline.bubble:.3f}; the worst is pp {worst}"]
+        return DegreePlan(
+            tp=tp, dp=dims.dp, mesh=dims.sizes, modules=sharded.modules, rule_of=sharded.rule_of, rule_where=sharded.rule_where,
+            params=tuple(params), comms=comms["comms"], comm_bytes=comms["bytes"], optimizer_comms=comms["optimizer"],
+            memory=reports[worst], notes=tuple(notes),
+            ranks=tuple(RankPlan({**dict.fromkeys(dims.names, 0), "pp": r}, tuple(range(r * per, (r + 1) * per)), reports[r],
+                                 rank_comms(pipeline, r, dims.names)["by_axis"]) for r in range(pp)),
+            comms_by_axis=comms["by_axis"], pipeline=pipeline)
+
     def one(tp: int) -> DegreePlan:
+        if plan.version == 2 and plan.spec.pipeline is not None:
+            return pipelined(tp)
         dims = dims_at(tp)
         planned, (sharded, params, _) = at_rank(dims, 0)
         layouts = planned.layouts

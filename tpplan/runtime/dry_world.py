@@ -23,7 +23,8 @@ def simulates_world(plan: Plan, options: ApplyOptions) -> bool:
     if plan.version != 2:
         return False
     sizes = plan.mesh.sizes
-    return any(sizes[axis] != 1 for axis in DP_AXES) or plan.spec.fsdp is not None or plan.spec.checkpointing is not None
+    return (any(sizes[axis] != 1 for axis in DP_AXES) or plan.spec.fsdp is not None or plan.spec.checkpointing is not None
+            or plan.spec.pipeline is not None)
 
 
 def plans_world(options: ApplyOptions) -> bool:

@@ -185,6 +185,8 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
             from ..memory.memory_dryrun import dry_run_memory, unused_size_note
 
             notes += unused_size_note(options)
+            if plan.version == 2 and plan.spec.pipeline is not None:
+                _check_microbatches(plan, options.train.batch)
             memory = dry_run_memory(options, plan, factory, event, lambda tp: dry_run_dims(options, plan, tp))
             if source is not None:
                 runs.append(_Run(notes=("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options",)))
@@ -198,6 +200,16 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     except PlanError as exc:
         runs.append(_Run(failure=exc))
     return _assembled(options, plan, tp, notes, runs, memory)
+
+
+def _check_microbatches(plan: Plan, batch: int | None) -> None:
+    """A usage error where --batch does not split into the pipeline's microbatches."""
+    from ..memory.pipeline_dryrun import microbatching
+
+    try:
+        microbatching(plan, batch)
+    except ValueError as exc:
+        raise ApplyOptionsError("batch", "microbatches", str(exc), batch=batch) from None
 
 
 @simulation_remarks_off()
@@ -258,6 +270,7 @@ def _assembled(options: ApplyOptions, plan: Plan, tp: int, notes: list[str], run
         mesh=dict(chosen.mesh) if chosen else None,
         comms_by_axis=chosen.comms_by_axis if chosen else None,
         ranks=list(chosen.ranks) if chosen else [],
+        pipeline=chosen.pipeline.to_json() if chosen and chosen.pipeline is not None else None,
     )
 
 

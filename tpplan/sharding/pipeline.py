@@ -105,6 +105,19 @@ def output_tensor(module: nn.Module, args: Any, output: Any) -> Any:
     return output.logits if hasattr(output, "logits") else output
 
 
+def whole_model_units(plan: Any, model: nn.Module) -> list[str]:
+    """The plan's FSDP2 units of the whole model (root excluded): each stage wraps its share (`held_units`)."""
+    from .data_parallel import data_parallel_of, unit_modules
+
+    return [fqn for fqn in unit_modules(plan, model, data_parallel_of(plan)) if fqn]
+
+
+def held_units(stage: nn.Module, units: "list[str] | tuple[str, ...]") -> list[str]:
+    """The units of `units` that `stage` holds with parameters (not another stage's)."""
+    held = dict(stage.named_modules())
+    return [fqn for fqn in units if fqn in held and next(held[fqn].parameters(), None) is not None]
+
+
 def after_split(plan: Any, model: nn.Module, mesh: "DeviceMesh", stages: list[list[str]], units: list[str],
                 data_parallel: bool) -> tuple[list[int], list[nn.Module]]:
     """This pp rank's stage indices and modules, from `model` already laid out by the TP
@@ -114,18 +127,16 @@ def after_split(plan: Any, model: nn.Module, mesh: "DeviceMesh", stages: list[li
     its output a tensor (`output_tensor`)."""
     import copy
 
-    from .data_parallel import apply_data_parallel, data_parallel_of, unit_modules
+    from .data_parallel import apply_data_parallel
 
     ids = plan.stage_ids(mesh)
-    fsdp_units = [fqn for fqn in unit_modules(plan, model, data_parallel_of(plan)) if fqn] if data_parallel else None
+    fsdp_units = whole_model_units(plan, model) if data_parallel else None
     modules = []
     for k, index in enumerate(ids):
         stage = model if k == len(ids) - 1 else copy.deepcopy(model)
         keep_stage(stage, units, stages[index])
         if fsdp_units is not None:
-            held = dict(stage.named_modules())
-            apply_data_parallel(plan, stage, mesh, units=[fqn for fqn in fsdp_units
-                                                          if fqn in held and next(held[fqn].parameters(), None) is not None])
+            apply_data_parallel(plan, stage, mesh, units=held_units(stage, fsdp_units))
         stage.register_forward_hook(output_tensor)
         modules.append(stage)
     return ids, modules

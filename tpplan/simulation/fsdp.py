@@ -57,14 +57,14 @@ def expert_note(plan: "Plan", experts: list[str], sizes: dict[str, int], wrapped
 
 
 def apply_after_rules(plan: "Plan", model: "nn.Module", mesh: "DeviceMesh", data_parallel: bool,
-                      wrap: list[str] | None = None) -> tuple[list[str], list[str]]:
+                      wrap: list[str] | None = None, units: list[str] | None = None) -> tuple[list[str], list[str]]:
     """Activation checkpointing, then (`data_parallel`) FSDP2 on the plan's units (`wrap`:
-    these blocks instead of the default ones, see `shard_data_parallel`); returns the
-    checkpointed fqns and the wrapped ones (root: "")."""
+    these blocks instead of the default ones, see `shard_data_parallel`; `units`: these,
+    a pipeline stage's share); returns the checkpointed fqns and the wrapped ones (root: "")."""
     from ..sharding.activation_checkpoint import apply_activation_checkpointing
 
     checkpointed = apply_activation_checkpointing(plan, model)
-    return checkpointed, shard_data_parallel(model, mesh, plan, wrap) if data_parallel else []
+    return checkpointed, shard_data_parallel(model, mesh, plan, wrap, units) if data_parallel else []
 
 
 def after_rules_notes(plan: "Plan", checkpointed: list[str], data_mesh: dict[str, int] | None) -> list[str]:
@@ -81,7 +81,8 @@ def after_rules_notes(plan: "Plan", checkpointed: list[str], data_mesh: dict[str
     return notes
 
 
-def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | None" = None, wrap: list[str] | None = None) -> list[str]:
+def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | None" = None, wrap: list[str] | None = None,
+                        units: list[str] | None = None) -> list[str]:
     """FSDP2 after the plan (sharding/data_parallel.py), on fake tensors as on real ones;
     returns the wrapped fqns (root: ""). `wrap`: the blocks to wrap where the plan names
     no units of its own (block reuse's truncated copy, whose largest list may no longer
@@ -89,7 +90,7 @@ def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | No
     from ..sharding.data_parallel import apply_data_parallel
 
     with _meshes_outside_fake_mode():
-        return apply_data_parallel(plan, model, mesh, wrap)
+        return apply_data_parallel(plan, model, mesh, wrap, units)
 
 
 @contextlib.contextmanager

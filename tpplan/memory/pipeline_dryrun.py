@@ -1,0 +1,214 @@
+"""The dry run of a version 2 plan's pipeline (SPEC §8): each stage's one microbatch
+simulated on its own, in the world of the plan's mesh, on fake tensors (the fake
+process group cannot build torch's `PipelineStage`, pytorch#191538), then each pp
+rank's step composed in its schedule's order (pipeline_memory.py).
+
+A stage is simulated as torchrun runs it (runtime/pipelined.py): the whole model
+built, the TP rules applied, the stage cut from it (`sharding.pipeline.keep_stage`:
+the other stages' units removed, names kept), activation checkpointing and FSDP2 on
+its share of the units, its microbatch's input (token ids on the first stage, else
+a tensor shaped as the stage before it hands on), one microbatch's forward and, by
+PipelineStage's own code, backward and gradient reduction, then the optimizer step.
+Stages alike (the same units' classes and parameter shapes, the same place: first,
+middle or last, the same input) are simulated once: a 16-stage pipeline of equal
+blocks simulates three. Each stage runs at the lowest global rank of its pp index;
+its ranks on the other axes are taken as alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .memory import StageIO
+from .pipeline_memory import RankStep, StageMemory, bubble, compose, schedule_orders
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from .memory import PlannedStep
+    from ..simulation.positions import MeshDims
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline's dry run: each stage as measured, each pp rank's composed step."""
+
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    bubble: float
+    stages: tuple[StageMemory, ...]
+    ranks: tuple[RankStep, ...]  # by pp rank
+    steps: tuple[Any, ...] = ()  # each stage's measured microbatch (memory.StepMemory)
+
+    def rank_of(self, stage: int) -> RankStep:
+        """The pp rank that runs `stage`."""
+        return next(rank for rank in self.ranks if stage in rank.stages)
+
+    def rank_of_index(self, pp_rank: int) -> RankStep:
+        return next(rank for rank in self.ranks if rank.pp_rank == pp_rank)
+
+    @property
+    def worst(self) -> RankStep:
+        return max(self.ranks, key=lambda rank: rank.peak_bytes)  # the first of the highest
+
+    def to_json(self) -> dict[str, Any]:
+        """SPEC §8's `pipeline` (per_rank_peak_bytes: the peak of the pp rank that runs the stage)."""
+        return {
+            "schedule": self.schedule,
+            "microbatches": self.microbatches,
+            "bubble": self.bubble,
+            "stages": [{"stage": stage.stage, "modules": list(stage.modules), "pp_rank": self.rank_of(stage.stage).pp_rank,
+                        "per_rank_peak_bytes": self.rank_of(stage.stage).peak_bytes, "activations": stage.activations,
+                        "in_flight": self.rank_of(stage.stage).in_flight[stage.stage], "p2p_bytes": stage.p2p_bytes,
+                        # Beyond SPEC §8:
+                        "peak_action": self.rank_of(stage.stage).peak_action, "static_bytes": stage.static}
+                       for stage in self.stages],
+        }
+
+
+@dataclass
+class _Whole:
+    """What the whole model tells every stage's simulation (read once, on the first build)."""
+
+    stages: list[list[str]] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    fsdp_units: tuple[str, ...] = ()
+    vocab: int | None = None
+    kinds: dict[str, tuple] = field(default_factory=dict)  # each unit's class and parameters' names, shapes, dtypes
+
+
+def microbatching(plan: Any, batch: int | None) -> tuple[int, int, int]:
+    """(local batch, microbatches, microbatch size): the batch is `--batch` or the plan's
+    local batch (runtime/pipelined.local_batch's rule); ValueError where it does not split."""
+    pipe = plan.spec.pipeline
+    if batch is None:
+        batch = pipe.microbatches if pipe.microbatches is not None else pipe.microbatch_size * plan.mesh.sizes["pp"] * pipe.virtual_stages
+    count = pipe.microbatches if pipe.microbatches is not None else batch // pipe.microbatch_size
+    if not count or batch % count:
+        key = "microbatches" if pipe.microbatches is not None else "microbatch_size"
+        raise ValueError(f"the batch of {batch} does not split into pipeline.{key} {getattr(pipe, key)}: give a batch that it divides")
+    return batch, count, batch // count
+
+
+def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
+                  simulate: "Callable[[int, Callable, Callable, Callable], PlannedStep]",
+                  first_inputs: "Callable[[nn.Module, int], tuple]", event: Callable[[str], None]) -> tuple[PipelinePlan, list["PlannedStep"]]:
+    """The pipeline's plan at mesh `dims`, and the planned step of each stage simulated.
+    `simulate(rank, make_inputs, split, stage_io)` plans one stage's microbatch at global
+    `rank` (memory_dryrun's `at_rank`: `stage_io(model)` on the whole built model first,
+    then `make_inputs(model)`, then `split(model)` after the TP rules); `first_inputs(model,
+    microbatch)` makes the first stage's inputs."""
+    import torch
+
+    from ..core.stages import rank_stages, stage_rank
+    from ..sharding.pipeline import keep_stage, output_tensor, stages_of, whole_model_units
+    from ..simulation.training import token_vocab
+
+    pipe = plan.spec.pipeline
+    _, count, size = microbatching(plan, batch)
+    pp = dims.sizes["pp"]
+    whole = _Whole()
+    measured: dict[Any, tuple[Any, Any]] = {}  # stage signature -> (its planned step, its output (shape, dtype))
+    planned: list[PlannedStep] = []
+    of_stage: list[PlannedStep] = []  # each stage's (alike stages share one)
+    stages: list[StageMemory] = []
+    boundary: tuple | None = None  # the previous stage's output: (shape, dtype)
+    index = 0
+    while index == 0 or index < len(whole.stages):
+        first = index == 0
+        last = bool(whole.stages) and index == len(whole.stages) - 1  # known once the first stage's build read the model
+
+        def on_whole(model: "nn.Module", first: bool = first) -> None:
+            if first:
+                whole.stages, whole.units = stages_of(plan, model)
+                whole.fsdp_units = tuple(whole_model_units(plan, model))
+                whole.vocab = token_vocab(model)
+                whole.kinds = {unit: _kind(model.get_submodule(unit)) for unit in whole.units}
+
+        def make_inputs(model: "nn.Module", first: bool = first, boundary: tuple | None = boundary) -> tuple:
+            if first:
+                return first_inputs(model, size)
+            shape, dtype = boundary
+            return (torch.empty(shape, dtype=dtype).requires_grad_(True),)
+
+        def split(model: "nn.Module", index: int = index) -> None:
+            keep_stage(model, whole.units, whole.stages[index])
+            model.register_forward_hook(output_tensor)
+
+        def stage_io(model: "nn.Module", first: bool = first, index: int = index) -> StageIO:
+            on_whole(model)  # called first, on the whole model
+            last = index == len(whole.stages) - 1
+            targets = torch.randint(0, whole.vocab, (size, seq)) if last and whole.vocab is not None else None
+            return StageIO(first=first, last=last, microbatches=count, targets=targets, fsdp_units=whole.fsdp_units)
+
+        key = None if first else (last, tuple(whole.kinds[unit] for unit in whole.stages[index]), boundary)
+        if key is None or key not in measured:
+            rank = stage_rank(index, pp, pipe.schedule) * (dims.world // pp)
+            event(f"pipeline stage {index}" + (f" of {len(whole.stages)}" if whole.stages else ""))
+            step = simulate(rank, make_inputs, split, stage_io)
+            planned.append(step)
+            found = (step, step.step.stage_output)
+            if key is not None:
+                measured[key] = found
+        else:
+            found = measured[key]
+        step, output = found
+        of_stage.append(step)
+        last = index == len(whole.stages) - 1  # the first stage's, now that the model was read
+        input_bytes = 0 if first else _bytes(*boundary)
+        output_bytes = 0 if last else _bytes(*output)
+        stages.append(StageMemory.measured(index, whole.stages[index], step.step, input_bytes, output_bytes, _backward_new(step.step)))
+        boundary = output
+        index += 1
+    orders = schedule_orders(pipe.schedule, pp, count, [rank_stages(r, pp, pipe.virtual_stages, pipe.schedule) for r in range(pp)])
+    by_index = {stage.stage: stage for stage in stages}
+    ranks = tuple(compose(rank, orders[rank], by_index, count) for rank in range(pp))
+    return PipelinePlan(pipe.schedule, count, size, bubble(orders), tuple(stages), ranks, tuple(s.step for s in of_stage)), planned
+
+
+def rank_comms(pipeline: PipelinePlan, pp_rank: int, axes) -> dict[str, Any]:
+    """One pp rank's collectives over a step: each of its stages' microbatch forward and
+    backward times the microbatches, its gradient reduction and optimizer step once.
+    {"comms", "bytes": {"forward"|"backward": {op: n}}, "optimizer": {"counts", "bytes"},
+    "by_axis": SPEC §7's {axis: {phase: {op: {"count", "bytes"}}}}}."""
+    from collections import Counter
+
+    from ..simulation.comm_axes import per_op
+    from .memory import nested
+
+    counts = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
+    sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
+    for index in pipeline.rank_of_index(pp_rank).stages:
+        step = pipeline.steps[index]
+        for phase, times, into in (("forward", pipeline.microbatches, "forward"), ("backward", pipeline.microbatches, "backward"),
+                                   ("reduce", 1, "backward"), ("optimizer", 1, "optimizer")):
+            for key, n in step.axis_comms.get(phase, {}).items():
+                counts[into][key] += n * times
+                sizes[into][key] += step.axis_bytes[phase][key] * times
+    by_axis = {phase: nested(counts[phase], sizes[phase], axes) for phase in ("forward", "backward")}
+    every = {**dict.fromkeys(axes), **by_axis["forward"], **by_axis["backward"]}
+    return {"comms": {phase: per_op(counts[phase]) for phase in ("forward", "backward")},
+            "bytes": {phase: per_op(sizes[phase]) for phase in ("forward", "backward")},
+            "optimizer": {"counts": per_op(counts["optimizer"]), "bytes": per_op(sizes["optimizer"])},
+            "by_axis": {axis: {phase: by_axis[phase].get(axis, {}) for phase in by_axis} for axis in every}}
+
+
+def _kind(module: "nn.Module") -> tuple:
+    """What makes two units alike for the simulation: the class, each parameter's name, shape and dtype."""
+    return type(module).__qualname__, tuple((name, tuple(p.shape), p.dtype) for name, p in module.named_parameters())
+
+
+def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
+    import math
+
+    return math.prod(shape) * dtype.itemsize
+
+
+def _backward_new(step: Any) -> int:
+    """What the backward had newly allocated and kept at its peak: the gradients (and,
+    with FSDP2 left unsharded, the parameters) above the step's start."""
+    start, peak = step.phase_categories["start"], step.phase_categories["backward"]
+    return max(0, peak["gradients"] - start["gradients"]) + max(0, peak["parameters"] - start["parameters"])
