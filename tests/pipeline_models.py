@@ -26,3 +26,10 @@ def scaled_embeddings() -> ScaledEmbeddings:
     from tpplan.models.llama import LlamaConfig
 
     return ScaledEmbeddings(LlamaConfig())
+
+
+def four_layers() -> Transformer:
+    """tpplan's tiny Llama with 4 blocks: a pipeline of 4 stages whose two middle ones are alike."""
+    from tpplan.models.llama import LlamaConfig
+
+    return Transformer(LlamaConfig(n_layers=4))

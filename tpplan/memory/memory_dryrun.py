@@ -170,24 +170,25 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
             return planned
 
         pipeline, steps = plan_pipeline(plan, dims, train.batch, seq, simulate, lambda model, size: make_inputs(
-            options.inputs, model, "cpu", batch=size, seq=seq), event)
+            options.inputs, model, "cpu", batch=size, seq=seq), event, options.reuse_blocks)
         sharded, params, _ = whole[0]
         pp = dims.sizes["pp"]
         per = dims.world // pp
         reports = []
         first = steps[0].memory
         for rank in pipeline.ranks:
-            reports.append(MemoryReport(tp=dims.tp, dp=dims.dp, per_rank_peak_bytes=rank.peak_bytes, categories=rank.categories,
+            reports.append(MemoryReport(tp=dims.tp, dp=dims.dp // pp, per_rank_peak_bytes=rank.peak_bytes, categories=rank.categories,
                                         peak_module=rank.peak_action, limit_bytes=train.memory_limit, batch=pipeline.microbatch_size,
                                         seq=first.seq, dtype=first.dtype, optimizer=first.optimizer))
         worst = max(range(pp), key=lambda r: reports[r].per_rank_peak_bytes)
         comms = rank_comms(pipeline, worst, dims.names)
         notes = [f"pipeline: {pipeline.schedule} over pp {pp}, {len(pipeline.stages)} stages, {pipeline.microbatches} "
                  f"microbatches of {pipeline.microbatch_size} per step; each stage's microbatch simulated once "
-                 f"({len(steps)} simulated, alike stages reused), each pp rank's step composed in its schedule's order; "
+                 f"({len(steps)} simulated{', alike stages reused' if options.reuse_blocks else ''}), each pp rank's step "
+                 "composed in its schedule's order; "
                  f"bubble {pipeline.bubble:.3f}; the worst is pp {worst}"]
         return DegreePlan(
-            tp=tp, dp=dims.dp, mesh=dims.sizes, modules=sharded.modules, rule_of=sharded.rule_of, rule_where=sharded.rule_where,
+            tp=tp, dp=dims.dp // pp, mesh=dims.sizes, modules=sharded.modules, rule_of=sharded.rule_of, rule_where=sharded.rule_where,
             params=tuple(params), comms=comms["comms"], comm_bytes=comms["bytes"], optimizer_comms=comms["optimizer"],
             memory=reports[worst], notes=tuple(notes),
             ranks=tuple(RankPlan({**dict.fromkeys(dims.names, 0), "pp": r}, tuple(range(r * per, (r + 1) * per)), reports[r],

@@ -95,12 +95,13 @@ def microbatching(plan: Any, batch: int | None) -> tuple[int, int, int]:
 
 def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
                   simulate: "Callable[[int, Callable, Callable, Callable], PlannedStep]",
-                  first_inputs: "Callable[[nn.Module, int], tuple]", event: Callable[[str], None]) -> tuple[PipelinePlan, list["PlannedStep"]]:
+                  first_inputs: "Callable[[nn.Module, int], tuple]", event: Callable[[str], None],
+                  reuse: bool = True) -> tuple[PipelinePlan, list["PlannedStep"]]:
     """The pipeline's plan at mesh `dims`, and the planned step of each stage simulated.
     `simulate(rank, make_inputs, split, stage_io)` plans one stage's microbatch at global
     `rank` (memory_dryrun's `at_rank`: `stage_io(model)` on the whole built model first,
     then `make_inputs(model)`, then `split(model)` after the TP rules); `first_inputs(model,
-    microbatch)` makes the first stage's inputs."""
+    microbatch)` makes the first stage's inputs. `reuse`: alike stages simulated once (else each)."""
     import torch
 
     from ..core.stages import rank_stages, stage_rank
@@ -144,7 +145,7 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
             targets = torch.randint(0, whole.vocab, (size, seq)) if last and whole.vocab is not None else None
             return StageIO(first=first, last=last, microbatches=count, targets=targets, fsdp_units=whole.fsdp_units)
 
-        key = None if first else (last, tuple(whole.kinds[unit] for unit in whole.stages[index]), boundary)
+        key = None if first or not reuse else (last, tuple(whole.kinds[unit] for unit in whole.stages[index]), boundary)
         if key is None or key not in measured:
             rank = stage_rank(index, pp, pipe.schedule) * (dims.world // pp)
             event(f"pipeline stage {index}" + (f" of {len(whole.stages)}" if whole.stages else ""))
@@ -171,7 +172,9 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
 
 def rank_comms(pipeline: PipelinePlan, pp_rank: int, axes) -> dict[str, Any]:
     """One pp rank's collectives over a step: each of its stages' microbatch forward and
-    backward times the microbatches, its gradient reduction and optimizer step once.
+    backward times the microbatches, its gradient reduction and optimizer step once,
+    and PipelineStage's sends and receives over pp (an activation forward, a gradient
+    backward, per microbatch).
     {"comms", "bytes": {"forward"|"backward": {op: n}}, "optimizer": {"counts", "bytes"},
     "by_axis": SPEC §7's {axis: {phase: {op: {"count", "bytes"}}}}}."""
     from collections import Counter
@@ -188,6 +191,12 @@ def rank_comms(pipeline: PipelinePlan, pp_rank: int, axes) -> dict[str, Any]:
             for key, n in step.axis_comms.get(phase, {}).items():
                 counts[into][key] += n * times
                 sizes[into][key] += step.axis_bytes[phase][key] * times
+        stage, m = pipeline.stages[index], pipeline.microbatches
+        for phase, sent, received in (("forward", stage.output_bytes, stage.input_bytes), ("backward", stage.input_bytes, stage.output_bytes)):
+            for op, size in (("send", sent), ("recv", received)):  # PipelineStage's p2p over pp, one per microbatch
+                if size:
+                    counts[phase][("pp", op)] += m
+                    sizes[phase][("pp", op)] += m * size
     by_axis = {phase: nested(counts[phase], sizes[phase], axes) for phase in ("forward", "backward")}
     every = {**dict.fromkeys(axes), **by_axis["forward"], **by_axis["backward"]}
     return {"comms": {phase: per_op(counts[phase]) for phase in ("forward", "backward")},

@@ -109,6 +109,8 @@ def render_text(report: ApplyReport, console) -> None:
         from .memory import render_memory
 
         render_memory(report.memory, report.memory_sweep, console, report.mesh, report.ranks)
+    if report.pipeline is not None and "bubble" in report.pipeline:
+        _render_pipeline(report.pipeline, console)
 
     if report.step_time_s is not None:
         console.print(f"step time (forward + backward): {report.step_time_s * 1e3:.2f} ms")
@@ -127,6 +129,25 @@ def render_text(report: ApplyReport, console) -> None:
         console.print(f"check against a single device: {verdict}, max |diff| {report.check.max_abs_diff:.3g}")
         for line in report.check.problems:
             console.print(f"  {line}", markup=False)
+
+
+def _render_pipeline(pipeline: dict, console) -> None:
+    """A pipeline's dry run (SPEC §8): each stage, its pp rank's peak and the microbatches it holds."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"Pipeline: {pipeline['schedule']}, {pipeline['microbatches']} microbatches per step, "
+                        f"bubble {pipeline['bubble']:.1%} of the step", title_justify="left")
+    for column, justify in (("stage", "right"), ("pp", "right"), ("modules", "left"), ("rank's peak", "right"),
+                            ("at", "left"), ("activations / microbatch", "right"), ("in flight", "right"), ("p2p / microbatch", "right")):
+        table.add_column(column, justify=justify)
+    for stage in pipeline["stages"]:
+        modules = stage["modules"]
+        shown = ", ".join(modules) if len(modules) <= 3 else f"{modules[0]} … {modules[-1]} ({len(modules)})"
+        cells = (str(stage["stage"]), str(stage["pp_rank"]), shown, human_bytes(stage["per_rank_peak_bytes"]), stage["peak_action"],
+                 human_bytes(stage["activations"]), str(stage["in_flight"]), human_bytes(stage["p2p_bytes"]))
+        table.add_row(*map(Text, cells))
+    console.print(table)
 
 
 def _render_axes(report: ApplyReport, console) -> None:

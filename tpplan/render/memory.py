@@ -23,7 +23,7 @@ def render_memory(memory: MemoryReport, sweep: list[DegreeFit], console, mesh: d
     from ..core.axes_spec import DP_AXES
 
     where = f"TP {memory.tp}" + (f" x FSDP {memory.dp}" if memory.dp > 1 else "")
-    if mesh and any(dim in mesh for dim in DP_AXES):  # a version 2 plan's named axes
+    if mesh and any(dim in mesh for dim in (*DP_AXES, "pp")):  # a version 2 plan's named axes
         where = " x ".join(f"{dim} {size}" for dim, size in mesh.items())
     if ranks and len(ranks) > 1:
         where += f"; the highest of {len(ranks)} positions"

@@ -1,0 +1,134 @@
+"""The dry run of a pipeline (SPEC §8): each stage's microbatch simulated on fake tensors,
+each pp rank's step composed in its schedule's order (memory/pipeline_memory.py,
+memory/pipeline_dryrun.py), against torch's MemTracker on real gloo ranks running
+torch's PipelineStage and schedule (tests/pipeline_memory_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tpplan.cli.app import app
+from tpplan.core.stages import rank_stages
+from tpplan.memory.pipeline_memory import StageMemory, bubble, compose, schedule_orders
+
+from test_torchrun import torchrun
+
+TESTS = Path(__file__).resolve().parent
+PLANS = TESTS.parent / "plans"
+TINY = "tpplan.models.llama:tiny"
+
+
+def plan_file(tmp_path: Path, schedule: str = "1F1B", microbatches: int = 4, pp: int = 2, per_stage: int = 1) -> Path:
+    path = tmp_path / f"{schedule}.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        version: 2
+        mesh: {{pp: {pp}, tp: 1}}
+        rules: {{}}
+        pipeline:
+          layers_per_stage: {per_stage}
+          schedule: {schedule}
+          microbatches: {microbatches}
+        """))
+    return path
+
+
+def orders(schedule: str, pp: int, m: int, v: int = 1) -> dict:
+    return schedule_orders(schedule, pp, m, [rank_stages(r, pp, v, schedule) for r in range(pp)])
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (8, 8)])
+def test_the_bubble_of_gpipe_and_1f1b_is_p_minus_1_over_m_plus_p_minus_1(pp, m):
+    for schedule in ("GPipe", "1F1B"):
+        assert bubble(orders(schedule, pp, m)) == pytest.approx((pp - 1) / (m + pp - 1))
+    assert bubble(orders("Interleaved1F1B", pp, m, 2)) == pytest.approx((pp - 1) / (2 * m + pp - 1))
+    assert bubble(orders("ZBVZeroBubble", pp, m, 2)) < bubble(orders("Interleaved1F1B", pp, m, 2))  # what zero bubble is for
+
+
+def test_1f1b_holds_pp_minus_s_microbatches_on_stage_s_and_gpipe_holds_them_all():
+    """Stages whose microbatch keeps 1 byte of activations and allocates nothing else: the
+    peak is the most microbatches in flight."""
+    pp, m = 4, 8
+
+    def alike(index: int) -> StageMemory:
+        return StageMemory(index, (), static=0, activations=1, forward=1, backward=0, backward_new=0, held=0, reduced=0,
+                           reduce=0, optimizer=0, input_bytes=0, output_bytes=0, start={})
+
+    stages = {i: alike(i) for i in range(pp)}
+    for schedule, held in (("1F1B", [min(pp - s, m) for s in range(pp)]), ("GPipe", [m] * pp)):
+        found = orders(schedule, pp, m)
+        ranks = [compose(r, found[r], stages, m) for r in range(pp)]
+        assert [rank.in_flight[r] for r, rank in enumerate(ranks)] == held
+        assert [rank.peak_bytes for rank in ranks] == held  # the last forward's, on top of those before it
+
+
+def test_the_receive_buffers_and_input_gradients_of_every_microbatch_are_held():
+    stage = StageMemory(1, (), static=100, activations=0, forward=0, backward=0, backward_new=0, held=0, reduced=0,
+                        reduce=0, optimizer=0, input_bytes=3, output_bytes=5, start={})
+    rank = compose(1, orders("GPipe", 3, 4)[1], {1: stage}, 4)
+    assert rank.peak_bytes == 100 + 4 * (3 + 5) + 4 * 3  # buffers for 4 inputs and 4 output gradients, 4 input gradients
+
+
+def measured(path: Path, batch: int, seq: int) -> list[dict]:
+    result = torchrun(2, str(TESTS / "pipeline_memory_worker.py"), str(path), TINY, str(batch), str(seq), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def dry_run_json(*args: str) -> dict:
+    result = CliRunner().invoke(app, ["apply", "--dry-run", "--format", "json", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_each_pp_ranks_planned_peak_is_within_a_tenth_of_torchs_tracker_on_gloo_ranks(tmp_path, schedule):
+    path = plan_file(tmp_path, schedule)
+    report = dry_run_json("--plan", str(path), "--model", TINY, "--batch", "4", "--seq", "128")
+    predicted = {rank["position"]["pp"]: rank["memory"]["per_rank_peak_bytes"] for rank in report["ranks"]}
+    real = {rank["pp"]: rank["peak"] for rank in measured(path, 4, 128)}
+    ratios = {pp: predicted[pp] / real[pp] for pp in real}
+    print(schedule, {pp: f"{predicted[pp]} / {real[pp]} = {ratio:.4f}" for pp, ratio in ratios.items()})
+    assert all(abs(ratio - 1) <= 0.10 for ratio in ratios.values()), ratios
+    stages = report["pipeline"]["stages"]
+    assert [stage["in_flight"] for stage in stages] == ([2, 1] if schedule == "1F1B" else [4, 4])
+    # GPipe holds every microbatch's activations: its first stage needs more than 1F1B's
+    assert stages[0]["activations"] > 0 and stages[0]["p2p_bytes"] == stages[1]["p2p_bytes"] == 1 * 128 * 128 * 4
+
+
+def test_the_json_is_spec_8s_and_the_text_names_each_stage():
+    args = ["--plan", str(PLANS / "llama_pp_tp.yaml"), "--model", TINY, "--seq", "16"]
+    report = dry_run_json(*args)
+    pipeline = report["pipeline"]
+    assert (pipeline["schedule"], pipeline["microbatches"], pipeline["bubble"]) == ("1F1B", 4, pytest.approx(1 / 5))
+    assert [stage["modules"] for stage in pipeline["stages"]] == [["tok_embeddings", "layers.0"], ["layers.1", "norm", "output"]]
+    for stage in pipeline["stages"]:
+        assert {"stage", "modules", "per_rank_peak_bytes", "activations", "in_flight", "p2p_bytes"} <= set(stage)
+    assert report["memory"]["per_rank_peak_bytes"] == max(stage["per_rank_peak_bytes"] for stage in pipeline["stages"])
+    assert report["mesh"] == {"pp": 2, "tp": 2}
+    assert report["comms_by_axis"]["pp"]["forward"] == {"send": {"count": 4, "bytes": 4 * 16 * 128 * 4}}
+    text = CliRunner().invoke(app, ["apply", "--dry-run", *args]).output
+    assert "Pipeline: 1F1B, 4 microbatches per step, bubble 20.0% of the step" in text
+    assert "tok_embeddings, layers.0" in text
+
+
+def test_alike_stages_are_simulated_once_with_the_figures_of_simulating_each(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    path = plan_file(tmp_path, "1F1B", microbatches=4, pp=4)
+    args = ["--plan", str(path), "--model", "pipeline_models:four_layers", "--world", "4", "--seq", "32"]
+    reused, each = dry_run_json(*args), dry_run_json(*args, "--no-reuse")
+    assert "(3 simulated, alike stages reused)" in " ".join(reused["notes"])
+    assert "(4 simulated)" in " ".join(each["notes"])
+    assert reused["pipeline"] == each["pipeline"] and reused["ranks"] == each["ranks"]
+    assert [stage["in_flight"] for stage in reused["pipeline"]["stages"]] == [4, 3, 2, 1]
+
+
+def test_a_batch_that_does_not_split_into_the_microbatches_is_a_usage_error(tmp_path):
+    result = CliRunner().invoke(app, ["apply", "--dry-run", "--plan", str(plan_file(tmp_path)), "--model", TINY, "--batch", "6"])
+    assert result.exit_code == 2
+    assert "the batch of 6 does not split into pipeline.microbatches 4" in " ".join(result.output.split())
