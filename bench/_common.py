@@ -65,6 +65,25 @@ def wall_seconds(command: list[str], env: dict[str, str] | None = None) -> float
     return elapsed
 
 
+def json_run(command: list[str]) -> tuple[float, int, float, dict]:
+    """(wall seconds, peak RSS bytes, CPU seconds, the JSON it prints) of one fresh process
+    (its own RSS and CPU, from wait4); a failing command ends the bench with its error."""
+    import json
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            sys.exit(f"{' '.join(command)} failed:\n{err.read()[-3000:]}")
+        return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime, json.loads(out.read())
+
+
 def within(value: float, goal: float) -> bool:
     """The goal check: at most the goal."""
     return value <= goal

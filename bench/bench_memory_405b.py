@@ -30,11 +30,8 @@ elements) / dp, in bf16 (2 bytes).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import _common
@@ -86,18 +83,8 @@ def one_run(plan: str, cp: int | None, *more: str) -> tuple[float, int, float, d
     """(wall seconds, peak RSS bytes, CPU seconds, the JSON report) of the dry run in a fresh
     process; `cp`: the v2 world's (None: version 1 and --fsdp)."""
     world = ["--world", str(8 * DP * cp * TP), "--seq", str(V2_SEQ)] if cp else ["--tp", str(TP), "--fsdp", str(DP), "--seq", "8192"]
-    command = [sys.executable, "-m", "tpplan", "apply", "--plan", plan, "--model", "tpplan.models.llama:llama3_405b",
-               "--dry-run", *world, "--dtype", "bf16", "--optimizer", "adamw", "--batch", "1", "--format", "json", *more]
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        start = time.perf_counter()
-        process = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=err, text=True)
-        _, status, usage = os.wait4(process.pid, 0)
-        wall = time.perf_counter() - start
-        out.seek(0)
-        err.seek(0)
-        if os.waitstatus_to_exitcode(status) != 0:
-            raise SystemExit(f"the dry run failed:\n{err.read()[-3000:]}")
-        return wall, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime, json.loads(out.read())
+    return _common.json_run([sys.executable, "-m", "tpplan", "apply", "--plan", plan, "--model", "tpplan.models.llama:llama3_405b",
+                             "--dry-run", *world, "--dtype", "bf16", "--optimizer", "adamw", "--batch", "1", "--format", "json", *more])
 
 
 def figures(report: dict) -> dict:

@@ -157,7 +157,9 @@ class Pipeline:
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         losses: list = []
-        self.schedule.step(*((tokens,) if self.first else ()), **({"target": targets, "losses": losses} if self.last else {}))
+        # return_outputs=False: the last stage need not keep every microbatch's logits, only the losses
+        self.schedule.step(*((tokens,) if self.first else ()), **({"target": targets, "losses": losses} if self.last else {}),
+                           return_outputs=False)
         return torch.stack(losses).mean() if self.last else None
 
 

@@ -117,16 +117,18 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
 
     def at_rank(dims, rank: int, stage=None):
         """One simulated rank: its planned step, and the plan as applied there (modules, parameters).
-        `stage`: (make_inputs, split, stage_io) of a pipeline stage (pipeline_dryrun.py), cut by
-        `split` from the model after the TP rules, its microbatch's step measured."""
+        `stage` (pipeline_dryrun.StageRun): a pipeline stage cut from the model around the TP
+        rules, its microbatch's step measured."""
         applied: dict[str, tuple[Sharded, list[ParamLayout], FailureLocator]] = {}
         failed: list[PlanError] = []  # the sharded step raised (not the build or the plan's application)
 
         def shard(model, mesh):
+            if stage is not None:
+                stage.before_rules(model)
             sharded = shard_with_progress(plan, model, mesh, event)
             applied["plan"] = (sharded, param_layouts(model, dims.tp), FailureLocator(plan, model, sharded.rules, dims.tp))
             if stage is not None:
-                stage[1](model)
+                stage.after_rules(model)
 
         def run(step):
             from ..simulation.locate import run_located
@@ -143,14 +145,14 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
             planned = plan_memory(
                 plan,
                 lambda: build_model(options.model, "cpu", factory),
-                stage[0] if stage is not None else lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
+                stage.inputs if stage is not None else lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
                 shard,
                 dims,
                 train,
                 run,
                 None if not options.reuse_blocks or stage is not None else block_reuse(plan, event),
                 rank,
-                stage[2] if stage is not None else None,
+                stage.io if stage is not None else None,
             )
         except PlanError as exc:
             # a failed step is the plan's only if the model runs without it
@@ -164,8 +166,8 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
         dims = dims_at(tp)
         whole: list = []  # the first stage's build: the plan as applied to the whole model
 
-        def simulate(rank: int, stage_inputs, split, stage_io):
-            planned, applied = at_rank(dims, rank, (stage_inputs, split, stage_io))
+        def simulate(rank: int, stage):
+            planned, applied = at_rank(dims, rank, stage)
             whole.append(applied)
             return planned
 

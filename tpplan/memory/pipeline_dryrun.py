@@ -80,6 +80,69 @@ class _Whole:
     kinds: dict[str, tuple] = field(default_factory=dict)  # each unit's class and parameters' names, shapes, dtypes
 
 
+@dataclass
+class StageRun:
+    """One stage's simulation, as memory_dryrun's `at_rank` runs it on a build of the whole
+    model: `io` first (on the whole model), then `inputs`, `before_rules`, the TP rules,
+    `after_rules`, what follows the rules, the measured microbatch."""
+
+    plan: Any
+    whole: _Whole
+    index: int
+    microbatches: int
+    size: int  # the microbatch's sequences
+    seq: int
+    boundary: tuple | None  # the stage before's output: (shape, dtype); None on the first stage
+    first_inputs: Callable[["nn.Module", int], tuple]
+    prune: bool  # shard only this stage's blocks (the first simulation shards the whole model: the report's)
+
+    def io(self, model: "nn.Module") -> StageIO:
+        import torch
+
+        from ..sharding.pipeline import stages_of, whole_model_units
+        from ..simulation.training import token_vocab
+
+        whole = self.whole
+        if self.index == 0:
+            whole.stages, whole.units = stages_of(self.plan, model)
+            whole.fsdp_units = tuple(whole_model_units(self.plan, model))
+            whole.vocab = token_vocab(model)
+            whole.kinds = {unit: _kind(model.get_submodule(unit)) for unit in whole.units}
+        last = self.index == len(whole.stages) - 1
+        targets = torch.randint(0, whole.vocab, (self.size, self.seq)) if last and whole.vocab is not None else None
+        return StageIO(first=self.index == 0, last=last, microbatches=self.microbatches, targets=targets,
+                       fsdp_units=whole.fsdp_units)
+
+    def inputs(self, model: "nn.Module") -> tuple:
+        import torch
+
+        if self.boundary is None:
+            return self.first_inputs(model, self.size)
+        shape, dtype = self.boundary
+        return (torch.empty(shape, dtype=dtype).requires_grad_(True),)
+
+    def before_rules(self, model: "nn.Module") -> None:
+        """The other stages' blocks dropped before the TP rules shard the model, unless a
+        rule names one of them (its glob would then match nothing): the rules' work on
+        126 blocks is most of a stage's simulation."""
+        from ..core.problems import PlanError
+        from ..sharding.pipeline import drop_blocks
+
+        if not self.prune:
+            return
+        restore = drop_blocks(model, self.whole.units, self.whole.stages[self.index])
+        try:
+            self.plan.match(model)
+        except PlanError:
+            restore()
+
+    def after_rules(self, model: "nn.Module") -> None:
+        from ..sharding.pipeline import keep_stage, output_tensor
+
+        keep_stage(model, self.whole.units, self.whole.stages[self.index])
+        model.register_forward_hook(output_tensor)
+
+
 def microbatching(plan: Any, batch: int | None) -> tuple[int, int, int]:
     """(local batch, microbatches, microbatch size): the batch is `--batch` or the plan's
     local batch (runtime/pipelined.local_batch's rule); ValueError where it does not split."""
@@ -94,19 +157,14 @@ def microbatching(plan: Any, batch: int | None) -> tuple[int, int, int]:
 
 
 def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
-                  simulate: "Callable[[int, Callable, Callable, Callable], PlannedStep]",
+                  simulate: "Callable[[int, StageRun], PlannedStep]",
                   first_inputs: "Callable[[nn.Module, int], tuple]", event: Callable[[str], None],
                   reuse: bool = True) -> tuple[PipelinePlan, list["PlannedStep"]]:
     """The pipeline's plan at mesh `dims`, and the planned step of each stage simulated.
-    `simulate(rank, make_inputs, split, stage_io)` plans one stage's microbatch at global
-    `rank` (memory_dryrun's `at_rank`: `stage_io(model)` on the whole built model first,
-    then `make_inputs(model)`, then `split(model)` after the TP rules); `first_inputs(model,
-    microbatch)` makes the first stage's inputs. `reuse`: alike stages simulated once (else each)."""
-    import torch
-
+    `simulate(rank, stage)` plans one stage's microbatch at global `rank` (memory_dryrun's
+    `at_rank`, running the `StageRun`); `first_inputs(model, microbatch)` makes the first
+    stage's inputs. `reuse`: alike stages simulated once (else each)."""
     from ..core.stages import rank_stages, stage_rank
-    from ..sharding.pipeline import keep_stage, output_tensor, stages_of, whole_model_units
-    from ..simulation.training import token_vocab
 
     pipe = plan.spec.pipeline
     _, count, size = microbatching(plan, batch)
@@ -121,35 +179,11 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
     while index == 0 or index < len(whole.stages):
         first = index == 0
         last = bool(whole.stages) and index == len(whole.stages) - 1  # known once the first stage's build read the model
-
-        def on_whole(model: "nn.Module", first: bool = first) -> None:
-            if first:
-                whole.stages, whole.units = stages_of(plan, model)
-                whole.fsdp_units = tuple(whole_model_units(plan, model))
-                whole.vocab = token_vocab(model)
-                whole.kinds = {unit: _kind(model.get_submodule(unit)) for unit in whole.units}
-
-        def make_inputs(model: "nn.Module", first: bool = first, boundary: tuple | None = boundary) -> tuple:
-            if first:
-                return first_inputs(model, size)
-            shape, dtype = boundary
-            return (torch.empty(shape, dtype=dtype).requires_grad_(True),)
-
-        def split(model: "nn.Module", index: int = index) -> None:
-            keep_stage(model, whole.units, whole.stages[index])
-            model.register_forward_hook(output_tensor)
-
-        def stage_io(model: "nn.Module", first: bool = first, index: int = index) -> StageIO:
-            on_whole(model)  # called first, on the whole model
-            last = index == len(whole.stages) - 1
-            targets = torch.randint(0, whole.vocab, (size, seq)) if last and whole.vocab is not None else None
-            return StageIO(first=first, last=last, microbatches=count, targets=targets, fsdp_units=whole.fsdp_units)
-
         key = None if first or not reuse else (last, tuple(whole.kinds[unit] for unit in whole.stages[index]), boundary)
         if key is None or key not in measured:
             rank = stage_rank(index, pp, pipe.schedule) * (dims.world // pp)
             event(f"pipeline stage {index}" + (f" of {len(whole.stages)}" if whole.stages else ""))
-            step = simulate(rank, make_inputs, split, stage_io)
+            step = simulate(rank, StageRun(plan, whole, index, count, size, seq, boundary, first_inputs, prune=not first))
             planned.append(step)
             found = (step, step.step.stage_output)
             if key is not None:

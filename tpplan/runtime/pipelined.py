@@ -82,7 +82,9 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
         start = time.perf_counter()
         try:
             with loss_context(plan.loss_parallel):
-                schedule.step(*(inputs if holds_first else ()), **({"target": targets, "losses": losses} if holds_last else {}))
+                # return_outputs=False: the last stage keeps no microbatch's logits (the losses are what is read)
+                schedule.step(*(inputs if holds_first else ()), **({"target": targets, "losses": losses} if holds_last else {}),
+                              return_outputs=False)
         except Exception as exc:  # the model's forward on a stage, torch's schedule, or a peer gone
             raise _stage_failure(plan, exc, [(index, stages[index]) for index in ids]) from None
         if optimizer is not None:

@@ -19,6 +19,7 @@ and `2·pp − 1 − pp_rank` for the V schedules (torch's `ScheduleZBVZeroBubbl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -81,21 +82,41 @@ def _tied_across(plan: Any, model: nn.Module, stages: list[list[str]]) -> list[P
 
 def keep_stage(model: nn.Module, units: list[str], kept: list[str]) -> nn.Module:
     """`model` with the units (with parameters) outside `kept` removed, in place (module
-    docstring); units without parameters (a rotary table) stay: every stage runs them."""
+    docstring); units without parameters (a rotary table) stay: every stage runs them.
+    Blocks removed already (`drop_blocks`) count as dropped."""
     kept_set = set(kept)
     dropped = []
     for unit in units:
-        if unit in kept_set or next(model.get_submodule(unit).parameters(), None) is None:
-            continue
-        dropped.append(unit)
         parent, _, name = unit.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
+        if unit in kept_set or (name in owner._modules and next(owner._modules[name].parameters(), None) is None):
+            continue
+        dropped.append(unit)
         if isinstance(owner, (nn.ModuleList, nn.ModuleDict)):
-            del owner._modules[name]  # not `del owner[i]`: a ModuleList would renumber the blocks after it
+            owner._modules.pop(name, None)  # not `del owner[i]`: a ModuleList would renumber the blocks after it
         else:
             setattr(owner, name, NotInStage())
     setattr(model, OTHER_STAGES, tuple(dropped))
     return model
+
+
+def drop_blocks(model: nn.Module, units: list[str], kept: list[str]) -> Callable[[], None]:
+    """The blocks of the module list outside `kept` removed, in place, the other units left
+    (the TP rules may name them); returns what puts them back, in their order."""
+    originals: dict[int, tuple[nn.Module, dict]] = {}
+    kept_set = set(kept)
+    for unit in units:
+        parent, _, name = unit.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        if unit not in kept_set and isinstance(owner, (nn.ModuleList, nn.ModuleDict)):
+            originals.setdefault(id(owner), (owner, dict(owner._modules)))
+            del owner._modules[name]
+
+    def restore() -> None:
+        for owner, modules in originals.values():
+            owner._modules = modules
+
+    return restore
 
 
 def output_tensor(module: nn.Module, args: Any, output: Any) -> Any:
