@@ -214,7 +214,7 @@ def test_apply_refuses_a_section_it_does_not_apply_yet_located_exit_2(tmp_path):
     result = CliRunner().invoke(app, ["apply", "--dry-run", "--tp", "2", "--world", "4", "--plan", str(plan), "--model", "tpplan.models.llama:tiny"])
     assert result.exit_code == 2
     line = next(n for n, text in enumerate(plan.read_text().splitlines(), 1) if "pp:" in text)
-    assert f"{plan}:{line}:3: TP130 not applied yet: mesh.pp. The dry run simulates" in result.output
+    assert f"{plan}:{line}:3: TP130 mesh.pp is 2 but the plan has no pipeline section" in " ".join(result.output.split())
     assert "Traceback" not in result.output
 
 

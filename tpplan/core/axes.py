@@ -355,7 +355,7 @@ def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
     if not keys:
         if by in APPLIED and "experts" in APPLIED[by] and (problem := experts_unapplied(plan)) is not None:
             raise NotAppliedError(problem)
-        if by in APPLIED and "pipeline" in APPLIED[by] and (problem := pipeline_unapplied(plan)) is not None:
+        if by in APPLIED and "pipeline" in APPLIED[by] and (problem := pipeline_unapplied(plan) or pipeline_missing(plan)):
             raise NotAppliedError(problem)
         return
     names = ", ".join(".".join(key) for key in keys)
@@ -382,6 +382,18 @@ def pipeline_unapplied(plan: Any) -> Problem | None:
     return error("TP130", "not applied yet: experts with a pipeline. Each stage takes the TP rules, checkpointing and "
                           "FSDP2 (HSDP); the experts over ep inside a stage are not applied yet: remove the pipeline "
                           "or the experts section to apply the other", plan.file, *at)
+
+
+def pipeline_missing(plan: Any) -> Problem | None:
+    """TP130 at mesh.pp of a version 2 plan whose pp is above 1 with no pipeline section:
+    nothing says what each pp rank runs, and running the whole model on each would
+    silently be data parallelism without its gradient reduction."""
+    if plan.version != 2 or plan.spec.pipeline is not None or plan.mesh.sizes["pp"] == 1:
+        return None
+    at = plan.source.locate(("mesh", "pp"), key=True) if plan.source is not None else (1, 1)
+    return error("TP130", f"mesh.pp is {plan.mesh.sizes['pp']} but the plan has no pipeline section: nothing says which "
+                          "stage each pp rank runs; add a pipeline section (its stages, schedule and microbatches) or "
+                          "set mesh.pp to 1", plan.file, *at)
 
 
 # What the ep axis carries of an experts rule: whole experts per ep rank, the tokens (sharded
