@@ -33,3 +33,10 @@ def four_layers() -> Transformer:
     from tpplan.models.llama import LlamaConfig
 
     return Transformer(LlamaConfig(n_layers=4))
+
+
+def fourteen_layers() -> Transformer:
+    """tpplan's tiny Llama with 14 blocks: two stages of 7, each long enough for its repeated blocks to be simulated once."""
+    from tpplan.models.llama import LlamaConfig
+
+    return Transformer(LlamaConfig(n_layers=14))

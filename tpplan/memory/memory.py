@@ -361,6 +361,7 @@ def measure_training_step(
             counts["reduce"], sizes["reduce"] = Counter(), Counter()
             with counting(counts["reduce"], sizes["reduce"], axis_of):
                 _stage_reduce(model, stage)
+            mark("reduce")
         phase("optimizer")
         if optimizer is not None:
             with counting(counts["optimizer"], sizes["optimizer"], axis_of):

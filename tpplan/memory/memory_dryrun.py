@@ -123,8 +123,6 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
         failed: list[PlanError] = []  # the sharded step raised (not the build or the plan's application)
 
         def shard(model, mesh):
-            if stage is not None:
-                stage.before_rules(model)
             sharded = shard_with_progress(plan, model, mesh, event)
             applied["plan"] = (sharded, param_layouts(model, dims.tp), FailureLocator(plan, model, sharded.rules, dims.tp))
             if stage is not None:
@@ -150,7 +148,8 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
                 dims,
                 train,
                 run,
-                None if not options.reuse_blocks or stage is not None else block_reuse(plan, event),
+                (None if not options.reuse_blocks else block_reuse(plan, event)) if stage is None else
+                stage.strategy(block_reuse(plan, event) if options.reuse_blocks else None),
                 rank,
                 stage.io if stage is not None else None,
             )
@@ -161,19 +160,27 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
 
     def pipelined(tp: int) -> DegreePlan:
         """A pipeline's plan (pipeline_dryrun.py): each stage's microbatch, each pp rank's step; the worst rank reported."""
-        from .pipeline_dryrun import plan_pipeline, rank_comms
+        import dataclasses
+
+        from .pipeline_dryrun import plan_pipeline, rank_comms, whole_model
 
         dims = dims_at(tp)
-        whole: list = []  # the first stage's build: the plan as applied to the whole model
+        by_stage: dict[int, tuple] = {}  # by stage simulated: the plan as applied there (its stage's blocks)
 
         def simulate(rank: int, stage):
-            planned, applied = at_rank(dims, rank, stage)
-            whole.append(applied)
+            planned, (sharded, params, _) = at_rank(dims, rank, stage)
+            reused = planned.memory.reuse  # the stage's repeated blocks simulated once: its whole names
+            by_stage[stage.index] = (reused.expand(sharded.rules.items()) if reused else list(sharded.rules.items()),
+                                     reused.expand_params(params) if reused else params, sharded.under,
+                                     f"stage {stage.index}: {reused.describe()}" if reused else None)
             return planned
 
         pipeline, steps = plan_pipeline(plan, dims, train.batch, seq, simulate, lambda model, size: make_inputs(
             options.inputs, model, "cpu", batch=size, seq=seq), event, options.reuse_blocks)
-        sharded, params, _ = whole[0]
+        # the whole model's modules and parameters, put together from the stages
+        sharded = Sharded(dict(whole_model(pipeline, {i: found[0] for i, found in by_stage.items()})), by_stage[0][2])
+        params = [dataclasses.replace(layout, name=name) for name, layout in
+                  whole_model(pipeline, {i: [(p.name, p) for p in found[1]] for i, found in by_stage.items()})]
         pp = dims.sizes["pp"]
         per = dims.world // pp
         reports = []
@@ -189,6 +196,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
                  f"({len(steps)} simulated{', alike stages reused' if options.reuse_blocks else ''}), each pp rank's step "
                  "composed in its schedule's order; "
                  f"bubble {pipeline.bubble:.3f}; the worst is pp {worst}"]
+        notes += [found[3] for found in by_stage.values() if found[3]]  # the blocks reused within a stage
         return DegreePlan(
             tp=tp, dp=dims.dp // pp, mesh=dims.sizes, modules=sharded.modules, rule_of=sharded.rule_of, rule_where=sharded.rule_where,
             params=tuple(params), comms=comms["comms"], comm_bytes=comms["bytes"], optimizer_comms=comms["optimizer"],

@@ -42,6 +42,7 @@ class PipelinePlan:
     stages: tuple[StageMemory, ...]
     ranks: tuple[RankStep, ...]  # by pp rank
     steps: tuple[Any, ...] = ()  # each stage's measured microbatch (memory.StepMemory)
+    simulated_as: tuple[int, ...] = ()  # each stage's: the index of the stage simulated for it (itself, or one alike)
 
     def rank_of(self, stage: int) -> RankStep:
         """The pp rank that runs `stage`."""
@@ -83,8 +84,10 @@ class _Whole:
 @dataclass
 class StageRun:
     """One stage's simulation, as memory_dryrun's `at_rank` runs it on a build of the whole
-    model: `io` first (on the whole model), then `inputs`, `before_rules`, the TP rules,
-    `after_rules`, what follows the rules, the measured microbatch."""
+    model: `strategy` first (the whole model read, the other stages' blocks dropped, then
+    the stage's repeated blocks simulated once or the stage whole), and for each model
+    it simulates `io`, `inputs`, the TP rules, `after_rules`, what follows the rules,
+    the measured microbatch."""
 
     plan: Any
     whole: _Whole
@@ -94,20 +97,33 @@ class StageRun:
     seq: int
     boundary: tuple | None  # the stage before's output: (shape, dtype); None on the first stage
     first_inputs: Callable[["nn.Module", int], tuple]
-    prune: bool  # shard only this stage's blocks (the first simulation shards the whole model: the report's)
 
-    def io(self, model: "nn.Module") -> StageIO:
-        import torch
+    def strategy(self, reuse: "Callable | None") -> Callable:
+        """plan_memory's strategy: on the whole built model, read what every stage needs (the
+        first stage's build), drop the other stages' blocks, then `reuse` (reuse.block_reuse:
+        the stage's repeated blocks simulated once) or the stage simulated whole."""
+        def run(model: "nn.Module", simulate: Callable) -> "PlannedStep":
+            if self.index == 0:
+                self._read(model)
+            self._drop_other_blocks(model)
+            return reuse(model, simulate) if reuse is not None else simulate(model)
 
+        return run
+
+    def _read(self, model: "nn.Module") -> None:
         from ..sharding.pipeline import stages_of, whole_model_units
         from ..simulation.training import token_vocab
 
         whole = self.whole
-        if self.index == 0:
-            whole.stages, whole.units = stages_of(self.plan, model)
-            whole.fsdp_units = tuple(whole_model_units(self.plan, model))
-            whole.vocab = token_vocab(model)
-            whole.kinds = {unit: _kind(model.get_submodule(unit)) for unit in whole.units}
+        whole.stages, whole.units = stages_of(self.plan, model)
+        whole.fsdp_units = tuple(whole_model_units(self.plan, model))
+        whole.vocab = token_vocab(model)
+        whole.kinds = {unit: _kind(model.get_submodule(unit)) for unit in whole.units}
+
+    def io(self, model: "nn.Module") -> StageIO:
+        import torch
+
+        whole = self.whole
         last = self.index == len(whole.stages) - 1
         targets = torch.randint(0, whole.vocab, (self.size, self.seq)) if last and whole.vocab is not None else None
         return StageIO(first=self.index == 0, last=last, microbatches=self.microbatches, targets=targets,
@@ -121,15 +137,14 @@ class StageRun:
         shape, dtype = self.boundary
         return (torch.empty(shape, dtype=dtype).requires_grad_(True),)
 
-    def before_rules(self, model: "nn.Module") -> None:
+    def _drop_other_blocks(self, model: "nn.Module") -> None:
         """The other stages' blocks dropped before the TP rules shard the model, unless a
         rule names one of them (its glob would then match nothing): the rules' work on
-        126 blocks is most of a stage's simulation."""
+        126 blocks is most of a stage's simulation (the report's whole model is put
+        together from the stages: `whole_model`)."""
         from ..core.problems import PlanError
         from ..sharding.pipeline import drop_blocks
 
-        if not self.prune:
-            return
         restore = drop_blocks(model, self.whole.units, self.whole.stages[self.index])
         try:
             self.plan.match(model)
@@ -174,6 +189,7 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
     planned: list[PlannedStep] = []
     of_stage: list[PlannedStep] = []  # each stage's (alike stages share one)
     stages: list[StageMemory] = []
+    simulated_as: list[int] = []
     boundary: tuple | None = None  # the previous stage's output: (shape, dtype)
     index = 0
     while index == 0 or index < len(whole.stages):
@@ -183,15 +199,16 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
         if key is None or key not in measured:
             rank = stage_rank(index, pp, pipe.schedule) * (dims.world // pp)
             event(f"pipeline stage {index}" + (f" of {len(whole.stages)}" if whole.stages else ""))
-            step = simulate(rank, StageRun(plan, whole, index, count, size, seq, boundary, first_inputs, prune=not first))
+            step = simulate(rank, StageRun(plan, whole, index, count, size, seq, boundary, first_inputs))
             planned.append(step)
-            found = (step, step.step.stage_output)
+            found = (step, step.step.stage_output, index)
             if key is not None:
                 measured[key] = found
         else:
             found = measured[key]
-        step, output = found
+        step, output, simulated = found
         of_stage.append(step)
+        simulated_as.append(simulated)
         last = index == len(whole.stages) - 1  # the first stage's, now that the model was read
         input_bytes = 0 if first else _bytes(*boundary)
         output_bytes = 0 if last else _bytes(*output)
@@ -201,7 +218,31 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
     orders = schedule_orders(pipe.schedule, pp, count, [rank_stages(r, pp, pipe.virtual_stages, pipe.schedule) for r in range(pp)])
     by_index = {stage.stage: stage for stage in stages}
     ranks = tuple(compose(rank, orders[rank], by_index, count) for rank in range(pp))
-    return PipelinePlan(pipe.schedule, count, size, bubble(orders), tuple(stages), ranks, tuple(s.step for s in of_stage)), planned
+    return PipelinePlan(pipe.schedule, count, size, bubble(orders), tuple(stages), ranks, tuple(s.step for s in of_stage),
+                        tuple(simulated_as)), planned
+
+
+def whole_model(pipeline: PipelinePlan, found: dict[int, list[tuple[str, Any]]]) -> list[tuple[str, Any]]:
+    """The whole model's (fqn, value) pairs from each simulated stage's (`found`: by the
+    index of the stage simulated; each simulation sharded only its own stage's blocks):
+    every stage's from the one simulated for it, its units renamed in order (alike
+    stages hold alike units), and what lies outside every stage's units (the root, the
+    ancestors of the blocks) from the first stage's. In the model's order."""
+    units = [stage.modules for stage in pipeline.stages]
+    every = {unit for held in units for unit in held}
+
+    def unit_of(fqn: str, held: tuple[str, ...]) -> str | None:
+        return next((unit for unit in held if fqn == unit or fqn.startswith(unit + ".")), None)
+
+    outside = [(fqn, value) for fqn, value in found[0] if unit_of(fqn, tuple(every)) is None]
+    inside = []
+    for index, held in enumerate(units):
+        simulated = pipeline.simulated_as[index]
+        rename = dict(zip(units[simulated], held))
+        for fqn, value in found[simulated]:
+            if (unit := unit_of(fqn, units[simulated])) is not None:
+                inside.append((rename[unit] + fqn[len(unit):], value))
+    return outside + inside
 
 
 def rank_comms(pipeline: PipelinePlan, pp_rank: int, axes) -> dict[str, Any]:

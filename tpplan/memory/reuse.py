@@ -314,7 +314,8 @@ class Timeline:
         self.root = ""
         self.stage = 0
         self.started = False
-        self.highest: dict[str, tuple[Mem, list[str], str]] = {}  # region -> (memory, active modules, phase)
+        # (region, the step's part: forward, backward, reduce, optimizer) -> (memory, active modules, phase)
+        self.highest: dict[tuple[str, str], tuple[Mem, list[str], str]] = {}
         self.marks: dict[str, Mem] = {}
 
     def begin(self, root: str) -> None:
@@ -331,10 +332,16 @@ class Timeline:
         total = sum(snapshot["Total"] for snapshot in tracker._curr_mem_snap.values())
         modules = tracker._mod_tracker
         region = self._region(modules.parents, modules.is_bw, tracker._in_opt)
-        best = self.highest.get(region)
+        part = tracker.phase  # measure_training_step's: a pipeline stage's gradient reduction is a part of its own
+        best = self.highest.get((region, part))
         if best is None or total > best[0]["total"]:
             phase = "optimizer step" if tracker._in_opt else "backward" if modules.is_bw else "forward"
-            self.highest[region] = (_mem(_categories(tracker._curr_mem_snap)), list(modules.parents), phase)
+            self.highest[(region, part)] = (_mem(_categories(tracker._curr_mem_snap)), list(modules.parents), phase)
+
+    def region_highest(self, region: str) -> tuple[Mem, list[str], str] | None:
+        """The highest moment of `region`, whatever part of the step it was in."""
+        found = [held for (where, _), held in self.highest.items() if where == region]
+        return max(found, key=lambda held: held[0]["total"]) if found else None
 
     def _region(self, parents: set[str], backward: bool, optimizer: bool) -> str:
         if not self.started:
@@ -357,12 +364,13 @@ def compose(reuse: "BlockReuse", short: tuple["PlannedStep", Timeline], long: tu
     if b.stage != 4:
         raise CompositionError(f"the blocks did not run in order (the step never reached the {STAGES[b.stage + 1]} region)")
     copies = len(reuse.reused)
-    added = {name: _minus(b.marks[name], a.marks[name]) for name in ("start", "forward", "backward")}
+    added = {name: _minus(b.marks[name], a.marks[name]) for name in ("start", "forward", "backward", "reduce") if name in b.marks}
 
     def grown(region: str) -> Mem:
-        if region not in a.highest:
+        in_a, in_b = a.region_highest(region), b.region_highest(region)
+        if in_a is None or in_b is None:
             raise CompositionError(f"the 2-block run has no {region} region")
-        return _minus(b.highest[region][0], a.highest[region][0])
+        return _minus(in_b[0], in_a[0])
 
     # (region of B, memory added by the copies, the moment is the last copy's), in the order the step meets them
     moments = [
@@ -379,16 +387,21 @@ def compose(reuse: "BlockReuse", short: tuple["PlannedStep", Timeline], long: tu
     if max(held["total"] for held, _, _ in b.highest.values()) != planned_b.step.peak_bytes:
         raise CompositionError("the regions of the step do not hold its peak")
     peak: tuple[Mem, str] | None = None
+    parts: dict[str, Mem] = {}  # each part of the step's highest moment (a pipeline stage's composition reads them)
     for region, extra, last_copy in moments:
-        if region not in b.highest:
-            continue
-        held, parents, phase = b.highest[region]
-        total = _plus(held, extra(), copies)
-        if peak is None or total["total"] > peak[0]["total"]:
-            where = _peak_module(parents, phase, b.root)  # "layers.1.attention (backward)"
-            if last_copy and reuse.under_template(where.partition(" (")[0]):
-                where = reuse.rename(where, reuse.reused[-1])
-            peak = (total, where)
+        for (where_b, part), (held, parents, phase) in b.highest.items():
+            if where_b != region:
+                continue
+            # a pipeline stage's gradient reduction (FSDP2's) frees what its backward left: what the copies add after it
+            after_reduction = region == "after" and part in ("optimizer", "end") and "reduce" in added
+            total = _plus(held, added["reduce"] if after_reduction else extra(), copies)
+            if part not in parts or total["total"] > parts[part]["total"]:
+                parts[part] = total
+            if peak is None or total["total"] > peak[0]["total"]:
+                where = _peak_module(parents, phase, b.root)  # "layers.1.attention (backward)"
+                if last_copy and reuse.under_template(where.partition(" (")[0]):
+                    where = reuse.rename(where, reuse.reused[-1])
+                peak = (total, where)
     assert peak is not None, "a measured step has at least one op"
     held, where = peak
     step_a, step_b = planned_a.step, planned_b.step
@@ -400,6 +413,12 @@ def compose(reuse: "BlockReuse", short: tuple["PlannedStep", Timeline], long: tu
         axis_comms={phase: _linear(step_a.axis_comms[phase], counts, copies) for phase, counts in step_b.axis_comms.items()},
         axis_bytes={phase: _linear(step_a.axis_bytes[phase], sizes, copies) for phase, sizes in step_b.axis_bytes.items()},
         losses=step_b.losses,
+        phase_peaks={part: held["total"] for part, held in parts.items() if part in step_b.phase_peaks},
+        phase_ends=_linear(step_a.phase_ends, step_b.phase_ends, copies),
+        phase_categories={"start": _linear(step_a.phase_categories.get("start", {}), step_b.phase_categories.get("start", {}), copies),
+                          **{part: {name: held[name] for name in CATEGORIES} for part, held in parts.items()
+                             if part in step_b.phase_peaks}},
+        stage_output=step_b.stage_output,
     )
     if min(step.categories.values()) < 0 or min(step.after_step.values()) < 0:
         raise CompositionError("the composed step holds negative memory")
