@@ -155,3 +155,13 @@ def test_a_stages_repeated_blocks_are_simulated_once_with_the_figures_of_simulat
         assert {key: value for key, value in mine.items() if key != "per_rank_peak_bytes"} == \
                {key: value for key, value in whole.items() if key != "per_rank_peak_bytes"}
         assert abs(mine["per_rank_peak_bytes"] - whole["per_rank_peak_bytes"]) <= 20
+
+
+def test_context_parallelism_beside_a_pipeline_is_refused_at_its_section(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(f"version: 2\nextends: {PLANS / 'llama_tp.yaml'}\nrules: {{}}\nmesh: {{pp: 2, cp: 2, tp: 1}}\n"
+                    "pipeline:\n  layers_per_stage: 1\n  schedule: 1F1B\n  microbatches: 4\n"
+                    "context_parallel:\n  modules: layers.*.attention\n")
+    result = CliRunner().invoke(app, ["apply", "--dry-run", "--plan", str(path), "--model", TINY, "--world", "4", "--seq", "16"])
+    assert result.exit_code == 2
+    assert f"{path}:9:1: TP130 not applied yet: context parallel with a pipeline" in " ".join(result.output.split())

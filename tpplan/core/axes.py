@@ -373,15 +373,19 @@ def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
 
 
 def pipeline_unapplied(plan: Any) -> Problem | None:
-    """TP130 at the experts section of a version 2 plan with a pipeline: each stage takes
-    the TP rules, activation checkpointing and FSDP2 (HSDP); experts over ep inside a
-    stage are not applied yet."""
-    if plan.version != 2 or plan.spec.pipeline is None or not plan.spec.experts:
+    """TP130 at the experts or context_parallel section of a version 2 plan with a
+    pipeline: each stage takes the TP rules, activation checkpointing and FSDP2 (HSDP);
+    experts over ep and context parallelism inside a stage are not applied yet."""
+    if plan.version != 2 or plan.spec.pipeline is None:
         return None
-    at = plan.source.locate(("experts",), key=True) if plan.source is not None else (1, 1)
-    return error("TP130", "not applied yet: experts with a pipeline. Each stage takes the TP rules, checkpointing and "
-                          "FSDP2 (HSDP); the experts over ep inside a stage are not applied yet: remove the pipeline "
-                          "or the experts section to apply the other", plan.file, *at)
+    beside = next((key for key in ("experts", "context_parallel") if getattr(plan.spec, key)), None)
+    if beside is None:
+        return None
+    what = {"experts": "experts over ep", "context_parallel": "context parallelism"}[beside]
+    at = plan.source.locate((beside,), key=True) if plan.source is not None else (1, 1)
+    return error("TP130", f"not applied yet: {beside.replace('_', ' ')} with a pipeline. Each stage takes the TP rules, "
+                          f"checkpointing and FSDP2 (HSDP), not yet {what}: remove the "
+                          f"pipeline or the {beside} section to apply the other", plan.file, *at)
 
 
 def pipeline_missing(plan: Any) -> Problem | None:
