@@ -9,10 +9,14 @@ the other stages' units removed, names kept), activation checkpointing and FSDP2
 its share of the units, its microbatch's input (token ids on the first stage, else
 a tensor shaped as the stage before it hands on), one microbatch's forward and, by
 PipelineStage's own code, backward and gradient reduction, then the optimizer step.
-Stages alike (the same units' classes and parameter shapes, the same place: first,
-middle or last, the same input) are simulated once: a 16-stage pipeline of equal
-blocks simulates three. Each stage runs at the lowest global rank of its pp index;
-its ranks on the other axes are taken as alike.
+Two savings, each checked against doing without (`--no-reuse`): the other stages'
+blocks are dropped before the TP rules (which then shard this stage's alone; the
+report's whole model is put together from the stages, `whole_model`), and a stage's
+repeated blocks are simulated once (memory/reuse.py); stages alike (the same units'
+classes and parameter shapes, the same place: first, middle or last, the same
+input) are simulated once: a 16-stage pipeline of equal blocks simulates three.
+Each stage runs at the lowest global rank of its pp index; its ranks on the other
+axes are taken as alike.
 """
 
 from __future__ import annotations
@@ -47,13 +51,6 @@ class PipelinePlan:
     def rank_of(self, stage: int) -> RankStep:
         """The pp rank that runs `stage`."""
         return next(rank for rank in self.ranks if stage in rank.stages)
-
-    def rank_of_index(self, pp_rank: int) -> RankStep:
-        return next(rank for rank in self.ranks if rank.pp_rank == pp_rank)
-
-    @property
-    def worst(self) -> RankStep:
-        return max(self.ranks, key=lambda rank: rank.peak_bytes)  # the first of the highest
 
     def to_json(self) -> dict[str, Any]:
         """SPEC §8's `pipeline` (per_rank_peak_bytes: the peak of the pp rank that runs the stage)."""
@@ -105,8 +102,8 @@ class StageRun:
         def run(model: "nn.Module", simulate: Callable) -> "PlannedStep":
             if self.index == 0:
                 self._read(model)
-            self._drop_other_blocks(model)
-            return reuse(model, simulate) if reuse is not None else simulate(model)
+            # repeated blocks are found in the stage's own (the whole list's would span other stages)
+            return reuse(model, simulate) if self._drop_other_blocks(model) and reuse is not None else simulate(model)
 
         return run
 
@@ -137,11 +134,11 @@ class StageRun:
         shape, dtype = self.boundary
         return (torch.empty(shape, dtype=dtype).requires_grad_(True),)
 
-    def _drop_other_blocks(self, model: "nn.Module") -> None:
+    def _drop_other_blocks(self, model: "nn.Module") -> bool:
         """The other stages' blocks dropped before the TP rules shard the model, unless a
         rule names one of them (its glob would then match nothing): the rules' work on
         126 blocks is most of a stage's simulation (the report's whole model is put
-        together from the stages: `whole_model`)."""
+        together from the stages: `whole_model`). Whether they were."""
         from ..core.problems import PlanError
         from ..sharding.pipeline import drop_blocks
 
@@ -150,6 +147,8 @@ class StageRun:
             self.plan.match(model)
         except PlanError:
             restore()
+            return False
+        return True
 
     def after_rules(self, model: "nn.Module") -> None:
         from ..sharding.pipeline import keep_stage, output_tensor
@@ -259,7 +258,7 @@ def rank_comms(pipeline: PipelinePlan, pp_rank: int, axes) -> dict[str, Any]:
 
     counts = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
     sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
-    for index in pipeline.rank_of_index(pp_rank).stages:
+    for index in pipeline.ranks[pp_rank].stages:
         step = pipeline.steps[index]
         for phase, times, into in (("forward", pipeline.microbatches, "forward"), ("backward", pipeline.microbatches, "backward"),
                                    ("reduce", 1, "backward"), ("optimizer", 1, "optimizer")):
