@@ -232,12 +232,13 @@ def apply(
                 if dry_run:
                     from ..runtime.dryrun import dry_run as run
 
-                    report = run(options, on_event)
+                    code = print_report(run(options, on_event), format, rank)
                 else:
                     from ..runtime.torchrun import run_torchrun
 
-                    report = run_torchrun(options, on_event)
-                code = print_report(report, format, rank)
+                    codes: list[int] = []  # each rank prints before any leaves: torchrun stops the others at the first exit
+                    run_torchrun(options, on_event, publish=lambda report: codes.append(print_report(report, format, rank)))
+                    code = codes[0]
             except (UsageError, ModelRefError) as exc:
                 usage_error(usage_text(exc), rank=rank)
     except typer.Exit as stop:  # a usage error: under torchrun it still leaves through _leave

@@ -52,11 +52,14 @@ class _Loaded:
     usage: UsageError | ModelRefError | None = None
 
 
-def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None = None) -> ApplyReport:
+def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None = None,
+                 publish: Callable[[ApplyReport], None] | None = None) -> ApplyReport:
     """`tpplan apply` on this rank of a torchrun job; every rank returns the same
     report verdict (rank 0's numbers). Raises UsageError (typed: ApplyOptionsError,
-    RanksUsageError) for a run that cannot be done as asked.
-    The process group is destroyed on every path."""
+    RanksUsageError) for a run that cannot be done as asked. `publish(report)` (the
+    CLI's printing) runs on every rank before any rank goes on: torchrun stops the
+    other workers when the first one exits, so a rank that printed and left early
+    would cut the others' reports short. The process group is destroyed on every path."""
     import torch.distributed as dist
 
     rank, world, local_rank = torchrun_env()
@@ -69,9 +72,24 @@ def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None =
         return report
     try:
         control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=options.timeout))
-        return _run(Rank(rank, world, device, backend, control), options, on_event or (lambda text: None))
+        report = _run(Rank(rank, world, device, backend, control), options, on_event or (lambda text: None))
+        if publish is not None:
+            publish(report)
+            _together(control, options.timeout)
+        return report
     finally:
         dist.destroy_process_group()
+
+
+def _together(control, timeout: float) -> None:
+    """Wait for every rank to have published its report; a rank that never comes (it
+    died, which its own report or torchrun says) is not waited for past `timeout`."""
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(group=control, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError:  # the barrier only orders the printing: what each rank found is already out
+        return
 
 
 def _run(ctx: Rank, options: ApplyOptions, event: Callable[[str], None]) -> ApplyReport:
