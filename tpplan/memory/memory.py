@@ -198,7 +198,8 @@ class StepMemory:
     # and the total where each part ends ("start" included): what a pipeline's composition reads
     phase_peaks: dict[str, int] = field(default_factory=dict)
     phase_ends: dict[str, int] = field(default_factory=dict)
-    phase_categories: dict[str, dict[str, int]] = field(default_factory=dict)  # by category at each part's peak ("start": its end)
+    phase_categories: dict[str, dict[str, int]] = field(default_factory=dict)  # by category at each part's peak
+    phase_end_categories: dict[str, dict[str, int]] = field(default_factory=dict)  # and where each part ends
     stage_output: "tuple[tuple[int, ...], torch.dtype] | None" = None  # a non-last pipeline stage's output: shape, dtype
 
     @property
@@ -327,11 +328,10 @@ def measure_training_step(
     losses = []
     ends: dict[str, int] = {}
 
-    start: dict[str, int] = {}
+    end_categories: dict[str, dict[str, int]] = {}
 
     def phase(name: str) -> None:  # the step's next part begins: the one before ends here
-        ends[tracker.phase], now = _categories(tracker.get_tracker_snapshot())
-        start.update(now if tracker.phase == "start" else {})
+        ends[tracker.phase], end_categories[tracker.phase] = _categories(tracker.get_tracker_snapshot())
         tracker.phase = name
 
     with _untracked_modules() as untracked, fake_friendly_meshes(), _propagation_untracked(), tracker:
@@ -384,7 +384,8 @@ def measure_training_step(
         untracked_backward=len(untracked),
         phase_peaks={name: total for name, (total, _) in tracker.phase_peaks.items()},
         phase_ends=ends,
-        phase_categories={"start": start, **{name: _categories(snap)[1] for name, (_, snap) in tracker.phase_peaks.items()}},
+        phase_categories={name: _categories(snap)[1] for name, (_, snap) in tracker.phase_peaks.items()},
+        phase_end_categories=end_categories,
         stage_output=stage_output,
     )
 

@@ -211,7 +211,7 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
         last = index == len(whole.stages) - 1  # the first stage's, now that the model was read
         input_bytes = 0 if first else _bytes(*boundary)
         output_bytes = 0 if last else _bytes(*output)
-        stages.append(StageMemory.measured(index, whole.stages[index], step.step, input_bytes, output_bytes, _backward_new(step.step)))
+        stages.append(StageMemory.measured(index, whole.stages[index], step.step, input_bytes, output_bytes))
         boundary = output
         index += 1
     orders = schedule_orders(pipe.schedule, pp, count, [rank_stages(r, pp, pipe.virtual_stages, pipe.schedule) for r in range(pp)])
@@ -288,10 +288,3 @@ def _bytes(shape: tuple[int, ...], dtype: Any) -> int:
     import math
 
     return math.prod(shape) * dtype.itemsize
-
-
-def _backward_new(step: Any) -> int:
-    """What the backward had newly allocated and kept at its peak: the gradients (and,
-    with FSDP2 left unsharded, the parameters) above the step's start."""
-    start, peak = step.phase_categories["start"], step.phase_categories["backward"]
-    return max(0, peak["gradients"] - start["gradients"]) + max(0, peak["parameters"] - start["parameters"])

@@ -10,15 +10,16 @@ What a pp rank holds at each action of its order (`compose`):
   buffers `PipelineStage` keeps for every microbatch (the input of each, on a stage
   after the first; the gradient of each output, on a stage before the last);
 - after a stage's first backward: what that backward leaves until the step ends
-  (the gradients; with FSDP2, left unsharded and unsynced between microbatches as
-  PipelineStage asks, its unsharded parameters and gradients), and the input
-  gradient of each microbatch it has run backward (kept on the receive buffer
-  until the next step);
+  (the gradients; with FSDP2 unsharded and unsynced between microbatches, as
+  PipelineStage asks) and the input gradient of each microbatch it has run
+  backward (kept on the receive buffer until the next step);
+- with FSDP2, from a stage's backward to its next forward: the weights that
+  backward left gathered (the forward uses them, then reshards them);
 - each microbatch in flight (forward run, backward not yet): the activations its
   forward saved, its output included;
 - the action's own transients, as measured: a forward's peak above its start, a
-  backward's (the first backward measured; later ones with the gradients held
-  already).
+  backward's (the first backward measured; later ones with what an earlier
+  backward left held already).
 
 Then the gradient reduction and the optimizer step, as measured. A zero-bubble
 schedule's input backward (I) is composed as a backward whose microbatch stays in
@@ -43,16 +44,21 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class StageMemory:
-    """One stage's microbatch, measured (bytes; "above" the static part held across the step)."""
+    """One stage's microbatch, measured (bytes; "above" the static part held across the
+    step). With FSDP2, PipelineStage leaves a backward's weights unsharded (and its
+    gradients unsynced) until the next forward of the stage reshards them."""
 
     stage: int
     modules: tuple[str, ...]
     static: int  # parameters, buffers and optimizer state
     activations: int  # what one microbatch's forward keeps for its backward, its output included
     forward: int  # the forward's peak above static
+    forward_parameters: int  # the weights it had gathered at that peak (FSDP2's): held already after a backward
     backward: int  # the first backward's peak above static, its own activations included
-    backward_new: int  # what that backward had newly allocated and keeps (gradients) at its peak
-    held: int  # what a backward leaves until the step ends (its input's gradient not counted)
+    backward_gradients: int  # the gradients it had made at that peak: held already after an earlier backward
+    backward_parameters: int  # the weights it had gathered at that peak: held already right after a backward
+    held: int  # what a backward leaves until the step ends: the gradients (its input's gradient not counted)
+    held_parameters: int  # what it leaves until the stage's next forward: FSDP2's unsharded weights
     reduced: int  # what stays from the reduction to the optimizer step (the gradients, sharded by FSDP2)
     reduce: int  # the reduction's peak above static
     optimizer: int  # the optimizer step's peak above static + reduced
@@ -61,30 +67,35 @@ class StageMemory:
     start: dict[str, int]  # the static part by category (parameters, optimizer)
 
     @classmethod
-    def measured(cls, stage: int, modules: list[str], step: "StepMemory", input_bytes: int, output_bytes: int,
-                 backward_new: int) -> "StageMemory":
-        """From a stage step's phases (`StepMemory.phase_peaks`/`phase_ends`). The step's
-        output gradient was made for its backward and freed after it: not counted here
-        (it is a receive buffer, counted once by the composition)."""
-        peaks, ends = step.phase_peaks, step.phase_ends
-        static = ends["start"]
-        held = ends["backward"] - static - input_bytes
-        reduced = ends["reduce"] - static - input_bytes
+    def measured(cls, stage: int, modules: list[str], step: "StepMemory", input_bytes: int, output_bytes: int) -> "StageMemory":
+        """From a stage step's parts (`StepMemory.phase_*`). The step's output gradient was
+        made for its backward and freed after it: not counted here (it is a receive
+        buffer, counted once by the composition)."""
+        peaks, ends, at_peak, at_end = step.phase_peaks, step.phase_ends, step.phase_categories, step.phase_end_categories
+        static, start = ends["start"], at_end["start"]
+
+        def grown(categories: dict[str, int], name: str) -> int:
+            return max(0, categories[name] - start[name])
+
+        held_parameters = grown(at_end["backward"], "parameters")
         return cls(
             stage=stage,
             modules=tuple(modules),
             static=static,
             activations=ends["forward"] - static,
             forward=peaks["forward"] - static,
+            forward_parameters=grown(at_peak["forward"], "parameters"),
             backward=peaks["backward"] - static - output_bytes,
-            backward_new=backward_new,
-            held=held,
-            reduced=reduced,
+            backward_gradients=grown(at_peak["backward"], "gradients"),
+            backward_parameters=grown(at_peak["backward"], "parameters"),
+            held=ends["backward"] - static - input_bytes - held_parameters,
+            held_parameters=held_parameters,
+            reduced=ends["reduce"] - static - input_bytes,
             reduce=peaks.get("reduce", ends["reduce"]) - static - input_bytes,
             optimizer=peaks.get("optimizer", ends["optimizer"]) - ends["reduce"],
             input_bytes=input_bytes,
             output_bytes=output_bytes,
-            start=dict(step.phase_categories["start"]),
+            start=dict(start),
         )
 
     def buffers(self, microbatches: int) -> int:
@@ -171,7 +182,12 @@ def compose(pp_rank: int, order: list[Any], stages: dict[int, StageMemory], micr
     in_flight = dict.fromkeys(mine, 0)
     most = dict.fromkeys(mine, 0)
     backwards = dict.fromkeys(mine, 0)
+    unsharded = dict.fromkeys(mine, False)  # FSDP2's weights left gathered by the stage's last backward
     peak: tuple[int, str, dict[str, int]] = (-1, "", {})
+
+    def held(but: int | None = None) -> int:
+        return sum((stages[k].held if backwards[k] else 0) + (stages[k].held_parameters if unsharded[k] else 0)
+                   for k in mine if k != but)
 
     def consider(transient: int, where: str, gradients: int, activations: int) -> None:
         nonlocal peak
@@ -190,23 +206,26 @@ def compose(pp_rank: int, order: list[Any], stages: dict[int, StageMemory], micr
         if kind not in ("F", "B", "I", "W"):
             continue
         stage = stages[j]
-        held = sum(stages[k].held for k in mine if backwards[k])
         activations = sum(in_flight[k] * stages[k].activations for k in mine)
         if kind == "F":
-            consider(stage.forward, f"forward of microbatch {mb} on stage {j}", held, activations)
+            # weights a backward left gathered are not gathered again; the forward reshards them after
+            consider(stage.forward - (min(stage.forward_parameters, stage.held_parameters) if unsharded[j] else 0),
+                     f"forward of microbatch {mb} on stage {j}", held(), activations)
             in_flight[j] += 1
             most[j] = max(most[j], in_flight[j])
+            unsharded[j] = False
         elif kind in ("B", "I"):
-            # its own activations are in the measured backward; the gradients, once held, are not new
-            again = min(stage.backward_new, stage.held) if backwards[j] else 0
-            consider(stage.backward - again, f"backward of microbatch {mb} on stage {j}", held, activations - stage.activations)
+            # its own activations are in the measured backward; what an earlier backward left held is not new
+            again = (min(stage.backward_gradients, stage.held) if backwards[j] else 0) + \
+                    (min(stage.backward_parameters, stage.held_parameters) if unsharded[j] else 0)
+            consider(stage.backward - again, f"backward of microbatch {mb} on stage {j}", held(), activations - stage.activations)
             backwards[j] += 1
+            unsharded[j] = stage.held_parameters > 0
             in_flight[j] -= kind == "B"
         else:  # W: the microbatch's weight gradients done, its activations freed
             in_flight[j] -= 1
     for j in mine:  # the gradient reduction, stage by stage, then one optimizer step over them all
-        others = sum(stages[k].held for k in mine if k != j)
-        consider(stages[j].reduce, f"gradient reduction of stage {j}", others, 0)
+        consider(stages[j].reduce, f"gradient reduction of stage {j}", held(but=j), 0)
     consider(sum(stages[j].optimizer for j in mine), "optimizer step", sum(stages[j].reduced for j in mine), 0)
     total, where, categories = peak
     return RankStep(pp_rank, tuple(mine), total, where, most, categories)

@@ -415,9 +415,9 @@ def compose(reuse: "BlockReuse", short: tuple["PlannedStep", Timeline], long: tu
         losses=step_b.losses,
         phase_peaks={part: held["total"] for part, held in parts.items() if part in step_b.phase_peaks},
         phase_ends=_linear(step_a.phase_ends, step_b.phase_ends, copies),
-        phase_categories={"start": _linear(step_a.phase_categories.get("start", {}), step_b.phase_categories.get("start", {}), copies),
-                          **{part: {name: held[name] for name in CATEGORIES} for part, held in parts.items()
-                             if part in step_b.phase_peaks}},
+        phase_categories={part: {name: held[name] for name in CATEGORIES} for part, held in parts.items() if part in step_b.phase_peaks},
+        phase_end_categories={part: _linear(step_a.phase_end_categories[part], categories, copies)
+                              for part, categories in step_b.phase_end_categories.items()},
         stage_output=step_b.stage_output,
     )
     if min(step.categories.values()) < 0 or min(step.after_step.values()) < 0:
