@@ -11,8 +11,8 @@ What a pp rank holds at each action of its order (`compose`):
   after the first; the gradient of each output, on a stage before the last);
 - after a stage's first backward: what that backward leaves until the step ends
   (the gradients; with FSDP2 unsharded and unsynced between microbatches, as
-  PipelineStage asks) and the input gradient of each microbatch it has run
-  backward (kept on the receive buffer until the next step);
+  PipelineStage asks); a backward's input gradient until it is sent (through the
+  next action: PipelineStage takes it off the receive buffer, `val.grad = None`);
 - with FSDP2, from a stage's backward to its next forward: the weights that
   backward left gathered (the forward uses them, then reshards them);
 - each microbatch in flight (forward run, backward not yet): the activations its
@@ -183,6 +183,7 @@ def compose(pp_rank: int, order: list[Any], stages: dict[int, StageMemory], micr
     most = dict.fromkeys(mine, 0)
     backwards = dict.fromkeys(mine, 0)
     unsharded = dict.fromkeys(mine, False)  # FSDP2's weights left gathered by the stage's last backward
+    sending = 0  # the input gradient the last backward made, held until its send is done (the next action)
     peak: tuple[int, str, dict[str, int]] = (-1, "", {})
 
     def held(but: int | None = None) -> int:
@@ -191,7 +192,7 @@ def compose(pp_rank: int, order: list[Any], stages: dict[int, StageMemory], micr
 
     def consider(transient: int, where: str, gradients: int, activations: int) -> None:
         nonlocal peak
-        inputs = sum(backwards[k] * stages[k].input_bytes for k in mine)  # each microbatch's input gradient, kept
+        inputs = sending
         total = static + buffers + inputs + gradients + activations + transient
         if total > peak[0]:
             parameters = sum(stages[k].start.get("parameters", 0) for k in mine)
@@ -224,6 +225,8 @@ def compose(pp_rank: int, order: list[Any], stages: dict[int, StageMemory], micr
             in_flight[j] -= kind == "B"
         else:  # W: the microbatch's weight gradients done, its activations freed
             in_flight[j] -= 1
+        # PipelineStage takes the input's gradient off its buffer and holds it until it is sent
+        sending = stage.input_bytes if kind in ("B", "I") else 0
     for j in mine:  # the gradient reduction, stage by stage, then one optimizer step over them all
         consider(stages[j].reduce, f"gradient reduction of stage {j}", held(but=j), 0)
     consider(sum(stages[j].optimizer for j in mine), "optimizer step", sum(stages[j].reduced for j in mine), 0)
