@@ -192,14 +192,13 @@ def compose(pp_rank: int, order: list[Any], stages: dict[int, StageMemory], micr
 
     def consider(transient: int, where: str, gradients: int, activations: int) -> None:
         nonlocal peak
-        inputs = sending
-        total = static + buffers + inputs + gradients + activations + transient
+        total = static + buffers + sending + gradients + activations + transient
         if total > peak[0]:
             parameters = sum(stages[k].start.get("parameters", 0) for k in mine)
             optimizer = sum(stages[k].start.get("optimizer", 0) for k in mine)
             peak = (total, where, {"parameters": parameters, "gradients": gradients, "optimizer": optimizer,
-                                   "activations": buffers + inputs + activations,
-                                   "temporaries": total - parameters - optimizer - gradients - buffers - inputs - activations})
+                                   "activations": buffers + sending + activations,
+                                   "temporaries": total - parameters - optimizer - gradients - buffers - sending - activations})
 
     consider(0, "step start", 0, 0)
     for action in order:
