@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from ..core.plan import Plan
@@ -89,8 +90,52 @@ def shard_data_parallel(model: "nn.Module", mesh: "DeviceMesh", plan: "Plan | No
     be the blocks); a plan's `fsdp.units` are matched on `model` as it is."""
     from ..sharding.data_parallel import apply_data_parallel
 
-    with _meshes_outside_fake_mode():
+    with _meshes_outside_fake_mode(), _chunks_on_demand():
         return apply_data_parallel(plan, model, mesh, wrap, units)
+
+
+class _Chunks(Sequence):
+    """`_chunk_with_empty(tensor, parts, dim)`'s list, each chunk made when it is read:
+    the same views torch.chunk makes (`narrow` at multiples of its step), and empty
+    tensors past the last."""
+
+    def __init__(self, tensor: "torch.Tensor", parts: int, dim: int):
+        self.tensor, self.parts, self.dim = tensor, parts, dim
+        self.step = -(-tensor.size(dim) // parts)
+
+    def __len__(self) -> int:
+        return self.parts
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.parts))]
+        index = index + self.parts if index < 0 else index
+        start = index * self.step
+        if start >= self.tensor.size(self.dim) and index > 0:
+            return self[0].new_empty(0)
+        return self.tensor.narrow(self.dim, start, min(self.step, self.tensor.size(self.dim) - start))
+
+
+@contextlib.contextmanager
+def _chunks_on_demand() -> Iterator[None]:
+    """FSDP2 cuts every parameter into one chunk per data-parallel rank and reads one or
+    two of them (this rank's, the padded first): on fake tensors each view costs a
+    dispatch, 64 per parameter at dp_shard 64, most of a 405B stage's FSDP2 setup. The
+    chunks are made when read instead, the same views."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    original = _fsdp_param._chunk_with_empty
+
+    def chunk(tensor, num_chunks: int, dim: int):
+        if tensor.size(dim) == 0:  # torch.chunk's own answer for an empty dim
+            return original(tensor, num_chunks, dim)
+        return _Chunks(tensor, num_chunks, dim)
+
+    _fsdp_param._chunk_with_empty = chunk
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
 
 
 @contextlib.contextmanager
