@@ -344,8 +344,11 @@ def measure_training_step(
         generator = torch.Generator().manual_seed(seed + 3)
         with loss_context(loss_parallel):
             with counting(counts["forward"], sizes["forward"], axis_of):
-                output = model(*inputs)
-                loss = training_loss(output, targets, loss_parallel, generator) if stage is None or stage.last else None
+                if stage is None:  # the logits live only in the loss's graph: its backward frees them
+                    output, loss = None, training_loss(model(*inputs), targets, loss_parallel, generator)
+                else:  # PipelineStage holds a stage's output until its backward
+                    output = model(*inputs)
+                    loss = training_loss(output, targets, loss_parallel, generator) if stage.last else None
             mark("forward")
             phase("backward")
             with counting(counts["backward"], sizes["backward"], axis_of):
