@@ -57,9 +57,12 @@ def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None =
     """`tpplan apply` on this rank of a torchrun job; every rank returns the same
     report verdict (rank 0's numbers). Raises UsageError (typed: ApplyOptionsError,
     RanksUsageError) for a run that cannot be done as asked. `publish(report)` (the
-    CLI's printing) runs on every rank before any rank goes on: torchrun stops the
-    other workers when the first one exits, so a rank that printed and left early
-    would cut the others' reports short. The process group is destroyed on every path."""
+    CLI's printing) runs on every rank; where every rank stopped at the plan's checks,
+    no rank goes on before all have printed: torchrun stops the other workers when the
+    first one exits, so a rank that printed and left early would cut the others'
+    located errors short. (A run that failed later may have a rank stuck on a dead
+    peer: there the ranks leave as they finish.) The process group is destroyed on
+    every path."""
     import torch.distributed as dist
 
     rank, world, local_rank = torchrun_env()
@@ -72,28 +75,37 @@ def run_torchrun(options: ApplyOptions, on_event: Callable[[str], None] | None =
         return report
     try:
         control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timedelta(seconds=options.timeout))
-        report = _run(Rank(rank, world, device, backend, control), options, on_event or (lambda text: None))
+        report, stopped = _run(Rank(rank, world, device, backend, control), options, on_event or (lambda text: None))
         if publish is not None:
             publish(report)
-            _together(control, options.timeout)
+            if stopped:  # every rank stopped at the same check, in step: each waits for the others' report
+                _together(control, options.timeout)
         return report
     finally:
         dist.destroy_process_group()
 
 
+# How long a rank that has printed its report waits for the others to print theirs: they
+# end together when they do (the collectives keep them in step); a rank that never comes
+# is stuck on a peer that died, which torchrun and the reports already say.
+PUBLISH_WAIT_S = 30.0
+
+
 def _together(control, timeout: float) -> None:
-    """Wait for every rank to have published its report; a rank that never comes (it
-    died, which its own report or torchrun says) is not waited for past `timeout`."""
+    """Wait for every rank to have published its report, at most PUBLISH_WAIT_S (or the
+    run's own timeout, if shorter)."""
     import torch.distributed as dist
 
     try:
-        dist.monitored_barrier(group=control, timeout=timedelta(seconds=timeout), wait_all_ranks=True)
+        dist.monitored_barrier(group=control, timeout=timedelta(seconds=min(timeout, PUBLISH_WAIT_S)), wait_all_ranks=True)
     except RuntimeError:  # the barrier only orders the printing: what each rank found is already out
         return
 
 
-def _run(ctx: Rank, options: ApplyOptions, event: Callable[[str], None]) -> ApplyReport:
-    """Load, agree across ranks, apply and run: each step returns what it found."""
+def _run(ctx: Rank, options: ApplyOptions, event: Callable[[str], None]) -> tuple[ApplyReport, bool]:
+    """Load, agree across ranks, apply and run: each step returns what it found. The
+    report, and whether every rank stopped before applying (the plan's checks, the
+    ranks' agreement): then no collective is left pending between them."""
     loaded = _load(ctx, options, event)
     event("comparing plans across ranks")
     try:
@@ -101,14 +113,14 @@ def _run(ctx: Rank, options: ApplyOptions, event: Callable[[str], None]) -> Appl
     except CommFailure as exc:
         stopped = [exc.problem]
     if stopped:
-        return _report(ctx, options, loaded, None, stopped)
+        return _report(ctx, options, loaded, None, stopped), True
     assert loaded.plan is not None and loaded.model is not None and loaded.mesh is not None
     ran = _apply_and_run(ctx, options, loaded.plan, loaded.model, loaded.mesh, event)
     report = _report(ctx, options, loaded, ran, [])
     # under FSDP2 a rank holds a dp shard of its layout (the memory plan's figure); a pp rank its stages
     if not ran.problems and not ran.data_parallel and ran.pipeline is None:
         _assert_held(ctx, loaded.model, report)
-    return report
+    return report, False
 
 
 def _report(ctx: Rank, options: ApplyOptions, loaded: _Loaded, ran: Ran | None, stopped: list[Problem]) -> ApplyReport:
