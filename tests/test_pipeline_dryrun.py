@@ -173,3 +173,11 @@ def test_context_parallelism_beside_a_pipeline_is_refused_at_its_section(tmp_pat
     result = CliRunner().invoke(app, ["apply", "--dry-run", "--plan", str(path), "--model", TINY, "--world", "4", "--seq", "16"])
     assert result.exit_code == 2
     assert f"{path}:9:1: TP130 not applied yet: context parallel with a pipeline" in " ".join(result.output.split())
+
+
+def test_a_batch_that_is_no_whole_number_of_microbatches_of_microbatch_size_is_the_same_usage_error_as_torchruns(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(plan_file(tmp_path).read_text().replace("microbatches: 4", "microbatch_size: 4"))
+    result = CliRunner().invoke(app, ["apply", "--dry-run", "--plan", str(path), "--model", TINY, "--batch", "6"])
+    assert result.exit_code == 2
+    assert "the batch of 6 does not split into pipeline.microbatch_size 4" in " ".join(result.output.split())

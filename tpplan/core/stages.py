@@ -174,3 +174,19 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
     if schedule in V_SCHEDULES:
         return stage if stage < pp else 2 * pp - 1 - stage
     return stage % pp
+
+
+def split_batch(plan: Any, batch: int | None = None) -> tuple[int, int, int]:
+    """(the batch each data-parallel rank is given, its microbatches, their size) under a
+    version 2 plan's pipeline: `batch`, or by default (torchrun refuses a `training`
+    section, TP130) the plan's microbatches of one sequence each, or pp·virtual_stages
+    microbatches of `microbatch_size`. ValueError where the batch does not split."""
+    pipe = plan.spec.pipeline
+    if batch is None:
+        batch = pipe.microbatches if pipe.microbatches is not None else pipe.microbatch_size * plan.mesh.sizes["pp"] * pipe.virtual_stages
+    count = pipe.microbatches if pipe.microbatches is not None else batch // pipe.microbatch_size
+    size = pipe.microbatch_size if pipe.microbatch_size is not None else (batch // count if count else 0)
+    if not count or count * size != batch:
+        key = "microbatches" if pipe.microbatches is not None else "microbatch_size"
+        raise ValueError(f"the batch of {batch} does not split into pipeline.{key} {getattr(pipe, key)}: give a batch that it divides")
+    return batch, count, size

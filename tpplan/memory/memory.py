@@ -213,9 +213,16 @@ class StepMemory:
 
     def comms_by_axis(self, axes) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
         """SPEC §7's {axis: {"forward"|"backward": {op: {"count", "bytes"}}}}, every axis of `axes`."""
-        phases = {phase: nested(self.axis_comms[phase], self.axis_bytes[phase], axes) for phase in ("forward", "backward")}
-        every = {**dict.fromkeys(axes), **phases["forward"], **phases["backward"]}  # the mesh's, then any group that is no dim's
-        return {axis: {phase: phases[phase].get(axis, {}) for phase in phases} for axis in every}
+        return by_axis(self.axis_comms, self.axis_bytes, axes)
+
+
+def by_axis(counts: dict[str, dict[tuple[str, str], int]], sizes: dict[str, dict[tuple[str, str], int]],
+            axes) -> dict[str, dict[str, dict[str, dict[str, int]]]]:
+    """SPEC §7's {axis: {"forward"|"backward": {op: {"count", "bytes"}}}} of a step's
+    {phase: {(axis, op): count}} and the bytes of the same, every axis of `axes`."""
+    phases = {phase: nested(counts[phase], sizes[phase], axes) for phase in ("forward", "backward")}
+    every = {**dict.fromkeys(axes), **phases["forward"], **phases["backward"]}  # the mesh's, then any group that is no dim's
+    return {axis: {phase: phases[phase].get(axis, {}) for phase in phases} for axis in every}
 
 
 @dataclass(frozen=True)

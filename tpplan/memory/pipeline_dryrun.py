@@ -54,17 +54,15 @@ class PipelinePlan:
 
     def to_json(self) -> dict[str, Any]:
         """SPEC §8's `pipeline` (per_rank_peak_bytes: the peak of the pp rank that runs the stage)."""
-        return {
-            "schedule": self.schedule,
-            "microbatches": self.microbatches,
-            "bubble": self.bubble,
-            "stages": [{"stage": stage.stage, "modules": list(stage.modules), "pp_rank": self.rank_of(stage.stage).pp_rank,
-                        "per_rank_peak_bytes": self.rank_of(stage.stage).peak_bytes, "activations": stage.activations,
-                        "in_flight": self.rank_of(stage.stage).in_flight[stage.stage], "p2p_bytes": stage.p2p_bytes,
-                        # Beyond SPEC §8:
-                        "peak_action": self.rank_of(stage.stage).peak_action, "static_bytes": stage.static}
-                       for stage in self.stages],
-        }
+        stages = []
+        for stage in self.stages:
+            rank = self.rank_of(stage.stage)
+            stages.append({"stage": stage.stage, "modules": list(stage.modules), "pp_rank": rank.pp_rank,
+                           "per_rank_peak_bytes": rank.peak_bytes, "activations": stage.activations,
+                           "in_flight": rank.in_flight[stage.stage], "p2p_bytes": stage.p2p_bytes,
+                           # Beyond SPEC §8:
+                           "peak_action": rank.peak_action, "static_bytes": stage.static})
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "bubble": self.bubble, "stages": stages}
 
 
 @dataclass
@@ -157,20 +155,7 @@ class StageRun:
         model.register_forward_hook(output_tensor)
 
 
-def microbatching(plan: Any, batch: int | None) -> tuple[int, int, int]:
-    """(local batch, microbatches, microbatch size): the batch is `--batch` or the plan's
-    local batch (runtime/pipelined.local_batch's rule); ValueError where it does not split."""
-    pipe = plan.spec.pipeline
-    if batch is None:
-        batch = pipe.microbatches if pipe.microbatches is not None else pipe.microbatch_size * plan.mesh.sizes["pp"] * pipe.virtual_stages
-    count = pipe.microbatches if pipe.microbatches is not None else batch // pipe.microbatch_size
-    if not count or batch % count:
-        key = "microbatches" if pipe.microbatches is not None else "microbatch_size"
-        raise ValueError(f"the batch of {batch} does not split into pipeline.{key} {getattr(pipe, key)}: give a batch that it divides")
-    return batch, count, batch // count
-
-
-def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
+def plan_pipeline(plan: Any, dims: "MeshDims", batch: int | None, seq: int,
                   simulate: "Callable[[int, StageRun], PlannedStep]",
                   first_inputs: "Callable[[nn.Module, int], tuple]", event: Callable[[str], None],
                   reuse: bool = True) -> tuple[PipelinePlan, list["PlannedStep"]]:
@@ -178,10 +163,10 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int, seq: int,
     `simulate(rank, stage)` plans one stage's microbatch at global `rank` (memory_dryrun's
     `at_rank`, running the `StageRun`); `first_inputs(model, microbatch)` makes the first
     stage's inputs. `reuse`: alike stages simulated once (else each)."""
-    from ..core.stages import rank_stages, stage_rank
+    from ..core.stages import rank_stages, split_batch, stage_rank
 
     pipe = plan.spec.pipeline
-    _, count, size = microbatching(plan, batch)
+    _, count, size = split_batch(plan, batch)
     pp = dims.sizes["pp"]
     whole = _Whole()
     measured: dict[Any, tuple[Any, Any]] = {}  # stage signature -> (its planned step, its output (shape, dtype))
@@ -254,7 +239,7 @@ def rank_comms(pipeline: PipelinePlan, pp_rank: int, axes) -> dict[str, Any]:
     from collections import Counter
 
     from ..simulation.comm_axes import per_op
-    from .memory import nested
+    from .memory import by_axis
 
     counts = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
     sizes = {phase: Counter() for phase in ("forward", "backward", "optimizer")}
@@ -271,12 +256,10 @@ def rank_comms(pipeline: PipelinePlan, pp_rank: int, axes) -> dict[str, Any]:
                 if size:
                     counts[phase][("pp", op)] += m
                     sizes[phase][("pp", op)] += m * size
-    by_axis = {phase: nested(counts[phase], sizes[phase], axes) for phase in ("forward", "backward")}
-    every = {**dict.fromkeys(axes), **by_axis["forward"], **by_axis["backward"]}
     return {"comms": {phase: per_op(counts[phase]) for phase in ("forward", "backward")},
             "bytes": {phase: per_op(sizes[phase]) for phase in ("forward", "backward")},
             "optimizer": {"counts": per_op(counts["optimizer"]), "bytes": per_op(sizes["optimizer"])},
-            "by_axis": {axis: {phase: by_axis[phase].get(axis, {}) for phase in by_axis} for axis in every}}
+            "by_axis": by_axis(counts, sizes, axes)}
 
 
 def _kind(module: "nn.Module") -> tuple:

@@ -204,10 +204,10 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
 
 def _check_microbatches(plan: Plan, batch: int | None) -> None:
     """A usage error where --batch does not split into the pipeline's microbatches."""
-    from ..memory.pipeline_dryrun import microbatching
+    from ..core.stages import split_batch
 
     try:
-        microbatching(plan, batch)
+        split_batch(plan, batch)
     except ValueError as exc:
         raise ApplyOptionsError("batch", "microbatches", str(exc), batch=batch) from None
 

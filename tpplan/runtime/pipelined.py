@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..check.result import CheckResult
 from ..core.plan import Plan
-from ..core.stages import stage_rank
+from ..core.stages import split_batch, stage_rank
 from .options import ApplyOptionsError
 from .ranks import Ran, Rank, load_checkpoint_of
 
@@ -58,7 +58,7 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
     if options.checkpoint:  # into the whole model on every rank, before it is cut: a stage copies its part
         reference = load_checkpoint_of(ctx, options, model, ran, event)
     torch.manual_seed(options.seed + 1)  # the same inputs on every rank, as apply's (after a load: on its device)
-    inputs = make_inputs(options.inputs, model, ctx.device, batch=local_batch(plan))
+    inputs = make_inputs(options.inputs, model, ctx.device, batch=split_batch(plan)[0])
     microbatches = microbatch_count(plan, inputs)
     targets = make_targets(model, inputs, torch.Generator().manual_seed(options.seed + 2))
     checkpointed = apply_activation_checkpointing(plan, model)
@@ -143,28 +143,14 @@ def _stage_failure(plan: Plan, exc: Exception, held: list[tuple[int, list[str]]]
                                      "shard of the sequence", plan.file, *at)])
 
 
-def local_batch(plan: Plan) -> int:
-    """The batch each data-parallel rank is given (torchrun refuses a `training` section,
-    TP130): the microbatches of one sequence each, or pp·virtual_stages microbatches of
-    `microbatch_size`."""
-    pipe = plan.spec.pipeline
-    if pipe.microbatches is not None:
-        return pipe.microbatches
-    return pipe.microbatch_size * plan.mesh.sizes["pp"] * pipe.virtual_stages
-
-
 def microbatch_count(plan: Plan, inputs: tuple) -> int:
-    """The plan's microbatches, or the batch over its microbatch_size; a usage error where
-    the batch of `--inputs` does not split into them."""
-    pipe = plan.spec.pipeline
+    """The plan's microbatches of the batch of `inputs` (core/stages.split_batch); a usage
+    error where the batch of `--inputs` does not split into them."""
     batch = inputs[0].shape[0]
-    count = pipe.microbatches if pipe.microbatches is not None else batch // pipe.microbatch_size
-    size = pipe.microbatch_size if pipe.microbatch_size is not None else (batch // count if count else 0)
-    if not count or count * size != batch:
-        key = "microbatches" if pipe.microbatches is not None else "microbatch_size"
-        raise ApplyOptionsError("inputs", "microbatches", f"the batch of {batch} does not split into pipeline.{key} "
-                                f"{getattr(pipe, key)}: give a batch that it divides", batch=batch)
-    return count
+    try:
+        return split_batch(plan, batch)[1]
+    except ValueError as exc:
+        raise ApplyOptionsError("inputs", "microbatches", str(exc), batch=batch) from None
 
 
 def _schedule(name: str, stages: list, microbatches: int, loss_parallel: bool):
