@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tpplan.fit import cost
 from tpplan.fit.flops import count_flops
 from tpplan.models import llama
 
@@ -76,3 +77,76 @@ def test_identical_blocks_counted_once_give_the_whole_count():
     reused, whole = count_flops(six_layers, 32, "fp32"), count_flops(six_layers, 32, "fp32", reuse=False)
     assert reused == whole
     assert reused.forward["layers.3.attention"] == reused.forward["layers.0.attention"] > 0
+
+
+# -- the cost model -------------------------------------------------------------------
+
+def test_presets_and_overrides():
+    h100 = cost.GPUS["h100"]
+    assert (h100.peak_flops, h100.memory_bytes, h100.intra_bandwidth, h100.inter_bandwidth) == (989e12, 85_899_345_920, 450e9, 50e9)
+    assert (h100.intra_latency, h100.inter_latency, h100.efficiency) == (5e-6, 10e-6, 0.4)
+    assert cost.GPUS["mi300x"].intra_bandwidth == 7 * 64e9
+    faster = cost.gpu_with("a100", efficiency=0.5, inter_bandwidth=50e9)
+    assert (faster.peak_flops, faster.efficiency, faster.inter_bandwidth) == (312e12, 0.5, 50e9)
+    with pytest.raises(ValueError, match="unknown GPU 'b200'"):
+        cost.gpu_with("b200")
+    with pytest.raises(ValueError, match="unknown GPU figure.*peak"):
+        cost.gpu_with("h100", peak=1.0)
+    said = cost.assumptions(h100, 8)
+    assert said["gpus_per_node"] == 8 and said["peak_flops"] == 989e12 and said["name"] == "H100 SXM"
+
+
+def test_which_axes_lie_inside_a_node():
+    sizes = {"pp": 2, "dp_shard": 4, "tp": 8}  # 64 ranks, 8 per node
+    assert cost.axis_in_node("tp", sizes, 8)  # ranks 0-7: stride 1 x 8
+    assert not cost.axis_in_node("dp_shard", sizes, 8)  # stride 8 (tp): ranks 0, 8, 16, 24
+    assert not cost.axis_in_node("pp", sizes, 8)  # stride 32
+    assert cost.axis_in_node("dp_replicate", sizes, 8)  # size 1: a group of one
+    assert cost.axis_in_node("dp_shard", {"dp_shard": 4, "tp": 2}, 8)  # stride 2 x 4 = 8 ranks
+    assert cost.axis_in_node("ep", {"dp_shard": 8, "tp": 2, "ep": 8}, 8)
+    assert not cost.axis_in_node("ep", {"dp_shard": 16, "ep": 16}, 8)
+    with pytest.raises(ValueError):
+        cost.axis_in_node("dp", sizes, 8)
+
+
+def test_ring_collectives_by_hand():
+    # 3 calls moving 8 MB in all on 4 ranks at 100 GB/s, α 5 µs
+    mb8, beta, alpha = 8_000_000, 100e9, 5e-6
+    gather = 3 * 3 * alpha + 0.75 * mb8 / beta  # 45 µs + 60 µs
+    assert cost.collective_seconds("all_gather", 3, mb8, 4, beta, alpha) == pytest.approx(105e-6)
+    assert cost.collective_seconds("all_gather", 3, mb8, 4, beta, alpha) == pytest.approx(gather)
+    assert cost.collective_seconds("reduce_scatter", 3, mb8, 4, beta, alpha) == pytest.approx(105e-6)
+    assert cost.collective_seconds("all_to_all", 3, mb8, 4, beta, alpha) == pytest.approx(105e-6)
+    assert cost.collective_seconds("broadcast", 3, mb8, 4, beta, alpha) == pytest.approx(105e-6)
+    assert cost.collective_seconds("all_reduce", 3, mb8, 4, beta, alpha) == pytest.approx(210e-6)  # 90 + 120 µs
+    assert cost.collective_seconds("send", 3, mb8, 2, beta, alpha) == pytest.approx(95e-6)  # 15 + 80 µs
+    assert cost.collective_seconds("recv", 3, mb8, 2, beta, alpha) == pytest.approx(95e-6)
+    assert cost.collective_seconds("all_reduce", 3, mb8, 1, beta, alpha) == 0.0
+    with pytest.raises(ValueError, match="'all_gather_into_tensor'.*tpplan bug"):
+        cost.collective_seconds("all_gather_into_tensor", 1, 1, 2, beta, alpha)
+
+
+def test_comm_seconds_per_axis_at_its_link():
+    # the dry run's figures for tiny at pp 2 x tp 2 (plans/llama_pp_tp.yaml), on 2 GPUs per node: tp inside, pp across
+    comms = {"pp": {"forward": {"send": {"count": 4, "bytes": 16384}}, "backward": {"recv": {"count": 4, "bytes": 16384}}},
+             "tp": {"forward": {"all_reduce": {"count": 12, "bytes": 49152}}, "backward": {"all_reduce": {"count": 8, "bytes": 32768}}}}
+    got = cost.comm_seconds(comms, {"pp": 2, "tp": 2}, cost.GPUS["h100"], 2)
+    pp = 2 * (4 * 10e-6 + 16384 / 50e9)  # 80 µs + 0.65536 µs
+    tp = 2 * 20 * 5e-6 + (49152 + 32768) / 450e9  # 200 µs + 0.182 µs
+    assert got == {"pp": pytest.approx(pp), "tp": pytest.approx(tp)}
+    assert got["pp"] == pytest.approx(80.65536e-6)
+    with pytest.raises(ValueError, match="'gather'"):
+        cost.comm_seconds({"tp": {"forward": {"gather": {"count": 1, "bytes": 1}}}}, {"tp": 2}, cost.GPUS["h100"], 8)
+
+
+def test_compute_and_the_step():
+    assert cost.compute_seconds(989e12 * 0.4 * 2.5, cost.GPUS["h100"]) == pytest.approx(2.5)
+    # FSDP's 1.5 s hides behind 2 s of compute; TP's 0.3 s and PP's 0.1 s are added
+    step = cost.step_time(2.0, {"dp_shard": 1.5, "tp": 0.3, "pp": 0.1}, 0.0)
+    assert step == cost.StepTime(2.0, pytest.approx(0.4), 0.0, pytest.approx(2.4))
+    # 2.5 s of FSDP and HSDP against 2 s: 0.5 s shows; a 20% bubble idles 2.5 x 0.2 / 0.8 = 0.625 s
+    step = cost.step_time(2.0, {"dp_shard": 1.5, "dp_replicate": 1.0}, 0.2)
+    assert (step.comm, step.bubble, step.total) == (pytest.approx(0.5), pytest.approx(0.625), pytest.approx(3.125))
+    assert step.bubble / step.total == pytest.approx(0.2)  # the bubble is its share of the whole step
+    with pytest.raises(ValueError):
+        cost.step_time(1.0, {}, 1.0)
