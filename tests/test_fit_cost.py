@@ -1,12 +1,12 @@
-"""tpplan fit's FLOP count and cost model (tpplan/fit/flops.py, tpplan/fit/cost.py)
+"""tpplan fit's FLOP count and cost model (tpplan/fitting/flops.py, tpplan/fitting/cost.py)
 against figures computed by hand."""
 
 from __future__ import annotations
 
 import pytest
 
-from tpplan.fit import cost
-from tpplan.fit.flops import count_flops
+from tpplan.fitting import cost
+from tpplan.fitting.flops import count_flops
 from tpplan.models import llama
 
 # tpplan.models.llama:tiny: dim 128, 16 heads of 8 (8 KV heads: wk/wv 64 wide), FFN 256,

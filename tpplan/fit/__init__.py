@@ -1,1 +1,0 @@
-"""`tpplan fit`: choose a training job's parallel layout, ranked by a stated cost model (SPEC §9)."""
