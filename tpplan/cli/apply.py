@@ -115,19 +115,22 @@ def apply(
     ] = None,
     batch: Annotated[
         Optional[int],
-        typer.Option("--batch", metavar="B", min=1, help="Memory planning: batch size of the default inputs (--inputs wins). Default 2.", show_default=False),
+        typer.Option("--batch", metavar="B", min=1, help="Memory planning: batch size of the default inputs per data-parallel rank (--inputs wins). "
+                     "Default: a version 2 plan's training.global_batch / (dp_replicate·dp_shard), else 2.", show_default=False),
     ] = None,
     seq: Annotated[
         Optional[int],
-        typer.Option("--seq", metavar="S", min=1, help="Memory planning: sequence length of the default inputs (--inputs wins). Default 8.", show_default=False),
+        typer.Option("--seq", metavar="S", min=1, help="Memory planning: sequence length of the default inputs (--inputs wins). "
+                     "Default: the plan's training.seq, else 8.", show_default=False),
     ] = None,
     dtype: Annotated[
         Optional[DType],
-        typer.Option("--dtype", help="Memory planning: the parameters' dtype (default: the model's own).", show_default=False),
+        typer.Option("--dtype", help="Memory planning: the parameters' dtype (default: the plan's training.dtype, else the model's own).", show_default=False),
     ] = None,
     optimizer: Annotated[
         Optional[Optimizer],
-        typer.Option("--optimizer", help="Optimizer of the planned training step and of --steps (none: forward and backward only). Default adamw.", show_default=False),
+        typer.Option("--optimizer", help="Optimizer of the planned training step and of --steps (none: forward and backward only). "
+                     "Default: the plan's training.optimizer (in the dry run), else adamw.", show_default=False),
     ] = None,
     fsdp: Annotated[
         Optional[int],

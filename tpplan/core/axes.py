@@ -295,16 +295,17 @@ def section_warnings(plan: Any) -> list[Problem]:
 _EVERYWHERE = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
 APPLIED = {"torchrun": (*_EVERYWHERE, "pp", "pipeline"), "api": (*_EVERYWHERE, "cp", "context_parallel"),
            "dry-run": ("tp", "dp_replicate", "dp_shard", "cp", "ep", "fsdp", "checkpointing", "context_parallel", "experts",
-                       "pp", "pipeline")}
+                       "pp", "pipeline", "training")}
 _DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}
 
 
-def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
+def unapplied(plan: Any, by: str = "torchrun", also: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """The keys of a version 2 plan that this tpplan checks but `by` (a key of APPLIED)
-    does not apply yet: an axis not 1, or a section, beyond what it applies."""
+    does not apply yet: an axis not 1, or a section, beyond what it applies (and `also`:
+    what the caller applies beside it)."""
     if plan.version != 2:
         return []
-    applied = APPLIED[by]
+    applied = (*APPLIED[by], *also)
     axes = [("mesh", axis) for axis in AXES if axis not in applied and plan.mesh.sizes[axis] != 1]
     return axes + [(key,) for key in SECTIONS if key not in applied and getattr(plan.spec, key) is not None]
 
@@ -347,11 +348,11 @@ class NotAppliedError(ValueError):
         super().__init__(str(problem))
 
 
-def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
-    """NotAppliedError where `plan` says more than `by` applies, has an experts rule
+def refuse_unapplied(plan: Any, by: str = "torchrun", also: tuple[str, ...] = ()) -> None:
+    """NotAppliedError where `plan` says more than `by` (and `also`) applies, has an experts rule
     that the ep axis does not carry (`experts_unapplied`), or a pipeline with experts
     (`pipeline_unapplied`)."""
-    keys = unapplied(plan, by)
+    keys = unapplied(plan, by, also)
     if not keys:
         if by in APPLIED and "experts" in APPLIED[by] and (problem := experts_unapplied(plan)) is not None:
             raise NotAppliedError(problem)

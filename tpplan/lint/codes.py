@@ -229,8 +229,8 @@ _PLAN_CODES = {
         an axis (to anything but 1) or a section beyond what that runner
         applies (under torchrun: `cp`, `context_parallel`, `training`, and
         `experts` beside a `pipeline`; `Plan.apply`: `pp`, `pipeline`,
-        `training`; the dry run: `training`, and `experts` or
-        `context_parallel` beside a `pipeline`), or an
+        `training`; the dry run: `experts` or `context_parallel` beside a
+        `pipeline`), or an
         `experts` rule other than `expert_parallel` with `dispatch:
         all_to_all` (the one way the ep axis places experts). This tpplan checks them
         (`tpplan validate`) but does not apply them yet, and applying the

@@ -77,8 +77,9 @@ class MemoryPlan:
 def unused_size_note(options) -> list[str]:
     """A note when --inputs is given with --batch or --seq, which size only the default inputs."""
     train = options.train
-    if options.inputs and (train.batch is not None or train.seq is not None):
-        return ["--inputs gives the inputs: --batch and --seq size only the default inputs and are not used"]
+    if options.inputs and any(size is not None for size in (train.batch, train.seq, train.global_batch)):
+        given = "the plan's training section" if set(train.from_plan) & {"global_batch", "seq"} else "--batch and --seq"
+        return [f"--inputs gives the inputs: {given} size only the default inputs and are not used"]
     return []
 
 
@@ -103,10 +104,15 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
     # core/degrees.py's rule, as the dry run's (dry_run_tp refused a run with neither); every
     # promised degree, smallest first: the report shows the smallest that fits
     degrees = sorted(tp_degrees(options.tp, plan.mesh_sizes))
-    batch, seq = train.batch or 2, train.seq or 8
+    seq = train.seq or 8
+
+    def batch_at(dims) -> int:
+        """Each data-parallel rank's batch on mesh `dims`: --batch, or the plan's
+        training.global_batch over its dp_replicate·dp_shard, else 2."""
+        return train.batch_at(dims.sizes) or 2
 
     @functools.cache  # the same at every degree: decided once
-    def blame_model() -> PlanError | None:
+    def blame_model(batch: int) -> PlanError | None:
         """The model's own TP500 when it fails without the plan on one device too (in
         the planned dtype)."""
         from ..simulation.one_device import one_device_failure
@@ -143,7 +149,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
             planned = plan_memory(
                 plan,
                 lambda: build_model(options.model, "cpu", factory),
-                stage.inputs if stage is not None else lambda model: make_inputs(options.inputs, model, "cpu", batch=batch, seq=seq),
+                stage.inputs if stage is not None else lambda model: make_inputs(options.inputs, model, "cpu", batch=batch_at(dims), seq=seq),
                 shard,
                 dims,
                 train,
@@ -155,7 +161,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
             )
         except PlanError as exc:
             # a failed step is the plan's only if the model runs without it
-            raise (blamed(exc, blame_model) if failed else exc) from None
+            raise (blamed(exc, lambda: blame_model(batch_at(dims))) if failed else exc) from None
         return planned, applied["plan"]
 
     def pipelined(tp: int) -> DegreePlan:
@@ -175,7 +181,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
                                      f"stage {stage.index}: {reused.describe()}" if reused else None)
             return planned
 
-        pipeline, steps = plan_pipeline(plan, dims, train.batch, seq, simulate, lambda model, size: make_inputs(
+        pipeline, steps = plan_pipeline(plan, dims, train.batch_at(dims.sizes), seq, simulate, lambda model, size: make_inputs(
             options.inputs, model, "cpu", batch=size, seq=seq), event, options.reuse_blocks)
         # the whole model's modules and parameters, put together from the stages
         sharded = Sharded(dict(whole_model(pipeline, {i: found[0] for i, found in by_stage.items()})), by_stage[0][2])

@@ -29,9 +29,11 @@ def simulates_world(plan: Plan, options: ApplyOptions) -> bool:
 
 def plans_world(options: ApplyOptions) -> bool:
     """Whether the options ask for a world's memory plan beyond the size of its batch
-    (--world, --every-rank, a dtype, an optimizer or a memory limit): what sends a plan
+    (--world, --every-rank, a dtype, an optimizer or a memory limit, the flags' or the
+    plan's training section's as `options.with_training` merged them): what sends a plan
     with context parallelism to memory planning rather than to one CUDA rank's shapes
-    and ring (runtime/dryrun_cp.py), which --batch and --seq size too."""
+    and ring (runtime/dryrun_cp.py), which --batch and --seq (and the section's
+    global_batch and seq) size too."""
     train = options.train
     return options.world is not None or options.every_rank or any(
         value is not None for value in (train.dtype, train.optimizer, train.memory_limit, train.fsdp))

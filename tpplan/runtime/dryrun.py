@@ -48,7 +48,7 @@ from ..simulation.modelref import ModelRefError, build_model, load_callable, mak
 from ..simulation.one_device import blamed, one_device_failure, unsharded_failure
 from .checkpoint_layout import applies, checkpoint_dry_run
 from .dry_world import check_world, dry_run_dims, plans_world, simulates_world
-from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
+from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied, training_note, with_training
 from .report import ApplyReport
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
     except PlanError as exc:
         return ApplyReport(mode="dry-run", plan_file=options.plan, model=options.model, device="fake", backend="fake", problems=exc.problems)
     if applies(options, plan):  # a layout not simulated yet: the checkpoint checked against it from headers alone
-        return checkpoint_dry_run(options, plan, event)
+        return checkpoint_dry_run(options, plan, event)  # (asked on the command line: the plan's training section plans no step here)
+    options = with_training(options, plan)  # the step to plan: the plan's training section under the flags
     if plan.version == 2 and plan.spec.context_parallel is not None and plan.mesh.sizes["cp"] != 1 and not plans_world(options):
         from .dryrun_cp import context_parallel_dry_run
 
@@ -186,8 +187,9 @@ def dry_run(options: ApplyOptions, on_event: Callable[[str], None] | None = None
 
             notes += unused_size_note(options)
             if plan.version == 2 and plan.spec.pipeline is not None:
-                _check_microbatches(plan, options.train.batch)
+                _check_microbatches(plan, options.train.batch)  # --batch's (the plan's global batch: its checks, TP153)
             memory = dry_run_memory(options, plan, factory, event, lambda tp: dry_run_dims(options, plan, tp))
+            notes += training_note(options.train, memory.chosen.mesh)
             if source is not None:
                 runs.append(_Run(notes=("the checkpoint is not checked against the model with memory planning: dry-run it without the memory options",)))
             if options.check:

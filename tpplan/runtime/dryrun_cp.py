@@ -5,9 +5,11 @@ group, CUDA's ring attention simulated), reporting this rank's shapes, the ring'
 collectives and the whole step's, count and bytes.
 
 The world is the plan's axes multiplied (`--tp` picks among promised TP degrees); the
-batch is `--batch` sequences (default 2) of `--seq` tokens (default 8 per chunk: 2·cp
-chunks with head-tail balance, cp without). With a memory option (`--dtype`,
-`--optimizer`, `--memory-limit`) or `--world`, the dry run plans the world's memory
+batch is `--batch` sequences (default: the plan's training.global_batch over
+dp_replicate·dp_shard, else 2) of `--seq` tokens (default: training.seq, else 8 per chunk:
+2·cp chunks with head-tail balance, cp without). With a memory option (`--dtype`,
+`--optimizer`, `--memory-limit`, or the training section's dtype or optimizer) or
+`--world`, the dry run plans the world's memory
 instead (memory/memory_dryrun.py, context parallelism applied there too). `--check`
 and `--checkpoint` of such plans are not simulated yet: refused as usage errors.
 """
@@ -22,7 +24,7 @@ from ..core.problems import PlanError
 from ..core.quiet import simulation_remarks_off
 from ..core.units import human_bytes
 from ..simulation.modelref import build_model, load_callable
-from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied
+from .options import ApplyOptions, ApplyOptionsError, refuse_unapplied, training_note
 from .report import ApplyReport
 
 if TYPE_CHECKING:
@@ -37,11 +39,11 @@ def context_parallel_dry_run(options: ApplyOptions, plan: "Plan") -> ApplyReport
         if given:
             raise ApplyOptionsError(option, "not-with-cp", "a dry run of context parallelism simulates shapes, collectives "
                                     "and memory (no values or checkpoints yet)")
-    refuse_unapplied(plan, "api")  # it simulates what Plan.apply applies
-    world, tp = _world(plan, options.tp)
+    refuse_unapplied(plan, "api", also=("training",))  # it simulates what Plan.apply applies, on the step the plan's training section sizes
+    world, tp, sizes = _world(plan, options.tp)
     spec, cp = plan.spec.context_parallel, plan.mesh.sizes["cp"]
     chunks = 2 * cp if spec.load_balance == "headtail" else cp
-    seq, batch = options.train.seq or 8 * chunks, options.train.batch or 2
+    seq, batch = options.train.seq or 8 * chunks, options.train.batch_at(sizes) or 2
     if seq % chunks:
         raise ApplyOptionsError("seq", "cp-split", f"{seq} tokens do not split into {chunks} equal chunks over cp {cp}"
                                 + (" (load_balance: headtail: 2·cp chunks)" if chunks != cp else ""))
@@ -63,12 +65,13 @@ def context_parallel_dry_run(options: ApplyOptions, plan: "Plan") -> ApplyReport
         + "".join(f", {name} {shape}" for name, shape in sim.buffers.items()),
         "the ring's collectives (rotate: " + spec.rotate + "): " + _comms_text(sim.ring),
         "every collective of the step (TP, the ring, FSDP2 over dp_shard·cp): " + _comms_text(sim.comms),
+        *training_note(options.train, sizes),
     ]
     return report
 
 
-def _world(plan: "Plan", tp: int | None) -> tuple[int, int]:
-    """The world the plan's sizes make (at `tp` where it promises several), and its tp."""
+def _world(plan: "Plan", tp: int | None) -> tuple[int, int, dict[str, int]]:
+    """The world the plan's sizes make (at `tp` where it promises several), its tp, and every axis's size."""
     options = list(plan.mesh.candidates())
     sizes = next((c for c in options if tp is None or c["tp"] == tp), None)
     if sizes is None:
@@ -77,7 +80,7 @@ def _world(plan: "Plan", tp: int | None) -> tuple[int, int]:
     if missing:
         raise ApplyOptionsError("plan", "cp-rest-axis", f"a dry run of context parallelism needs every axis sized: "
                                 f"{', '.join(missing)} takes the rest of a world this run does not know; give it a size")
-    return prod(sizes[axis] for axis in WORLD_AXES), sizes["tp"]
+    return prod(sizes[axis] for axis in WORLD_AXES), sizes["tp"], sizes
 
 
 def _comms_text(comms: dict) -> str:

@@ -4,10 +4,12 @@ cannot be done as asked. The library names the option (a field of
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..simulation.training import TrainOptions
+from ..simulation.training import TrainOptions, data_ranks
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -38,14 +40,14 @@ def _rebuild(option: str, kind: str, reason: str, facts: dict) -> ApplyOptionsEr
     return ApplyOptionsError(option, kind, reason, **facts)
 
 
-def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
+def refuse_unapplied(plan: Any, by: str = "torchrun", also: tuple[str, ...] = ()) -> None:
     """An ApplyOptionsError (a usage error: exit 2) where a version 2 plan sets axes or
-    sections that this tpplan checks but `by` (torchrun, the dry run) does not apply yet
-    (core/axes.py says which)."""
+    sections that this tpplan checks but `by` (torchrun, the dry run; and `also`) does not
+    apply yet (core/axes.py says which)."""
     from ..core.axes import NotAppliedError, refuse_unapplied as refuse
 
     try:
-        refuse(plan, by)
+        refuse(plan, by, also)
     except NotAppliedError as exc:
         raise ApplyOptionsError("plan", "not-applied", str(exc.problem)) from None
 
@@ -78,3 +80,38 @@ class ApplyOptions:
     reuse_blocks: bool = True  # memory planning: simulate identical repeated blocks once (memory/reuse.py)
     world: int | None = None  # dry run of a version 2 plan: the world size its mesh takes (-1 resolved)
     every_rank: bool = False  # memory planning: simulate every rank, not one per distinct position
+
+
+_SECTION_FIELDS = (("global_batch", "batch"), ("seq", "seq"), ("dtype", "dtype"), ("optimizer", "optimizer"))  # (the section's, the flag's)
+
+
+def with_training(options: ApplyOptions, plan: Any) -> ApplyOptions:
+    """The step a dry run plans (SPEC §7): `options` with a version 2 plan's `training`
+    section filled in under the flags, each field where its flag (--batch, --seq, --dtype,
+    --optimizer) was not given. The global batch is kept whole: each data-parallel rank's
+    share depends on the mesh resolved (`TrainOptions.batch_at`). Options unchanged for a
+    plan without the section."""
+    section = getattr(plan, "training", None)
+    if section is None:
+        return options
+    train = options.train
+    filled = {field: getattr(section, field) for field, flag in _SECTION_FIELDS
+              if getattr(train, flag) is None and getattr(section, field) is not None}
+    if not filled:
+        return options
+    return dataclasses.replace(options, train=dataclasses.replace(train, **filled, from_plan=tuple(filled)))
+
+
+def training_note(train: TrainOptions, sizes: Mapping[str, int]) -> list[str]:
+    """What the step took from the plan's training section, on a mesh of `sizes`
+    ({axis: size}): a note for the report, none when the flags gave everything."""
+    if not train.from_plan:
+        return []
+    parts = []
+    for field in train.from_plan:
+        if field == "global_batch":
+            dp = data_ranks(sizes)
+            parts.append(f"global_batch {train.global_batch} over dp {dp} → batch {train.batch_at(sizes)} per rank")
+        else:
+            parts.append(f"{field} {getattr(train, field)}")
+    return [f"training: {', '.join(parts)} (from the plan's training section; --batch, --seq, --dtype, --optimizer override it)"]

@@ -16,12 +16,13 @@ Nothing here imports torch at import time (the CLI builds `TrainOptions`).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..core.axes_spec import TORCH_DTYPES
+from ..core.axes_spec import DP_AXES, TORCH_DTYPES
 from ..core.problems import ModelError
 
 if TYPE_CHECKING:
@@ -48,10 +49,22 @@ class TrainOptions:
     optimizer: str | None = None  # adamw, sgd, none
     fsdp: int | None = None  # FSDP2 degree of the data-parallel mesh dim
     memory_limit: int | None = None  # bytes per rank
+    global_batch: int | None = None  # a version 2 plan's training.global_batch: `batch_at` splits it
+    from_plan: tuple[str, ...] = ()  # the fields a plan's training section filled (runtime/options.py's `with_training`)
 
     @property
     def plans_memory(self) -> bool:
-        return any(v is not None for v in (self.batch, self.seq, self.dtype, self.optimizer, self.fsdp, self.memory_limit))
+        return any(v is not None for v in (self.batch, self.seq, self.dtype, self.optimizer, self.fsdp, self.memory_limit,
+                                           self.global_batch))
+
+    def batch_at(self, sizes: "Mapping[str, int]") -> int | None:
+        """The batch of each data-parallel rank of a mesh of `sizes` ({axis: size}, an
+        axis left out is 1): `batch` where given, else the plan's global batch split over
+        dp_replicate·dp_shard (the plan's checks, TP123, refused one that does not
+        divide), else None (the default inputs' batch)."""
+        if self.batch is not None or self.global_batch is None:
+            return self.batch
+        return self.global_batch // data_ranks(sizes)
 
     @property
     def optimizer_name(self) -> str:
@@ -60,6 +73,11 @@ class TrainOptions:
     @property
     def dp(self) -> int:
         return self.fsdp or 1
+
+
+def data_ranks(sizes: "Mapping[str, int]") -> int:
+    """dp_replicate·dp_shard of a mesh of `sizes` (an axis left out is 1): the ranks a global batch is split over."""
+    return math.prod(sizes.get(axis, 1) for axis in DP_AXES)
 
 
 def torch_dtype(name: str | None) -> "torch.dtype | None":
