@@ -226,6 +226,13 @@ def _run_checks(spec: Any, source: "SourceMap", mesh: NamedMesh, sized: list[dic
     return list(problems.values())
 
 
+def sized_problems(spec: Any, sizes: dict[str, int]) -> list[tuple[str, str]]:
+    """(code, message) of each check `spec`'s sections fail at the resolved `sizes`, unlocated:
+    `tpplan fit` asks this of every layout of a world (a plan per layout would be parsed
+    thousands of times)."""
+    return [(check.code, message) for check in _checks(spec) if (message := check.find(spec, sizes)) is not None]
+
+
 def load_problems(spec: Any, source: "SourceMap") -> list[Problem]:
     """The errors of a version 2 plan's sizes that need no world size."""
     mesh = NamedMesh.of(spec)
@@ -293,7 +300,7 @@ def section_warnings(plan: Any) -> list[Problem]:
 # cp, ep, checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one rank per
 # distinct position, and the pipeline stage by stage (memory/pipeline_dryrun.py).
 _EVERYWHERE = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
-APPLIED = {"torchrun": (*_EVERYWHERE, "pp", "pipeline"), "api": (*_EVERYWHERE, "cp", "context_parallel"),
+APPLIED = {"torchrun": (*_EVERYWHERE, "pp", "pipeline", "training"), "api": (*_EVERYWHERE, "cp", "context_parallel"),
            "dry-run": ("tp", "dp_replicate", "dp_shard", "cp", "ep", "fsdp", "checkpointing", "context_parallel", "experts",
                        "pp", "pipeline", "training")}
 _DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}

@@ -178,7 +178,7 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
 
 def split_batch(plan: Any, batch: int | None = None) -> tuple[int, int, int]:
     """(the batch each data-parallel rank is given, its microbatches, their size) under a
-    version 2 plan's pipeline: `batch`, or by default (torchrun refuses a `training`
+    version 2 plan's pipeline: `batch` (--batch, or the training section's share), or by default
     section, TP130) the plan's microbatches of one sequence each, or pp·virtual_stages
     microbatches of `microbatch_size`. ValueError where the batch does not split."""
     pipe = plan.spec.pipeline

@@ -115,3 +115,12 @@ def training_note(train: TrainOptions, sizes: Mapping[str, int]) -> list[str]:
         else:
             parts.append(f"{field} {getattr(train, field)}")
     return [f"training: {', '.join(parts)} (from the plan's training section; --batch, --seq, --dtype, --optimizer override it)"]
+
+
+def input_size(options: ApplyOptions, plan: Any, sizes: Mapping[str, int]) -> dict[str, int]:
+    """The default inputs' batch and seq under torchrun, on a mesh of `sizes`: --batch and
+    --seq, else the plan's training section (its global batch split over the data-parallel
+    ranks); what neither gives is make_inputs' default."""
+    train = with_training(options, plan).train
+    given = {"batch": train.batch_at(sizes), "seq": train.seq}
+    return {name: value for name, value in given.items() if value is not None}

@@ -48,6 +48,7 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
     from ..simulation.locate import shard_with_progress
     from ..simulation.modelref import make_inputs
     from ..simulation.training import make_targets
+    from .options import input_size
 
     pipe = plan.spec.pipeline
     mesh = plan.build_mesh(ctx.world, ctx.device.type, ran.tp)
@@ -58,7 +59,8 @@ def apply_pipelined(ctx: "Rank", options: "ApplyOptions", plan: Plan, model: "nn
     if options.checkpoint:  # into the whole model on every rank, before it is cut: a stage copies its part
         reference = load_checkpoint_of(ctx, options, model, ran, event)
     torch.manual_seed(options.seed + 1)  # the same inputs on every rank, as apply's (after a load: on its device)
-    inputs = make_inputs(options.inputs, model, ctx.device, batch=split_batch(plan)[0])
+    size = input_size(options, plan, ran.mesh)
+    inputs = make_inputs(options.inputs, model, ctx.device, batch=split_batch(plan, size.get("batch"))[0], **({"seq": size["seq"]} if "seq" in size else {}))
     microbatches = microbatch_count(plan, inputs)
     targets = make_targets(model, inputs, torch.Generator().manual_seed(options.seed + 2))
     checkpointed = apply_activation_checkpointing(plan, model)

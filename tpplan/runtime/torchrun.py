@@ -34,7 +34,7 @@ from ..simulation.layouts import param_layouts
 from ..simulation.locate import FailureLocator, run_located, shard_with_progress, unpromised_tp_note
 from ..simulation.modelref import ModelRefError, build_model, make_inputs, module_structure
 from .ranks import Ran, Rank, load_checkpoint_of
-from .options import ApplyOptions, ApplyOptionsError, RanksUsageError, UsageError, refuse_unapplied
+from .options import ApplyOptions, ApplyOptionsError, RanksUsageError, UsageError, input_size, refuse_unapplied
 
 if TYPE_CHECKING:
     from torch import nn
@@ -245,7 +245,7 @@ def _apply_and_run(ctx: Rank, options: ApplyOptions, plan: Plan, model: "nn.Modu
         event("activation checkpointing and FSDP2" if ran.data_parallel else "activation checkpointing")
         ran.notes += after_rules(plan, model, mesh, ran.data_parallel)  # after the plan (and a load)
         torch.manual_seed(options.seed + 1)  # the same inputs on every rank: TP ranks must see one batch
-        inputs = make_inputs(options.inputs, model, ctx.device)
+        inputs = make_inputs(options.inputs, model, ctx.device, **input_size(options, plan, sizes))
         locator = FailureLocator(plan, model, ran.sharded.rules, ran.tp)
 
         event("forward and backward")
