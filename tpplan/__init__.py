@@ -21,6 +21,8 @@ _EXPORTS = {
     "CheckpointError": "checkpoint.errors",
     "AsyncSave": "checkpoint.training.asyncsave",
     "param_groups": "simulation.training",
+    "fit": "fitting.search",
+    "FitResult": "fitting.search",
     **dict.fromkeys(
         [
             "NoParallel",

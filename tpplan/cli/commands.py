@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from .apply import apply
 from .export import export
+from .fit import fit
 from .import_config import import_config
 from .import_hf import import_hf
 from .init import init
@@ -23,6 +24,7 @@ COMMANDS: list[tuple[str, Callable[..., None]]] = [
     ("schema", schema),
     ("apply", apply),
     ("init", init),
+    ("fit", fit),
     ("import-hf", import_hf),
     ("export", export),
     ("import-config", import_config),

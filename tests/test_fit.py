@@ -1,0 +1,120 @@
+"""`tpplan fit` (SPEC §9) on a world small enough to simulate every layout: each peak
+is the dry run of the layout's written plan, the bound never drops a layout of the top,
+rejections name their check, and the chosen plan validates, dry-runs to its peak and
+runs under torchrun with --check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tpplan import fit
+from tpplan.cli.app import app
+from tpplan.core.loader import load_plan
+from tpplan.fitting.flops import count_flops
+from tpplan.fitting.search import plan_for
+from tpplan.runtime.dryrun import dry_run
+from tpplan.runtime.options import ApplyOptions
+
+from test_torchrun import torchrun
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "tpplan.models.llama:tiny"  # 2 blocks: pp 2 at most
+PLAN = str(ROOT / "plans" / "llama_tp.yaml")
+# a slow GPU (10 GFLOP/s): the tiny model's compute outweighs the links' latency, as a large model's does
+ASKED = dict(world=2, seq=64, batch=4, plan=PLAN, axes=("pp", "dp_shard", "tp"), jobs=1, peak_flops=1e10)
+LIMIT = 2_800_000  # bytes per rank: some layouts fit, some do not
+
+
+@pytest.fixture(scope="module")
+def every():
+    """Every layout that may fit, simulated."""
+    return fit(MODEL, memory=LIMIT, top=100, exhaustive=True, **ASKED)
+
+
+def test_each_ranked_peak_is_the_dry_run_of_its_written_plan_given_no_flags(every, tmp_path):
+    assert len(every.ranked) >= 3 and every.counts()["rejected_by_memory"] >= 1
+    for ranked in every.ranked:
+        path = tmp_path / "layout.yaml"
+        path.write_text(plan_for(every, str(path), ranked))  # extends the base plan by a path relative to it
+        report = dry_run(ApplyOptions(plan=str(path), model=MODEL))
+        assert report.problems == []
+        assert report.memory.per_rank_peak_bytes == ranked.peak_bytes, ranked.layout.describe()
+        assert ranked.peak_bytes <= LIMIT
+
+
+def test_the_bound_drops_no_layout_of_the_top_and_reruns_rank_alike(every):
+    top = 3
+    first = fit(MODEL, memory=LIMIT, top=top, **ASKED)
+    again = fit(MODEL, memory=LIMIT, top=top, **ASKED)
+    assert [r.to_json() for r in first.ranked[:top]] == [r.to_json() for r in every.ranked[:top]]
+    assert [r.to_json() for r in again.ranked[:top]] == [r.to_json() for r in first.ranked[:top]]
+    assert first.simulated < every.simulated  # the bound spared some dry runs
+    ranked_out = [r for r in first.rejected if r.kind == "ranked out"]
+    kth = first.ranked[top - 1].step.total
+    simulated = {r.layout: r for r in every.ranked}
+    for dropped in ranked_out:  # a layout ranked out is no faster than the last of the top, simulated
+        if dropped.layout in simulated:
+            assert simulated[dropped.layout].step.total >= kth
+
+
+def test_a_static_bound_never_exceeds_the_simulated_peak(every):
+    from tpplan.fitting.search import _Bounds, _read_model
+
+    bounds = _Bounds(_read_model(every.options, lambda _: None), every.options)
+    for ranked in every.ranked:
+        assert bounds.static_bytes(ranked.layout) <= ranked.peak_bytes
+
+
+def test_rejections_name_their_check_the_search_rule_or_the_memory(every):
+    reasons = {(r.kind, r.code): r.reason for r in every.rejected}
+    assert "1F1B needs at least as many microbatches as pipeline ranks (pp = 2), not 1" in reasons[("check", "TP152")]
+    assert "stages for the model's 2 blocks: each stage needs a block" in reasons[("search", None)]
+    over = [r for r in every.rejected if r.kind == "memory"]
+    assert over and all(" > 2.67 MiB" in r.reason for r in over), [r.reason for r in over]
+
+
+def test_a_batch_the_data_ranks_do_not_split_and_cp_without_its_section_are_rejected_with_their_reasons():
+    result = fit(MODEL, world=2, seq=64, batch=3, plan=PLAN, memory="1GiB", axes=("dp_shard", "cp"), jobs=1)
+    assert result.ranked == [] and result.simulated == 0
+    codes = {r.code: r.reason for r in result.rejected}
+    assert codes["TP123"].startswith("training.global_batch: 3 sequences do not split evenly over dp_replicate·dp_shard = 1·2 = 2")
+    assert codes["TP128"].startswith("cp 2: the base plan has no context_parallel section")
+
+
+def test_the_compute_is_the_counted_flops_over_the_gpus_peak(every):
+    ranked = next(r for r in every.ranked if r.layout.mesh["pp"] == 1)  # tp 2 with activation checkpointing
+    assert ranked.layout.mesh["tp"] == 2 and ranked.layout.checkpointing
+    flops = count_flops(MODEL, 64, "bf16")
+    forward, backward = flops.total
+    recomputed = flops.of(["layers.0", "layers.1"])[0]  # the checkpointed blocks' forward, again in backward
+    per_rank = (forward + backward + recomputed) * 4 / 2  # each rank: the whole batch of 4, half of every projection
+    assert ranked.step.compute == pytest.approx(per_rank / (1e10 * 0.4))
+    assert ranked.step.bubble == 0 and ranked.step.total == pytest.approx(ranked.step.compute + ranked.step.comm)
+    assert ranked.tokens_per_second_per_gpu == pytest.approx(4 * 64 / ranked.step.total / 2)
+
+
+def test_the_cli_writes_spec_9s_json_and_the_best_plan_which_validates_and_runs_under_torchrun_check(tmp_path):
+    written = tmp_path / "best.yaml"
+    result = CliRunner().invoke(app, ["fit", "--model", MODEL, "--world", "2", "--seq", "64", "--batch", "4", "--plan", PLAN,
+                                      "--memory", str(LIMIT), "--axes", "dp_shard,tp", "--jobs", "1", "-o", str(written),
+                                      "--format", "json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    assert set(found) >= {"layouts", "rejected", "assumptions", "plan"}
+    first = found["layouts"][0]
+    assert set(first) >= {"mesh", "checkpointing", "microbatches", "schedule", "peak_bytes", "fits", "step_seconds",
+                          "compute_seconds", "comm_seconds", "bubble_seconds", "tokens_per_second_per_gpu", "megatron_peak_bytes"}
+    assert first["fits"] is True and first["step_seconds"] == pytest.approx(
+        first["compute_seconds"] + first["comm_seconds"] + first["bubble_seconds"])
+    assert found["plan"] and load_plan(written).version == 2
+    checked = CliRunner().invoke(app, ["validate", str(written)])
+    assert checked.exit_code == 0, checked.output
+    report = dry_run(ApplyOptions(plan=str(written), model=MODEL))
+    assert report.memory.per_rank_peak_bytes == first["peak_bytes"]
+    ran = torchrun(2, "-m", "tpplan", "apply", "--model", MODEL, "--plan", str(written), "--check", "--format", "json")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert json.loads(ran.stdout)["check"]["passed"] is True

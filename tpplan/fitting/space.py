@@ -1,0 +1,163 @@
+"""The layouts `tpplan fit` weighs (SPEC §9), without torch: every way to split
+the world over the axes asked for, with activation checkpointing off or on and,
+with a pipeline, each schedule and microbatch count; each one written as the
+version 2 plan it is, and checked by the plan's own located checks
+(`core/axes.sized_problems`) before anything is simulated.
+
+Two rules of the search itself, stated in the report: tensor parallelism stays
+inside a node (tp ≤ --gpus-per-node: its collectives are on every layer's
+critical path), and the pipeline's stages are the model's blocks split as evenly
+as the count allows, the remainder going to the middle stages (the first and
+last also hold the embeddings and the head).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.axes_spec import AXES, WORLD_AXES
+
+FIT_AXES = WORLD_AXES  # what --axes may name besides ep
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")  # the schedules weighed; the zero-bubble ones are composed approximately
+INTERLEAVED_VIRTUAL = 2  # Interleaved1F1B's stages per rank
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout: the size of every axis (SPEC §7's order), activation checkpointing,
+    and with pp > 1 the schedule, its microbatch count and stages per rank."""
+
+    sizes: tuple[int, ...]  # AXES' order: pp, dp_replicate, dp_shard, cp, tp, ep
+    checkpointing: bool
+    schedule: str | None = None
+    microbatches: int | None = None
+    virtual_stages: int = 1
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return dict(zip(AXES, self.sizes))
+
+    @property
+    def dp(self) -> int:
+        mesh = self.mesh
+        return mesh["dp_replicate"] * mesh["dp_shard"]
+
+    def describe(self) -> str:
+        """`pp 16 · dp_shard 128 · tp 8, AC, 1F1B × 16`: the axes above 1, then the rest."""
+        mesh = " · ".join(f"{axis} {size}" for axis, size in self.mesh.items() if size > 1) or "one rank"
+        pipe = f", {self.schedule} × {self.microbatches}" + (f" (v {self.virtual_stages})" if self.virtual_stages > 1 else "") \
+            if self.schedule else ""
+        return mesh + (", AC" if self.checkpointing else "") + pipe
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mesh": self.mesh, "checkpointing": self.checkpointing, "microbatches": self.microbatches, "schedule": self.schedule}
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout dropped before or after its simulation, and why (`kind`: "check", "search",
+    "memory" or "ranked out"; `code`: the check's code where a plan check dropped it)."""
+
+    layout: Layout
+    kind: str
+    reason: str
+    code: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.layout.to_json(), "kind": self.kind, "code": self.code, "reason": self.reason}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def splits(world: int, count: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered tuple of `count` whole numbers multiplying to `world`."""
+    if count == 1:
+        yield (world,)
+        return
+    for first in divisors(world):
+        for rest in splits(world // first, count - 1):
+            yield (first, *rest)
+
+
+def layouts(world: int, axes: tuple[str, ...], *, global_batch: int, blocks: int, expert_count: int | None,
+            gpus_per_node: int) -> Iterator[Layout | Rejected]:
+    """Every layout of `world` ranks over `axes` (the others 1), in a fixed order; the
+    ones the search's own rules drop come as `Rejected` (kind "search")."""
+    free = [axis for axis in WORLD_AXES if axis in axes]
+    for sizes in splits(world, len(free)):
+        mesh = {**dict.fromkeys(AXES, 1), **dict(zip(free, sizes))}
+        borrowable = mesh["dp_shard"] * mesh["cp"] * mesh["tp"]
+        for ep in (divisors(math.gcd(borrowable, expert_count)) if "ep" in axes and expert_count else [1]):
+            for checkpointing in (False, True):
+                for layout in _pipelines({**mesh, "ep": ep}, checkpointing, global_batch):
+                    yield _search_rule(layout, gpus_per_node, blocks)
+
+
+def _pipelines(mesh: dict[str, int], checkpointing: bool, global_batch: int) -> Iterator[Layout]:
+    sizes = tuple(mesh[axis] for axis in AXES)
+    pp, dp = mesh["pp"], mesh["dp_replicate"] * mesh["dp_shard"]
+    if pp == 1:
+        yield Layout(sizes, checkpointing)
+        return
+    local = global_batch // dp if global_batch % dp == 0 else 1  # an uneven batch is TP123's (the check says so)
+    for schedule in SCHEDULES:
+        virtual = INTERLEAVED_VIRTUAL if schedule == "Interleaved1F1B" else 1
+        for microbatches in divisors(local):
+            yield Layout(sizes, checkpointing, schedule, microbatches, virtual)
+
+
+def _search_rule(layout: Layout, gpus_per_node: int, blocks: int) -> Layout | Rejected:
+    mesh = layout.mesh
+    if mesh["tp"] > gpus_per_node:
+        return Rejected(layout, "search", f"tp {mesh['tp']} spans nodes of {gpus_per_node} GPUs: tensor parallelism is kept "
+                        "inside a node (its collectives are on every layer's critical path)")
+    stages = mesh["pp"] * layout.virtual_stages
+    if stages > blocks:
+        return Rejected(layout, "search", f"pp·virtual_stages = {stages} stages for the model's {blocks} blocks: "
+                        "each stage needs a block")
+    return layout
+
+
+def stage_units(units: list[str], blocks: list[str], stages: int) -> list[list[str]]:
+    """The model's units cut into `stages` runs (module docstring): blocks split evenly,
+    the remainder to the middle stages; what comes before the first block goes to the
+    first stage, what comes after the last to the last."""
+    if stages == 1:
+        return [list(units)]
+    base, extra = divmod(len(blocks), stages)
+    middle = list(range(1, stages - 1)) + [0, stages - 1]  # who takes the remainder, in order
+    counts = [base + (1 if i in middle[:extra] else 0) for i in range(stages)]
+    first, last = units.index(blocks[0]), units.index(blocks[-1])
+    cut, start = [], 0
+    for count in counts:
+        cut.append(list(blocks[start:start + count]))
+        start += count
+    cut[0] = units[:first] + cut[0]
+    cut[-1] = cut[-1] + units[last + 1:]
+    return cut
+
+
+def plan_sections(layout: Layout, *, blocks_glob: str, stages: list[list[str]] | None, training: dict[str, Any],
+                  context_parallel: dict[str, Any] | None) -> dict[str, Any]:
+    """The version 2 sections of a layout's plan (SPEC §7), beside its TP rules: the
+    mesh, FSDP2 over the data axes, activation checkpointing, the pipeline, context
+    parallelism, and the training step."""
+    mesh = {axis: size for axis, size in layout.mesh.items() if size > 1 or axis == "tp"}
+    sections: dict[str, Any] = {"mesh": mesh}
+    if layout.dp > 1:
+        sections["fsdp"] = {"units": [blocks_glob, ""]}
+    if layout.checkpointing:
+        sections["checkpointing"] = {"modules": blocks_glob}
+    if layout.schedule is not None:
+        cut = {"stages": stages} if stages is not None else {"layers_per_stage": 1}  # (none: a probe of the checks)
+        sections["pipeline"] = {**cut, "schedule": layout.schedule, "microbatches": layout.microbatches,
+                                **({"virtual_stages": layout.virtual_stages} if layout.virtual_stages > 1 else {})}
+    if layout.mesh["cp"] > 1 and context_parallel is not None:
+        sections["context_parallel"] = context_parallel
+    sections["training"] = training
+    return sections
