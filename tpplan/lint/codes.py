@@ -227,7 +227,7 @@ _PLAN_CODES = {
     "TP130": ("not-applied-yet", """
         `tpplan apply` (and `Plan.apply`) was given a version 2 plan that sets
         an axis (to anything but 1) or a section beyond what that runner
-        applies (under torchrun: `cp`, `context_parallel`, `training`, and
+        applies (under torchrun: `cp`, `context_parallel`, and
         `experts` beside a `pipeline`; `Plan.apply`: `pp`, `pipeline`,
         `training`; the dry run: `experts` or `context_parallel` beside a
         `pipeline`), or an
