@@ -6,7 +6,6 @@ torch's PipelineStage and schedule (tests/pipeline_memory_worker.py)."""
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from typer.testing import CliRunner
 
 from tpplan.cli.app import app
 from tpplan.core.stages import rank_stages
-from tpplan.memory.pipeline_memory import StageMemory, bubble, compose, schedule_orders
+from tpplan.memory.pipeline_memory import StageMemory, bubble, compose, schedule_bubble, schedule_orders
 
 from test_torchrun import torchrun
 
@@ -50,6 +49,8 @@ def test_the_bubble_of_gpipe_and_1f1b_is_p_minus_1_over_m_plus_p_minus_1(pp, m):
         assert bubble(orders(schedule, pp, m)) == pytest.approx((pp - 1) / (m + pp - 1))
     assert bubble(orders("Interleaved1F1B", pp, m, 2)) == pytest.approx((pp - 1) / (2 * m + pp - 1))
     assert bubble(orders("ZBVZeroBubble", pp, m, 2)) < bubble(orders("Interleaved1F1B", pp, m, 2))  # what zero bubble is for
+    for schedule, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)):  # fit's closed forms
+        assert schedule_bubble(schedule, pp, m, v) == pytest.approx(bubble(orders(schedule, pp, m, v)))
 
 
 def test_1f1b_holds_pp_minus_s_microbatches_on_stage_s_and_gpipe_holds_them_all():
@@ -145,9 +146,7 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_a_usage_error(tmp_
 def test_a_stages_repeated_blocks_are_simulated_once_with_the_figures_of_simulating_each(tmp_path, monkeypatch):
     """Two stages of 7 blocks (FSDP2 and activation checkpointing on each block): each stage
     simulates 3 of its blocks and composes the others (memory/reuse.py); every figure is
-    that of simulating every block, but a few bytes on the first stage (at most 20 of
-    8.8 MB: a few bytes a block holds after its backward there that the composition
-    does not see)."""
+    that of simulating every block."""
     monkeypatch.syspath_prepend(str(TESTS))
     path = tmp_path / "plan.yaml"
     path.write_text(f"version: 2\nextends: {PLANS / 'llama_tp.yaml'}\nrules: {{}}\nmesh: {{pp: 2, dp_shard: 2, tp: 2}}\n"
@@ -159,10 +158,7 @@ def test_a_stages_repeated_blocks_are_simulated_once_with_the_figures_of_simulat
     assert "stage 0: layers.2-5 reused from layers.1 (3 of 7 blocks of 'layers' simulated)" in notes
     assert "stage 1: layers.9-12 reused from layers.8 (3 of 7 blocks of 'layers' simulated)" in notes
     assert (reused["modules"], reused["parameters"], reused["comms_by_axis"]) == (each["modules"], each["parameters"], each["comms_by_axis"])
-    for mine, whole in zip(reused["pipeline"]["stages"], each["pipeline"]["stages"]):
-        assert {key: value for key, value in mine.items() if key != "per_rank_peak_bytes"} == \
-               {key: value for key, value in whole.items() if key != "per_rank_peak_bytes"}
-        assert abs(mine["per_rank_peak_bytes"] - whole["per_rank_peak_bytes"]) <= 20
+    assert reused["pipeline"]["stages"] == each["pipeline"]["stages"]
 
 
 def test_context_parallelism_beside_a_pipeline_is_refused_at_its_section(tmp_path):

@@ -12,12 +12,12 @@ its memory one (its parameters, gradients and optimizer state, spread evenly
 over tp and dp_shard: the real shards are no smaller). A layout whose dry run
 raises a plan error (a stage's forward that fails under the TP rules) drops the
 layouts that differ from it only in the data-parallel split or the pipeline's
-stage count, schedule and microbatches (`_cut_of`). Layouts are simulated in
+stage count, schedule and microbatches (`_cut_of`). A layout that does not fit drops every layout that
+needs no less memory (space.needs_no_less). Layouts are simulated in
 the order of their step-time bound; once `top` layouts fit and the next bound is
 no better than the last of them, no later layout can enter the top, and the rest
-are reported as ranked out, by how much. A layout that does not fit drops the
-same layout sharded less (a smaller dp_shard, the rest equal): sharding more
-never needs more memory. `exhaustive` simulates every layout that may fit.
+are reported as ranked out, by how much. `exhaustive` simulates every layout
+its checks and its memory bound let through.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from ..core.axes_spec import DP_AXES, WORLD_AXES
 from .simulate import Simulated, Simulations, dry_run_text
-from .space import Layout, Rejected, layouts, plan_sections, stage_units
+from .space import Layout, Rejected, layouts, needs_no_less, plan_sections, stage_units
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "none": 0}  # tensors per parameter (sgd's momentum is off by default)
@@ -220,7 +220,7 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
     event(f"{considered} layouts: {len(candidates)} may fit; simulating best first")
 
     ranked: list[Ranked] = []
-    too_big: dict[tuple, tuple[int, int]] = {}  # a layout less its dp split -> (dp_shard, peak) of one that did not fit
+    too_big: list[tuple[Layout, int]] = []  # the layouts simulated that did not fit, and their peaks
     refused: dict[tuple, Rejected] = {}  # a layout's cut (_cut_of) -> the plan error its dry run raised
     known: dict[tuple, dict[str, float]] = {}  # a layout less its dp split -> its collectives' seconds off the dp axes
     fitted: set[tuple] = set()  # the groups (_less_split) one of which fits: its siblings are worth running at once
@@ -238,9 +238,9 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
         comms = comm_seconds(outcome.comms_by_axis, layout.mesh, options.gpu, options.gpus_per_node)
         known[key] = {axis: seconds for axis, seconds in comms.items() if axis not in DP_AXES}
         if peak > options.memory_bytes:
-            too_big[key] = max(too_big.get(key, (0, 0)), (layout.mesh["dp_shard"], peak))
+            too_big.append((layout, peak))
             rejected.append(Rejected(layout, "memory", f"{_size(peak)} > {_size(options.memory_bytes)}, "
-                                     f"{_size(peak - options.memory_bytes)} over (at {outcome.peak_where})"))
+                                     f"{_size(peak - options.memory_bytes)} over (at {outcome.peak_where})", peak_bytes=peak))
             return
         fitted.add(key)
         ranked.append(writer.ranked(layout, outcome, comms))
@@ -279,16 +279,16 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
                              for later_bound, _, _, later in sorted([(bound, shard, order, layout), *candidates])]
                 candidates = []
                 continue
-            if any((_less_split(other) == key and key not in fitted) or _cut_of(other) == _cut_of(layout) for other, _ in sent):
+            if any((needs_no_less(layout, other) and _less_split(other) not in fitted) or _cut_of(other) == _cut_of(layout)
+                   for other, _ in sent):
                 deferred.append((bound, shard, order, layout))  # no guess beside a sibling whose verdict is on its way
                 continue
             if (failed := refused.get(_cut_of(layout))) is not None:
                 rejected.append(Rejected(layout, "check", f"as {failed.layout.describe()} (simulated): {failed.reason}", failed.code))
                 continue
-            if key in too_big and layout.mesh["dp_shard"] <= too_big[key][0]:
-                more, peak = too_big[key]
-                rejected.append(Rejected(layout, "memory", f"does not fit: sharded over dp_shard {more} (more) it already "
-                                         f"takes {_size(peak)} > {_size(options.memory_bytes)}"))
+            if not options.exhaustive and (larger := next((over for over in too_big if needs_no_less(layout, over[0])), None)):
+                rejected.append(Rejected(layout, "memory", f"does not fit: {larger[0].describe()} needs no more memory and "
+                                         f"takes {_size(larger[1])} > {_size(options.memory_bytes)}"))
                 continue
             simulated += 1
             event(f"simulating {layout.describe()} ({simulated})")
@@ -345,7 +345,6 @@ class _Bounds:
         self._ranks: dict[tuple, list[list[str]]] = {}
         self._flops: dict[tuple, float] = {}
         self._numel: dict[tuple, int] = {}
-        self._bubbles: dict[tuple, float] = {}
 
     def rank_units(self, layout: Layout) -> list[list[str]]:
         """Each pp rank's units (its stages')."""
@@ -386,18 +385,11 @@ class _Bounds:
         return self._flops[key] * (self.options.global_batch // layout.dp) / (mesh["tp"] * mesh["cp"])
 
     def bubble(self, layout: Layout) -> float:
-        """The idle share of the pipelined step (pipeline_memory.bubble of the schedule's order)."""
-        from ..core.stages import rank_stages
-        from ..memory.pipeline_memory import bubble, schedule_orders
+        """The idle share of the pipelined step (pipeline_memory.schedule_bubble)."""
+        from ..memory.pipeline_memory import schedule_bubble
 
         pp = layout.mesh["pp"]
-        if pp == 1:
-            return 0.0
-        key = (layout.schedule, pp, layout.microbatches, layout.virtual_stages)
-        if key not in self._bubbles:
-            ids = [rank_stages(rank, pp, layout.virtual_stages, layout.schedule) for rank in range(pp)]
-            self._bubbles[key] = bubble(schedule_orders(layout.schedule, pp, layout.microbatches, ids))
-        return self._bubbles[key]
+        return 0.0 if pp == 1 else schedule_bubble(layout.schedule, pp, layout.microbatches, layout.virtual_stages)
 
     def step(self, layout: Layout, comms: dict[str, float]):
         """The cost model's step (cost.step_time): with no collectives, its lower bound."""

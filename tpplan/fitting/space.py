@@ -65,9 +65,28 @@ class Rejected:
     kind: str
     reason: str
     code: str | None = None
+    peak_bytes: int | None = None  # simulated and over the memory
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.layout.to_json(), "kind": self.kind, "code": self.code, "reason": self.reason}
+        return {**self.layout.to_json(), "kind": self.kind, "code": self.code, "reason": self.reason, "peak_bytes": self.peak_bytes}
+
+
+def needs_no_less(layout: Layout, than: Layout) -> bool:
+    """Whether `layout` needs at least the memory of `than`: the same layout but sharded
+    over fewer dp_shard ranks (more over dp_replicate), without activation checkpointing
+    where `than` has it, in fewer (so larger) microbatches under the same schedule, or
+    under GPipe (every microbatch in flight) where `than` runs 1F1B (at most pp). Each is
+    more of what a rank holds; tests/test_fit.py checks every pair it simulates."""
+    mine, theirs = layout.mesh, than.mesh
+    if any(mine[axis] != theirs[axis] for axis in ("pp", "cp", "tp", "ep")) or layout.dp != than.dp:
+        return False
+    if layout.virtual_stages != than.virtual_stages or mine["dp_shard"] > theirs["dp_shard"]:
+        return False
+    if layout.checkpointing and not than.checkpointing:
+        return False
+    if layout.schedule != than.schedule and (layout.schedule, than.schedule) != ("GPipe", "1F1B"):
+        return False
+    return layout.microbatches is None or layout.microbatches <= than.microbatches
 
 
 def divisors(n: int) -> list[int]:

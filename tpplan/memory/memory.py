@@ -319,6 +319,10 @@ def measure_training_step(
     from ..simulation.fsdp import fake_friendly_meshes
     from ..simulation.training import loss_context, loss_value, training_loss
 
+    if stage is not None:
+        # imported before the tracker: torch.distributed.pipelining makes a module-level tensor at
+        # import, which the first stage a process simulates would otherwise count in its step (4 bytes)
+        import torch.distributed.pipelining.stage  # noqa: F401
     optimizer = make_optimizer(optimizer_name, model)
     targets = stage.targets if stage is not None else make_targets(model, inputs, torch.Generator().manual_seed(seed + 2))
     # a stage's input is PipelineStage's receive buffer, held across the step: counted by the composition, not here

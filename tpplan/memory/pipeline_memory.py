@@ -264,3 +264,17 @@ def bubble(orders: dict[int, list[Any]]) -> float:
     span = max(free.values())
     busy = sum(cost[_kind(a)] for order in orders.values() for a in order if _kind(a))
     return 1 - busy / (len(orders) * span) if span else 0.0
+
+
+_CLOSED_FORMS = ("GPipe", "1F1B", "Interleaved1F1B")  # (p − 1)/(v·m + p − 1): tests/test_pipeline_dryrun.py checks them against `bubble`
+
+
+def schedule_bubble(schedule: str, pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """The bubble of `schedule` over `pp` ranks: `bubble` of its action order, read in closed
+    form where the two agree (GPipe, 1F1B, Interleaved1F1B: torch's order for m microbatches
+    takes O(pp·m) actions, and `tpplan fit` asks for thousands of (pp, m))."""
+    from ..core.stages import rank_stages
+
+    if schedule in _CLOSED_FORMS:
+        return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+    return bubble(schedule_orders(schedule, pp, microbatches, [rank_stages(r, pp, virtual_stages, schedule) for r in range(pp)]))
