@@ -133,3 +133,13 @@ def test_a_layout_that_needs_no_less_memory_than_another_takes_no_less(every):
     assert {(True, False, False, False), (False, True, False, False), (False, False, True, False), (False, False, False, True)} <= kinds
     for more, less in pairs:
         assert peaks[more] >= peaks[less], (more.describe(), less.describe())
+
+
+def test_the_text_report_shows_the_cost_model_the_top_and_each_kind_of_rejection():
+    result = CliRunner().invoke(app, ["fit", "--model", MODEL, "--world", "2", "--seq", "64", "--batch", "4", "--plan", PLAN,
+                                      "--memory", str(LIMIT), "--axes", "pp,tp", "--jobs", "1", "--top", "2"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "cost model: H100 SXM: 989 TFLOP/s × efficiency 0.4, 80.00 GiB, 8 per node; inside a node 450 GB/s" in text
+    assert "Top 2 layouts" in text and "rejected (check TP152): 2" in text and "rejected (search): 6" in text
+    assert "1F1B needs at least as many microbatches as pipeline ranks (pp = 2), not 1" in text

@@ -89,16 +89,24 @@ class FitResult:
     simulated: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    _writer: Any = field(default=None, repr=False, compare=False)
 
     @property
     def best(self) -> Ranked | None:
         return self.ranked[0] if self.ranked else None
 
+    def evaluate(self, layout: Layout) -> "Ranked | Rejected":
+        """`layout` simulated and costed as the search does it: one it ranked out, or one
+        to compare with the top (a published layout)."""
+        writer = self._writer
+        text = writer.text(layout, os.path.abspath(self.options.plan))
+        return writer.verdict(layout, dry_run_text(text, self.options.model, self.options.reuse_blocks))
+
     def counts(self) -> dict[str, int]:
         kinds = {"check": 0, "search": 0, "memory": 0, "ranked out": 0}
         for rejected in self.rejected:
             kinds[rejected.kind] += 1
-        return {"considered": self.considered, "rejected_by_checks": kinds["check"] + kinds["search"],
+        return {"considered": self.considered, "rejected_by_checks": kinds["check"], "rejected_by_search": kinds["search"],
                 "rejected_by_memory": kinds["memory"], "ranked_out": kinds["ranked out"], "simulated": self.simulated,
                 "fitting": len(self.ranked)}
 
@@ -183,7 +191,7 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
     """The layouts of `options.world` ranked (module docstring). A PlanError for a base
     plan that does not load; a FitError for a model the search cannot cut."""
     from ..core.loader import load_plan
-    from .cost import assumptions, comm_seconds
+    from .cost import assumptions
 
     event = on_event or (lambda message: None)
     started = time.perf_counter()
@@ -229,21 +237,18 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
 
     def settle(layout: Layout, outcome: Simulated) -> None:
         """What a layout's dry run says, taken into the ranking and the later bounds."""
-        if outcome.refused is not None:
-            failed = Rejected(layout, "check", outcome.refused[1], outcome.refused[0])
-            refused.setdefault(_cut_of(layout), failed)
-            rejected.append(failed)
+        verdict = writer.verdict(layout, outcome)
+        if isinstance(verdict, Rejected) and verdict.kind == "check":
+            refused.setdefault(_cut_of(layout), verdict)
+        if outcome.refused is None:
+            comms = writer.comms(layout, outcome)
+            known[_less_split(layout)] = {axis: seconds for axis, seconds in comms.items() if axis not in DP_AXES}
+        if isinstance(verdict, Rejected):
+            too_big.extend([(layout, verdict.peak_bytes)] if verdict.kind == "memory" else [])
+            rejected.append(verdict)
             return
-        key, peak = _less_split(layout), outcome.peak_bytes
-        comms = comm_seconds(outcome.comms_by_axis, layout.mesh, options.gpu, options.gpus_per_node)
-        known[key] = {axis: seconds for axis, seconds in comms.items() if axis not in DP_AXES}
-        if peak > options.memory_bytes:
-            too_big.append((layout, peak))
-            rejected.append(Rejected(layout, "memory", f"{_size(peak)} > {_size(options.memory_bytes)}, "
-                                     f"{_size(peak - options.memory_bytes)} over (at {outcome.peak_where})", peak_bytes=peak))
-            return
-        fitted.add(key)
-        ranked.append(writer.ranked(layout, outcome, comms))
+        fitted.add(_less_split(layout))
+        ranked.append(verdict)
         ranked.sort(key=lambda r: r.step.total)
 
     deferred: list = []  # candidates held back while a sibling's dry run is on its way (its verdict may drop them)
@@ -294,7 +299,8 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
             event(f"simulating {layout.describe()} ({simulated})")
             sent.append((layout, simulations.submit(dry_run_text, writer.text(layout, os.path.abspath(options.plan)),
                                                    options.model, options.reuse_blocks)))
-    result = FitResult(options, ranked, rejected, assumptions(options.gpu, options.gpus_per_node), considered, simulated)
+    result = FitResult(options, ranked, rejected, assumptions(options.gpu, options.gpus_per_node), considered, simulated,
+                       _writer=writer)
     result.notes += _notes(options)
     result.seconds = time.perf_counter() - started
     return result
@@ -319,6 +325,9 @@ def _notes(options: FitOptions) -> list[str]:
     return [f"the search: tensor parallelism inside a node (tp ≤ {options.gpus_per_node}); pipeline stages of equal block "
             "counts (the remainder to the middle stages); schedules 1F1B, Interleaved1F1B (2 stages per rank) and GPipe, "
             "each microbatch count dividing the rank's batch; FSDP2 over every block and the root where dp > 1",
+            "Megatron's formula is of Megatron's own layout: TP and PP with its distributed optimizer (optimizer state "
+            "sharded over dp, parameters and gradients whole on every dp rank), no CP; where FSDP shards the parameters "
+            "and gradients too, ours is far below it",
             "peaks are the dry run's of each layout's plan (`tpplan apply --dry-run` of it gives the same); layouts are "
             "simulated in order of their step-time bound" + ("" if options.exhaustive else
                                                              f", until no later one can enter the top {options.top}")]
@@ -438,6 +447,22 @@ class _Writer:
             self._specs[key] = load_plan(text=self.text(layout, os.path.abspath(self.options.plan), probe=True), file="<fit>").spec
         problems = sized_problems(self._specs[key], layout.mesh)
         return problems[0] if problems else None
+
+    def comms(self, layout: Layout, outcome: Simulated) -> dict[str, float]:
+        """The seconds of the layout's collectives per axis (cost.comm_seconds of its dry run's)."""
+        from .cost import comm_seconds
+
+        return comm_seconds(outcome.comms_by_axis, layout.mesh, self.options.gpu, self.options.gpus_per_node)
+
+    def verdict(self, layout: Layout, outcome: Simulated) -> "Ranked | Rejected":
+        """A layout's dry run read: refused by a plan check, over the memory, or ranked."""
+        memory = self.options.memory_bytes
+        if outcome.refused is not None:
+            return Rejected(layout, "check", outcome.refused[1], outcome.refused[0])
+        if outcome.peak_bytes > memory:
+            return Rejected(layout, "memory", f"{_size(outcome.peak_bytes)} > {_size(memory)}, {_size(outcome.peak_bytes - memory)} "
+                            f"over (at {outcome.peak_where})", peak_bytes=outcome.peak_bytes)
+        return self.ranked(layout, outcome, self.comms(layout, outcome))
 
     def ranked(self, layout: Layout, outcome, comms: dict[str, float]) -> Ranked:
         options = self.options

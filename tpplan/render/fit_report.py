@@ -19,8 +19,9 @@ def render_fit(result, console, written: str | None = None) -> None:
     console.print(f"[bold]tpplan fit[/bold] {options.model} on {options.world} GPUs × {human_bytes(options.memory_bytes)} "
                   f"({options.gpus_per_node} per node), seq {options.seq}, global batch {options.global_batch}, "
                   f"{options.dtype}, {options.optimizer}: {result.seconds:.1f} s")
-    console.print("cost model: " + "; ".join(f"{key} {value}" for key, value in result.assumptions.items()))
-    console.print(f"{counts['considered']} layouts: {counts['rejected_by_checks']} rejected by checks, "
+    console.print("cost model: " + _assumptions(result.assumptions), markup=False, highlight=False)
+    console.print(f"{counts['considered']} layouts: {counts['rejected_by_search']} outside the search's rules, "
+                  f"{counts['rejected_by_checks']} rejected by the plan's checks, "
                   f"{counts['rejected_by_memory']} by memory, {counts['ranked_out']} ranked out by their bound, "
                   f"{counts['simulated']} simulated, {counts['fitting']} fit")
     if result.ranked:
@@ -49,3 +50,14 @@ def render_fit(result, console, written: str | None = None) -> None:
         console.print(f"note: {note}", markup=False, highlight=False)
     if written:
         console.print(f"wrote {written}: `tpplan apply --dry-run --plan {written} --model {options.model}` plans its step")
+
+
+def _assumptions(found: dict) -> str:
+    """The cost model's figures in units (JSON keeps them raw)."""
+    from ..core.units import human_bytes
+
+    gpu = (f"{found['name']}: {found['peak_flops'] / 1e12:g} TFLOP/s × efficiency {found['efficiency']:g}, "
+           f"{human_bytes(found['memory_bytes'])}, {found['gpus_per_node']} per node; inside a node "
+           f"{found['intra_bandwidth'] / 1e9:g} GB/s, α {found['intra_latency'] * 1e6:g} µs; across nodes "
+           f"{found['inter_bandwidth'] / 1e9:g} GB/s, α {found['inter_latency'] * 1e6:g} µs")
+    return "; ".join([gpu, *(f"{key}: {found[key]}" for key in ("collectives", "overlap", "bubble"))])
