@@ -15,7 +15,7 @@ from tpplan import fit
 from tpplan.cli.app import app
 from tpplan.core.loader import load_plan
 from tpplan.fitting.flops import count_flops
-from tpplan.fitting.search import plan_for
+from tpplan.fitting.result import plan_for
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.options import ApplyOptions
 
@@ -62,9 +62,9 @@ def test_the_bound_drops_no_layout_of_the_top_and_reruns_rank_alike(every):
 
 
 def test_a_static_bound_never_exceeds_the_simulated_peak(every):
-    from tpplan.fitting.search import _Bounds, _read_model
+    from tpplan.fitting.bounds import Bounds, read_model
 
-    bounds = _Bounds(_read_model(every.options, lambda _: None), every.options)
+    bounds = Bounds(read_model(every.options, lambda _: None), every.options)
     for ranked in every.ranked:
         assert bounds.static_bytes(ranked.layout) <= ranked.peak_bytes
 
@@ -143,3 +143,14 @@ def test_the_text_report_shows_the_cost_model_the_top_and_each_kind_of_rejection
     assert "cost model: H100 SXM: 989 TFLOP/s × efficiency 0.4, 80.00 GiB, 8 per node; inside a node 450 GB/s" in text
     assert "Top 2 layouts" in text and "rejected (check TP152): 2" in text and "rejected (search): 6" in text
     assert "1F1B needs at least as many microbatches as pipeline ranks (pp = 2), not 1" in text
+
+
+def test_the_clis_choices_are_the_searchs_and_ep_is_refused_with_its_reason():
+    from tpplan.cli import fit as command
+    from tpplan.core.axes_spec import WORLD_AXES
+    from tpplan.fitting.cost import GPUS
+
+    assert command._GPUS == tuple(GPUS) and command._AXES == WORLD_AXES
+    result = CliRunner().invoke(app, ["fit", "--model", MODEL, "--world", "2", "--seq", "64", "--batch", "4", "--plan", PLAN,
+                                      "--axes", "tp,ep"])
+    assert result.exit_code == 2 and "ep: expert parallelism is not searched yet" in result.output

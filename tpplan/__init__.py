@@ -22,7 +22,7 @@ _EXPORTS = {
     "AsyncSave": "checkpoint.training.asyncsave",
     "param_groups": "simulation.training",
     "fit": "fitting.search",
-    "FitResult": "fitting.search",
+    "FitResult": "fitting.result",
     **dict.fromkeys(
         [
             "NoParallel",

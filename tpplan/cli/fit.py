@@ -12,7 +12,7 @@ import typer
 from .output import EXIT_OK, EXIT_PROBLEMS, exit_with, usage_error
 
 _GPUS = ("h100", "h200", "a100", "mi300x")  # fitting/cost.py's presets (a test checks they agree)
-_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # core.axes_spec.WORLD_AXES: ep is not searched yet
 
 
 class FitFormat(str, Enum):
@@ -70,10 +70,13 @@ def fit(
 
     chosen = tuple(axis.strip() for axis in axes.split(",") if axis.strip())
     unknown = [axis for axis in chosen if axis not in _AXES]
+    if "ep" in unknown:
+        usage_error("--axes: ep: expert parallelism is not searched yet (a plan's experts keep their own degree)")
     if unknown or not chosen:
         usage_error(f"--axes: {', '.join(unknown) or 'none given'}: name some of {', '.join(_AXES)}")
     from ..fitting.cost import gpu_with
-    from ..fitting.search import FitError, FitOptions, plan_for, search
+    from ..fitting.result import FitError, FitOptions, plan_for
+    from ..fitting.search import search
 
     overrides = {key: value for key, value in (("efficiency", efficiency), ("peak_flops", peak_flops),
                  ("intra_bandwidth", intra_bandwidth), ("inter_bandwidth", inter_bandwidth)) if value is not None}
@@ -101,7 +104,10 @@ def fit(
     if format is FitFormat.json:
         import json
 
-        sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
+        found = result.to_json()
+        if written is not None:  # the plan as written, its extends: relative to where it is
+            found["plan"] = plan_for(result, written)
+        sys.stdout.write(json.dumps(found, indent=2) + "\n")
     else:
         from ..render.fit_report import render_fit
 

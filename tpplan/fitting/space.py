@@ -13,7 +13,6 @@ last also hold the embeddings and the head).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -103,18 +102,16 @@ def splits(world: int, count: int) -> Iterator[tuple[int, ...]]:
             yield (first, *rest)
 
 
-def layouts(world: int, axes: tuple[str, ...], *, global_batch: int, blocks: int, expert_count: int | None,
-            gpus_per_node: int) -> Iterator[Layout | Rejected]:
-    """Every layout of `world` ranks over `axes` (the others 1), in a fixed order; the
-    ones the search's own rules drop come as `Rejected` (kind "search")."""
+def layouts(world: int, axes: tuple[str, ...], *, global_batch: int, blocks: int, gpus_per_node: int) -> Iterator[Layout | Rejected]:
+    """Every layout of `world` ranks over `axes` (the world axes among them; the others 1,
+    ep too: expert parallelism is not searched yet), in a fixed order; the ones the
+    search's own rules drop come as `Rejected` (kind "search")."""
     free = [axis for axis in WORLD_AXES if axis in axes]
     for sizes in splits(world, len(free)):
         mesh = {**dict.fromkeys(AXES, 1), **dict(zip(free, sizes))}
-        borrowable = mesh["dp_shard"] * mesh["cp"] * mesh["tp"]
-        for ep in (divisors(math.gcd(borrowable, expert_count)) if "ep" in axes and expert_count else [1]):
-            for checkpointing in (False, True):
-                for layout in _pipelines({**mesh, "ep": ep}, checkpointing, global_batch):
-                    yield _search_rule(layout, gpus_per_node, blocks)
+        for checkpointing in (False, True):
+            for layout in _pipelines(mesh, checkpointing, global_batch):
+                yield _search_rule(layout, gpus_per_node, blocks)
 
 
 def _pipelines(mesh: dict[str, int], checkpointing: bool, global_batch: int) -> Iterator[Layout]:
