@@ -124,25 +124,45 @@ def test_the_cli_writes_spec_9s_json_and_the_best_plan_which_validates_and_runs_
 
 
 def test_a_layout_that_needs_no_less_memory_than_another_takes_no_less(every):
-    from tpplan.fitting.space import needs_no_less
-
-    peaks = {**{r.layout: r.peak_bytes for r in every.ranked}, **{r.layout: r.peak_bytes for r in every.rejected if r.peak_bytes}}
-    pairs = [(a, b) for a in peaks for b in peaks if a != b and needs_no_less(a, b)]
+    pairs = _checked_pairs(every)
     kinds = {(a.mesh["dp_shard"] != b.mesh["dp_shard"], a.checkpointing != b.checkpointing, a.schedule != b.schedule,
               a.microbatches != b.microbatches) for a, b in pairs}
     assert {(True, False, False, False), (False, True, False, False), (False, False, True, False), (False, False, False, True)} <= kinds
+
+
+def test_interleaved_1f1b_holds_no_less_than_1f1b():
+    four = fit("pipeline_models:four_layers", memory="1GiB", top=100, exhaustive=True, **{**ASKED, "axes": ("pp",), "batch": 2})
+    pairs = _checked_pairs(four)
+    assert sum(a.schedule == "Interleaved1F1B" and b.schedule == "1F1B" for a, b in pairs) >= 2
+
+
+def _checked_pairs(result) -> list:
+    """Every pair of simulated layouts (a, b) where a needs no less memory than b, each checked."""
+    from tpplan.fitting.space import needs_no_less
+
+    peaks = {**{r.layout: r.peak_bytes for r in result.ranked}, **{r.layout: r.peak_bytes for r in result.rejected if r.peak_bytes}}
+    pairs = [(a, b) for a in peaks for b in peaks if a != b and needs_no_less(a, b)]
     for more, less in pairs:
         assert peaks[more] >= peaks[less], (more.describe(), less.describe())
+    return pairs
 
 
-def test_the_text_report_shows_the_cost_model_the_top_and_each_kind_of_rejection():
-    result = CliRunner().invoke(app, ["fit", "--model", MODEL, "--world", "2", "--seq", "64", "--batch", "4", "--plan", PLAN,
-                                      "--memory", str(LIMIT), "--axes", "pp,tp", "--jobs", "1", "--top", "2"])
-    assert result.exit_code == 0, result.output
-    text = " ".join(result.output.split())
-    assert "cost model: H100 SXM: 989 TFLOP/s × efficiency 0.4, 80.00 GiB, 8 per node; inside a node 450 GB/s" in text
-    assert "Top 2 layouts" in text and "rejected (check TP152): 2" in text and "rejected (search): 6" in text
+def test_the_text_report_shows_the_cost_model_the_top_and_each_kind_of_rejection(every):
+    from rich.console import Console
+
+    from tpplan.render.fit_report import render_fit
+
+    console = Console(record=True, width=300)
+    render_fit(every, console)
+    text = console.export_text()
+    assert "cost model: H100 SXM: 0.01 TFLOP/s × efficiency 0.4, 80.00 GiB, 8 per node; inside a node 450 GB/s" in text
+    assert f"Top {len(every.ranked)} layouts" in text and "rejected (check TP152): 2" in text and "rejected (search): " in text
     assert "1F1B needs at least as many microbatches as pipeline ranks (pp = 2), not 1" in text
+    assert "(--format json lists each)" in text
+    # the command prints it
+    result = CliRunner().invoke(app, ["fit", "--model", MODEL, "--world", "2", "--seq", "64", "--batch", "4", "--plan", PLAN,
+                                      "--axes", "tp", "--jobs", "1", "--top", "1"])
+    assert result.exit_code == 0 and "Top 1 layouts" in result.output, result.output
 
 
 def test_the_clis_choices_are_the_searchs_and_ep_is_refused_with_its_reason():

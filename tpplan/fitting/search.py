@@ -13,7 +13,8 @@ over tp and dp_shard: the real shards are no smaller). A layout whose dry run
 raises a plan error (a stage's forward that fails under the TP rules) drops the
 layouts that differ from it only in the data-parallel split or the pipeline's
 stage count, schedule and microbatches (`_cut_of`). A layout that does not fit drops every layout that
-needs no less memory (space.needs_no_less). Layouts are simulated in
+needs no less memory (space.needs_no_less); an Interleaved1F1B layout's 1F1B twin
+runs first (space.lighter). Layouts are simulated in
 the order of their step-time bound; once `top` layouts fit and the next bound is
 no better than the last of them, no later layout can enter the top, and the rest
 are reported as ranked out, by how much. `exhaustive` simulates every layout
@@ -33,7 +34,7 @@ from .bounds import Bounds, read_model
 from .layout_plans import LayoutPlans, seconds_text, size_text
 from .result import FitOptions, FitResult, Ranked
 from .simulate import Simulated, Simulations, dry_run_text
-from .space import Layout, Rejected, layouts, needs_no_less
+from .space import Layout, Rejected, layouts, lighter, needs_no_less
 
 
 def fit(model: str, *, world: int, seq: int, batch: int, plan: str, memory: int | str | None = None, gpu: str = "h100",
@@ -92,6 +93,8 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
             continue
         candidates.append((bounds.step(found, {}).total, -found.mesh["dp_shard"], considered, found))
     heapq.heapify(candidates)
+    entries = {entry[3]: entry for entry in candidates}  # a layout's place in the queue
+    stale: set = set()  # the orders of entries moved ahead (space.lighter): skipped when they come up
     event(f"{considered} layouts: {len(candidates)} may fit; simulating best first")
 
     ranked: list[Ranked] = []
@@ -134,6 +137,8 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
                 take_oldest()
                 continue
             bound, shard, order, layout = heapq.heappop(candidates)
+            if order in stale:
+                continue
             key = _less_split(layout)
             if key in known:  # its group's collectives off the dp axes are known: the bound rises to them
                 raised = bounds.step(layout, known[key]).total
@@ -161,6 +166,12 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
             if not options.exhaustive and (larger := next((over for over in too_big if needs_no_less(layout, over[0])), None)):
                 rejected.append(Rejected(layout, "memory", f"does not fit: {larger[0].describe()} needs no more memory and "
                                          f"takes {size_text(larger[1])} > {size_text(options.memory_bytes)}"))
+                continue
+            twin = entries.get(lighter(layout)) if not options.exhaustive else None
+            if twin is not None and twin[2] not in stale:  # its lighter twin first: if that does not fit, neither does it
+                stale.add(twin[2])
+                heapq.heappush(candidates, (bound, shard, order, layout))
+                heapq.heappush(candidates, (bound, shard, order - 0.5, twin[3]))
                 continue
             simulated += 1
             event(f"simulating {layout.describe()} ({simulated})")

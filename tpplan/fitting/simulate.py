@@ -52,15 +52,27 @@ def dry_run_text(text: str, model: str, reuse_blocks: bool) -> Simulated:
     return Simulated(report.memory.per_rank_peak_bytes, report.memory.peak_module or "", report.comms_by_axis or {})
 
 
+def _spawnable() -> bool:
+    """Whether a spawned worker can import this process's main module, as spawn does
+    (a script read from standard input cannot be: its dry runs then run here)."""
+    import sys
+
+    main = sys.modules["__main__"]
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    path = getattr(main, "__file__", None)
+    return path is None or os.path.exists(path)
+
+
 class Simulations:
-    """Dry runs `jobs` at a time (1: in this process)."""
+    """Dry runs `jobs` at a time (1, or a main module spawn cannot import: in this process)."""
 
     def __init__(self, jobs: int):
         self.jobs = jobs
         self._pool: ProcessPoolExecutor | None = None
 
     def __enter__(self) -> "Simulations":
-        if self.jobs > 1:
+        if self.jobs > 1 and _spawnable():
             import multiprocessing
 
             self._pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))

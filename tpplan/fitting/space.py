@@ -73,19 +73,34 @@ class Rejected:
 def needs_no_less(layout: Layout, than: Layout) -> bool:
     """Whether `layout` needs at least the memory of `than`: the same layout but sharded
     over fewer dp_shard ranks (more over dp_replicate), without activation checkpointing
-    where `than` has it, in fewer (so larger) microbatches under the same schedule, or
-    under GPipe (every microbatch in flight) where `than` runs 1F1B (at most pp). Each is
-    more of what a rank holds; tests/test_fit.py checks every pair it simulates."""
+    where `than` has it, in fewer (so larger) microbatches, or under a schedule that holds
+    more in flight (HEAVIER). Each is more of what a rank holds; tests/test_fit.py checks
+    every pair it simulates."""
     mine, theirs = layout.mesh, than.mesh
     if any(mine[axis] != theirs[axis] for axis in ("pp", "cp", "tp", "ep")) or layout.dp != than.dp:
         return False
-    if layout.virtual_stages != than.virtual_stages or mine["dp_shard"] > theirs["dp_shard"]:
+    if mine["dp_shard"] > theirs["dp_shard"] or (layout.checkpointing and not than.checkpointing):
         return False
-    if layout.checkpointing and not than.checkpointing:
+    if layout.schedule != than.schedule and (layout.schedule, than.schedule) not in HEAVIER:
         return False
-    if layout.schedule != than.schedule and (layout.schedule, than.schedule) != ("GPipe", "1F1B"):
+    if layout.virtual_stages != than.virtual_stages and layout.schedule == than.schedule:
         return False
     return layout.microbatches is None or layout.microbatches <= than.microbatches
+
+
+# (schedule, schedule it holds at least as much as): GPipe keeps every microbatch in flight, 1F1B at most pp;
+# Interleaved1F1B (2 stages per rank) warms up with (v − 1)·pp + 2·(pp − 1 − r) + 1 chunks of L/(v·pp) blocks on
+# rank r, at least 1F1B's pp − r microbatches of L/pp blocks
+HEAVIER = {("GPipe", "1F1B"), ("Interleaved1F1B", "1F1B")}
+
+
+def lighter(layout: Layout) -> Layout | None:
+    """The layout that needs no more memory than `layout` and whose failing drops it: an
+    Interleaved1F1B layout's 1F1B twin (the search runs it first: a layout that does not
+    fit under 1F1B does not under Interleaved1F1B either)."""
+    if layout.schedule != "Interleaved1F1B":
+        return None
+    return Layout(layout.sizes, layout.checkpointing, "1F1B", layout.microbatches, 1)
 
 
 def divisors(n: int) -> list[int]:
