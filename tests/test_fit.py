@@ -174,3 +174,18 @@ def test_the_clis_choices_are_the_searchs_and_ep_is_refused_with_its_reason():
     result = CliRunner().invoke(app, ["fit", "--model", MODEL, "--world", "2", "--seq", "64", "--batch", "4", "--plan", PLAN,
                                       "--axes", "tp,ep"])
     assert result.exit_code == 2 and "ep: expert parallelism is not searched yet" in result.output
+
+
+def test_context_parallel_layouts_come_from_the_base_plans_section_and_the_sequence_check(tmp_path):
+    base = tmp_path / "cp_base.yaml"
+    base.write_text(f"version: 2\nextends: {PLAN}\nrules: {{}}\ncontext_parallel:\n  modules: layers.*.attention\n")
+    uneven = fit(MODEL, world=2, seq=66, batch=2, plan=str(base), memory="1GiB", axes=("cp",), jobs=1)
+    assert uneven.ranked == [] and {r.code for r in uneven.rejected} == {"TP124"}
+    assert uneven.rejected[0].reason.startswith("training.seq: 66 is not divisible by 2·cp = 2·2 = 4")
+    even = fit(MODEL, world=2, seq=64, batch=2, plan=str(base), memory="1GiB", axes=("cp",), jobs=1)
+    assert [r.layout.mesh["cp"] for r in even.ranked] == [2, 2]  # with and without activation checkpointing
+    best = even.ranked[0]
+    assert "context_parallel:" in best.plan_text and best.step.comm > 0  # the ring's collectives over cp, exposed
+    path = tmp_path / "cp.yaml"
+    path.write_text(plan_for(even, str(path)))
+    assert dry_run(ApplyOptions(plan=str(path), model=MODEL)).memory.per_rank_peak_bytes == best.peak_bytes
