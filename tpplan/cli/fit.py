@@ -111,5 +111,6 @@ def fit(
     else:
         from ..render.fit_report import render_fit
 
-        render_fit(result, Console(), written)
+        screen = Console()
+        render_fit(result, screen if screen.is_terminal else Console(width=200), written)  # a log keeps the table's columns whole
     exit_with(EXIT_OK if result.best is not None else EXIT_PROBLEMS)

@@ -34,7 +34,7 @@ class LayoutPlans:
         sections = plan_sections(layout, blocks_glob=self.model.blocks_glob, stages=stages, training=self.training,
                                  context_parallel=self.context_parallel)
         top = {"version": 2, "name": f"fit-{'-'.join(f'{a}{s}' for a, s in layout.mesh.items() if s > 1) or 'one'}",
-               "description": f"written by tpplan fit: {layout.describe()}", "extends": os.path.abspath(self.options.plan), "mesh": sections.pop("mesh")}
+               "description": f"written by tpplan fit: {layout.describe().replace(' · ', ', ').replace(' × ', ' x ')}", "extends": os.path.abspath(self.options.plan), "mesh": sections.pop("mesh")}
         return plan_yaml(top, {}, after=sections)
 
     def check(self, layout: Layout) -> tuple[str, str] | None:
