@@ -178,9 +178,10 @@ def stage_rank(stage: int, pp: int, schedule: str) -> int:
 
 def split_batch(plan: Any, batch: int | None = None) -> tuple[int, int, int]:
     """(the batch each data-parallel rank is given, its microbatches, their size) under a
-    version 2 plan's pipeline: `batch` (--batch, or the training section's share), or by default
-    section, TP130) the plan's microbatches of one sequence each, or pp·virtual_stages
-    microbatches of `microbatch_size`. ValueError where the batch does not split."""
+    version 2 plan's pipeline: `batch` (--batch, or the training section's share of the
+    global batch), or by default the plan's microbatches of one sequence each, or
+    pp·virtual_stages microbatches of `microbatch_size`. ValueError where the batch does
+    not split."""
     pipe = plan.spec.pipeline
     if batch is None:
         batch = pipe.microbatches if pipe.microbatches is not None else pipe.microbatch_size * plan.mesh.sizes["pp"] * pipe.virtual_stages
