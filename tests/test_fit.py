@@ -130,7 +130,19 @@ def test_a_layout_that_needs_no_less_memory_than_another_takes_no_less(every):
     assert {(True, False, False, False), (False, True, False, False), (False, False, True, False), (False, False, False, True)} <= kinds
 
 
-def test_interleaved_1f1b_holds_no_less_than_1f1b():
+def test_interleaved_1f1b_holds_no_less_than_1f1b(tmp_path):
+    from tpplan.fitting.space import Layout, needs_no_less
+
+    # a search with nothing to simulate (cp without its section), for its plans of a 4-block model
+    result = fit("pipeline_models:four_layers", memory="1GiB", **{**ASKED, "axes": ("cp",), "batch": 2})
+    assert result.simulated == 0
+    interleaved, one = (Layout((2, 1, 1, 1, 1, 1), False, schedule, 2, virtual) for schedule, virtual in (("Interleaved1F1B", 2), ("1F1B", 1)))
+    assert needs_no_less(interleaved, one) and not needs_no_less(one, interleaved)
+    assert result.evaluate(interleaved).peak_bytes >= result.evaluate(one).peak_bytes
+
+
+@pytest.mark.slow
+def test_interleaved_1f1b_holds_no_less_than_1f1b_at_every_layout():
     four = fit("pipeline_models:four_layers", memory="1GiB", top=100, exhaustive=True, **{**ASKED, "axes": ("pp",), "batch": 2})
     pairs = _checked_pairs(four)
     assert sum(a.schedule == "Interleaved1F1B" and b.schedule == "1F1B" for a, b in pairs) >= 2

@@ -20,7 +20,7 @@ def _torch_shapes(shape, mesh, placements):
 def test_every_rank_as_torch_cuts_it_uneven_and_packed_shards_included():
     rng = random.Random(0)
     checked = 0
-    for _ in range(3000):
+    for _ in range(1000):
         shape = tuple(rng.choice([1, 2, 3, 5, 7, 8, 12, 16, 48, 100]) for _ in range(rng.randint(1, 3)))
         mesh = tuple(rng.choice([1, 2, 3, 4, 8]) for _ in range(rng.randint(1, 3)))
         placements = []
@@ -30,7 +30,7 @@ def test_every_rank_as_torch_cuts_it_uneven_and_packed_shards_included():
                               else _StridedShard(dim, split_factor=rng.choice([2, 3, 4, 8])))
         assert shapes_on_mesh(shape, mesh, placements) == _torch_shapes(shape, mesh, placements), (shape, mesh, placements)
         checked += 1
-    assert checked == 3000
+    assert checked == 1000
 
 
 def test_fsdp_over_tp_at_thousands_of_ranks():
