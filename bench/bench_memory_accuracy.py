@@ -2,6 +2,7 @@
 process group) against the peak measured on real ranks for the same step.
 
     python bench/bench_memory_accuracy.py [--seq 1024] [--configs tp fsdp-tp-ac hsdp-tp ep] [--device cpu|cuda] [--check]
+    python bench/bench_memory_accuracy.py --fit [--seq 1024]   # tpplan fit's top 3 on 4 ranks, each measured
 
 Model: tpplan.models.llama:bench_1024 (dim 1024, 4 layers, 16 heads / 8 KV
 heads, FFN 2816, vocab 32000), batch 1, fp32, AdamW:
@@ -15,6 +16,10 @@ Version 2 layouts (one plan, every axis; `Plan.build_mesh` and `Plan.apply` on t
   ep          plans/qwen3_moe_fsdp_ep.yaml on tpplan.models.hf:qwen3_moe: dp_shard 2 x
               tp 2, experts over ep 2, FSDP2 over efsdp 2 (4 ranks; the dry run routes
               tokens evenly, the real router does not)
+`--fit`: the top 3 layouts `tpplan fit` picks for the model on 4 ranks (dp_replicate,
+dp_shard, tp; a global batch of 4, fp32, AdamW, 2 GiB per rank), each plan as fit writes
+it, predicted by its dry run (no flags: the plan's training section) and measured;
+Megatron's formula beside each.
 Measured: each config runs under `torchrun --nproc-per-node N` (gloo on CPU);
 every rank builds the model on real tensors and runs the same
 `tpplan.memory.memory.measure_training_step` with torch's MemTracker /
@@ -86,7 +91,7 @@ def predicted(config: Config, seq: int, plan: str) -> dict:
     return report.to_json()["memory"]
 
 
-def worker(config: Config, seq: int, device_type: str, plan_path: str) -> None:
+def worker(config: Config, seq: int, device_type: str, plan_path: str, batch: int = 1) -> None:
     """One real rank (under torchrun): build, shard, measure; rank 0 prints every rank's figures."""
     import torch
     import torch.distributed as dist
@@ -117,7 +122,7 @@ def worker(config: Config, seq: int, device_type: str, plan_path: str) -> None:
     if config.dp > 1:
         shard_data_parallel(model, mesh)
     torch.manual_seed(1)
-    inputs = (default_inputs(model, 1, seq),)
+    inputs = (default_inputs(model, batch, seq),)
     allocator = None
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -136,10 +141,13 @@ def worker(config: Config, seq: int, device_type: str, plan_path: str) -> None:
     os._exit(0)  # torch 2.13 gloo may abort at interpreter exit after DTensor collectives
 
 
-def measured(name: str, seq: int, device_type: str, plan: str) -> list[dict]:
+def measured(name: str, seq: int, device_type: str, plan: str, fitted: tuple[int, int] | None = None) -> list[dict]:
+    """Every rank's figures under torchrun; `fitted`: (tp, per-rank batch) of a layout fit chose (4 ranks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={CONFIGS[name].ranks}", __file__,
+    ranks = FIT_WORLD if fitted else CONFIGS[name].ranks
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
                "--worker", name, "--plan-file", plan, "--seq", str(seq), "--device", device_type]
+    command += ["--fitted", f"{fitted[0]},{fitted[1]}"] if fitted else []
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
@@ -154,10 +162,18 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--plan-file", help=argparse.SUPPRESS)
+    parser.add_argument("--fitted", help=argparse.SUPPRESS)
+    parser.add_argument("--fit", action="store_true", help="tpplan fit's top 3 layouts on 4 ranks, each measured")
     args = parser.parse_args()
     if args.worker:
-        worker(CONFIGS[args.worker], args.seq, args.device, args.plan_file)
+        if args.fitted:
+            tp, batch = map(int, args.fitted.split(","))
+            worker(Config(args.plan_file, tp, world=FIT_WORLD), args.seq, args.device, args.plan_file, batch)
+        else:
+            worker(CONFIGS[args.worker], args.seq, args.device, args.plan_file)
         return 0
+    if args.fit:
+        return fitted_layouts(args)
 
     mib = 2**20
     print(f"{MODEL} (ep: tpplan.models.hf:qwen3_moe), batch 1, seq {args.seq}, fp32, AdamW ({args.device})")
@@ -184,6 +200,36 @@ def main() -> int:
         for name in ("parameters", "gradients", "optimizer", "activations", "temporaries"):
             got = ranks[0]["categories"][name]
             print(f"    {name:12} predicted {want[name] / mib:10.2f} MiB, measured (rank 0) {got / mib:10.2f} MiB")
+    print(f"largest deviation {worst:.2%} (goal <= {GOAL:.0%})")
+    return _common.exit_code(args.check, _common.within(worst, GOAL))
+
+
+FIT_WORLD, FIT_BATCH = 4, 4
+
+
+def fitted_layouts(args) -> int:
+    """fit's top 3 on FIT_WORLD ranks: predicted (the written plan's dry run) / measured, Megatron's beside."""
+    from tpplan import fit
+    from tpplan.fitting.result import plan_for
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.options import ApplyOptions
+
+    mib = 2**20
+    result = fit(MODEL, world=FIT_WORLD, seq=args.seq, batch=FIT_BATCH, plan=str(ROOT / "plans" / "llama_tp.yaml"), memory="2GiB",
+                 dtype="fp32", axes=("dp_replicate", "dp_shard", "tp"), top=3, jobs=2)
+    print(f"{MODEL}, tpplan fit on {FIT_WORLD} ranks × 2 GiB, global batch {FIT_BATCH}, seq {args.seq}, fp32, AdamW ({args.device})")
+    worst = 0.0
+    for ranked in result.ranked[:3]:
+        with tempfile.TemporaryDirectory() as folder:
+            path = str(Path(folder) / "plan.yaml")
+            Path(path).write_text(plan_for(result, path, ranked))
+            want = dry_run(ApplyOptions(plan=path, model=MODEL)).memory.per_rank_peak_bytes
+            mesh = ranked.layout.mesh
+            ranks = measured("fit", args.seq, args.device, path, (mesh["tp"], FIT_BATCH // ranked.layout.dp))
+        peak = max(r["peak"] for r in ranks)
+        worst = max(worst, abs(want / peak - 1))
+        print(f"  {ranked.layout.describe():40} fit {ranked.peak_bytes / mib:9.1f} MiB (its plan's dry run {want / mib:.1f}), "
+              f"measured {peak / mib:9.1f} MiB: {want / peak:.4f}; Megatron's formula {ranked.megatron_peak_bytes / mib:9.1f} MiB")
     print(f"largest deviation {worst:.2%} (goal <= {GOAL:.0%})")
     return _common.exit_code(args.check, _common.within(worst, GOAL))
 

@@ -300,19 +300,20 @@ def section_warnings(plan: Any) -> list[Problem]:
 # cp, ep, checkpointing and FSDP2 on fake tensors (runtime/dry_world.py), one rank per
 # distinct position, and the pipeline stage by stage (memory/pipeline_dryrun.py).
 _EVERYWHERE = ("tp", "dp_replicate", "dp_shard", "fsdp", "checkpointing", "ep", "experts")
-APPLIED = {"torchrun": (*_EVERYWHERE, "pp", "pipeline", "training"), "api": (*_EVERYWHERE, "cp", "context_parallel"),
+# `training` describes the step, not the layout: the dry run plans it, torchrun sizes its inputs by it, and
+# Plan.apply has nothing to do with it (the trainer sizes its own batches)
+APPLIED = {"torchrun": (*_EVERYWHERE, "pp", "pipeline", "training"), "api": (*_EVERYWHERE, "cp", "context_parallel", "training"),
            "dry-run": ("tp", "dp_replicate", "dp_shard", "cp", "ep", "fsdp", "checkpointing", "context_parallel", "experts",
                        "pp", "pipeline", "training")}
 _DOES = {"torchrun": "This tpplan applies", "api": "Plan.apply applies", "dry-run": "The dry run simulates"}
 
 
-def unapplied(plan: Any, by: str = "torchrun", also: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+def unapplied(plan: Any, by: str = "torchrun") -> list[tuple[str, ...]]:
     """The keys of a version 2 plan that this tpplan checks but `by` (a key of APPLIED)
-    does not apply yet: an axis not 1, or a section, beyond what it applies (and `also`:
-    what the caller applies beside it)."""
+    does not apply yet: an axis not 1, or a section, beyond what it applies."""
     if plan.version != 2:
         return []
-    applied = (*APPLIED[by], *also)
+    applied = APPLIED[by]
     axes = [("mesh", axis) for axis in AXES if axis not in applied and plan.mesh.sizes[axis] != 1]
     return axes + [(key,) for key in SECTIONS if key not in applied and getattr(plan.spec, key) is not None]
 
@@ -355,11 +356,11 @@ class NotAppliedError(ValueError):
         super().__init__(str(problem))
 
 
-def refuse_unapplied(plan: Any, by: str = "torchrun", also: tuple[str, ...] = ()) -> None:
-    """NotAppliedError where `plan` says more than `by` (and `also`) applies, has an experts rule
+def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
+    """NotAppliedError where `plan` says more than `by` applies, has an experts rule
     that the ep axis does not carry (`experts_unapplied`), or a pipeline with experts
     (`pipeline_unapplied`)."""
-    keys = unapplied(plan, by, also)
+    keys = unapplied(plan, by)
     if not keys:
         if by in APPLIED and "experts" in APPLIED[by] and (problem := experts_unapplied(plan)) is not None:
             raise NotAppliedError(problem)

@@ -228,8 +228,8 @@ _PLAN_CODES = {
         `tpplan apply` (and `Plan.apply`) was given a version 2 plan that sets
         an axis (to anything but 1) or a section beyond what that runner
         applies (under torchrun: `cp`, `context_parallel`, and
-        `experts` beside a `pipeline`; `Plan.apply`: `pp`, `pipeline`,
-        `training`; the dry run: `experts` or `context_parallel` beside a
+        `experts` beside a `pipeline`; `Plan.apply`: `pp`, `pipeline`; the
+        dry run: `experts` or `context_parallel` beside a
         `pipeline`), or an
         `experts` rule other than `expert_parallel` with `dispatch:
         all_to_all` (the one way the ep axis places experts). This tpplan checks them

@@ -39,7 +39,7 @@ def context_parallel_dry_run(options: ApplyOptions, plan: "Plan") -> ApplyReport
         if given:
             raise ApplyOptionsError(option, "not-with-cp", "a dry run of context parallelism simulates shapes, collectives "
                                     "and memory (no values or checkpoints yet)")
-    refuse_unapplied(plan, "api", also=("training",))  # it simulates what Plan.apply applies, on the step the plan's training section sizes
+    refuse_unapplied(plan, "api")  # it simulates what Plan.apply applies, on the step the plan's training section sizes
     world, tp, sizes = _world(plan, options.tp)
     spec, cp = plan.spec.context_parallel, plan.mesh.sizes["cp"]
     chunks = 2 * cp if spec.load_balance == "headtail" else cp

@@ -40,14 +40,14 @@ def _rebuild(option: str, kind: str, reason: str, facts: dict) -> ApplyOptionsEr
     return ApplyOptionsError(option, kind, reason, **facts)
 
 
-def refuse_unapplied(plan: Any, by: str = "torchrun", also: tuple[str, ...] = ()) -> None:
+def refuse_unapplied(plan: Any, by: str = "torchrun") -> None:
     """An ApplyOptionsError (a usage error: exit 2) where a version 2 plan sets axes or
-    sections that this tpplan checks but `by` (torchrun, the dry run; and `also`) does not
-    apply yet (core/axes.py says which)."""
+    sections that this tpplan checks but `by` (torchrun, the dry run) does not apply yet
+    (core/axes.py says which)."""
     from ..core.axes import NotAppliedError, refuse_unapplied as refuse
 
     try:
-        refuse(plan, by, also)
+        refuse(plan, by)
     except NotAppliedError as exc:
         raise ApplyOptionsError("plan", "not-applied", str(exc.problem)) from None
 

@@ -44,7 +44,6 @@ def simulate_context_parallel(plan: Any, factory: Callable[[], torch.nn.Module],
                               tp: int | None = None) -> CPSimulation:
     """One forward and backward (of `scalar_loss`) of rank 0 of `world` ranks with the
     plan applied, on (batch, seq) random tokens cut on the sequence (`shard_sequence`)."""
-    from ..sharding.apply import apply_every_axis
     from ..sharding.context_parallel import shard_sequence
     from .fsdp import fake_friendly_meshes
 
@@ -52,8 +51,7 @@ def simulate_context_parallel(plan: Any, factory: Callable[[], torch.nn.Module],
         mesh = plan.build_mesh(world, "cpu", tp)  # outside fake mode: the mesh needs real rank lists
         with fake_tensors(), fake_friendly_meshes():
             model = factory()
-            # Plan.apply's applier: a training section (which Plan.apply refuses) sizes this step, the caller's (batch, seq)
-            apply_every_axis(plan, model, mesh)
+            plan.apply(model, mesh)
             tokens = shard_sequence(plan, mesh, [torch.randint(0, 2, (batch, seq))], [1])[0]
             phases = ("forward", "backward")
             ring = {phase: (Counter(), Counter()) for phase in phases}
