@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from .apply import DType, Optimizer  # apply's --dtype and --optimizer choices
 from .output import EXIT_OK, EXIT_PROBLEMS, exit_with, usage_error
 
 _GPUS = ("h100", "h200", "a100", "mi300x")  # fitting/cost.py's presets (a test checks they agree)
@@ -18,18 +19,6 @@ _AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # core.axes_spec.WORLD_A
 class FitFormat(str, Enum):
     text = "text"
     json = "json"
-
-
-class DType(str, Enum):
-    bf16 = "bf16"
-    fp16 = "fp16"
-    fp32 = "fp32"
-
-
-class Optimizer(str, Enum):
-    adamw = "adamw"
-    sgd = "sgd"
-    none = "none"
 
 
 Gpu = Enum("Gpu", {name: name for name in _GPUS}, type=str)
