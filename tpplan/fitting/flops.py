@@ -170,17 +170,14 @@ def _identical_run(model: "nn.Module") -> _Run | None:
 @contextlib.contextmanager
 def _hidden(model: "nn.Module", run: _Run | None) -> Iterator[None]:
     """The model with the run's hidden blocks out of their list, every name kept."""
+    from ..simulation.blocks import only_children
+
     if run is None:
         yield
         return
-    container = model.get_submodule(run.container)
-    full = container._modules
     hidden = {fqn.rpartition(".")[2] for fqn in run.hidden}
-    container._modules = {k: m for k, m in full.items() if k not in hidden}
-    try:
+    with only_children(model.get_submodule(run.container), lambda key: key not in hidden):
         yield
-    finally:
-        container._modules = full
 
 
 def _credit(run: _Run | None, flops: dict[str, int]) -> dict[str, int]:

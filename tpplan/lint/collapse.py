@@ -13,11 +13,12 @@ in cut blocks are left out of the simulated plan.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
-from ..simulation.blocks import runs
+from ..simulation.blocks import only_children, runs
 
 if TYPE_CHECKING:
     from torch import nn
@@ -85,14 +86,10 @@ def kept_blocks(trace: "Trace | None", matched: "dict[str, Rule]", modules: "dic
 def collapsed_copy(model: "nn.Module", cuts: list[tuple["nn.Module", dict]]) -> "nn.Module":
     """A deep copy of `model` (to shard), with each container of `cuts` (kept_blocks)
     keeping only its kept children."""
-    saved = [(module, module._modules, kept) for module, kept in cuts]
-    try:
-        for module, _, kept in saved:
-            module._modules = kept
+    with contextlib.ExitStack() as stack:
+        for module, kept in cuts:
+            stack.enter_context(only_children(module, kept.__contains__))
         return copy.deepcopy(model)
-    finally:
-        for module, original, _ in saved:
-            module._modules = original
 
 
 def plan_for(plan: "Plan", model: "nn.Module") -> "Plan":

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..simulation.blocks import attribute_value, first_difference, runs, shared, signatures
+from ..simulation.blocks import attribute_value, first_difference, only_children, runs, shared, signatures
 from .memory import PlannedStep, StepMemory, _categories, _peak_module
 from .memory_report import CATEGORIES
 
@@ -267,16 +267,10 @@ def _truncated_copy(model: "nn.Module", reuse: BlockReuse, run_blocks: int) -> "
     """A copy of `model` whose container keeps `reuse.kept(run_blocks)` under their own
     names (so the plan's rules and the report's names stay those of the model);
     `model` itself is left whole."""
-    container = model.get_submodule(reuse.container)
-    full = container._modules
     keep = set(reuse.kept(run_blocks))
-    container._modules = {k: m for k, m in full.items() if k in keep}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            return copy.deepcopy(model)
-    finally:
-        container._modules = full
+    with only_children(model.get_submodule(reuse.container), keep.__contains__), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        return copy.deepcopy(model)
 
 
 # -- composing the whole step from the two truncated ones ----------------------------

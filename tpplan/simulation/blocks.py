@@ -42,11 +42,12 @@ compute alike.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import re
 from collections import Counter
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -204,3 +205,17 @@ def first_difference(fqns: Sequence[str], found: Sequence[Signature]) -> str:
                 return f"'{fqns[i]}' has {'more' if len(ours) > len(theirs) else 'fewer'} submodules than '{fqns[i - 1]}'"
             return f"'{fqns[i]}' differs from '{fqns[i - 1]}' in the {where[1]} of '{where[0] or '<block>'}'"
     return "every block differs"
+
+
+@contextlib.contextmanager
+def only_children(container: "nn.Module", keep: Callable[[str], bool]) -> Iterator[None]:
+    """`container` (a list of blocks) holding only the children whose key `keep` accepts,
+    under their own names, while the body runs; whole again after. What a model simulated
+    with fewer blocks is cut by: memory's truncated copies, the lint's collapsed copy, fit's
+    FLOP count."""
+    full = container._modules
+    container._modules = {key: child for key, child in full.items() if keep(key)}
+    try:
+        yield
+    finally:
+        container._modules = full
