@@ -55,15 +55,11 @@ def published(plan: str, jobs: int) -> None:
                 print(f"  {layout.describe()}: rejected, {found.reason}")
                 continue
             faster = sum(r.step.total < found.step.total for r in result.ranked)
-            unknown = sum(r.kind == "ranked out" and _bound(r) < found.step.total for r in result.rejected)
+            unknown = sum(r.kind == "ranked out" and r.bound_seconds < found.step.total for r in result.rejected)
             print(f"  {layout.describe()}: peak {found.peak_bytes / 2**30:.2f} GiB (Megatron {found.megatron_peak_bytes / 2**30:.2f}), "
                   f"step {found.step.total:.3f} s (compute {found.step.compute:.3f}, comm {found.step.comm:.3f}, bubble "
                   f"{found.step.bubble:.3f}), {found.tokens_per_second_per_gpu:.0f} tok/s/GPU: rank {faster + 1}"
                   + (f" to {faster + unknown + 1} ({unknown} ranked-out layouts' bounds are below it)" if unknown else ""))
-
-
-def _bound(rejected) -> float:
-    return float(rejected.reason.split("at least ")[1].split(" s ")[0])
 
 
 def main() -> int:

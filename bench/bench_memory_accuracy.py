@@ -210,7 +210,6 @@ FIT_WORLD, FIT_BATCH = 4, 4
 def fitted_layouts(args) -> int:
     """fit's top 3 on FIT_WORLD ranks: predicted (the written plan's dry run) / measured, Megatron's beside."""
     from tpplan import fit
-    from tpplan.fitting.result import plan_for
     from tpplan.runtime.dryrun import dry_run
     from tpplan.runtime.options import ApplyOptions
 
@@ -222,7 +221,7 @@ def fitted_layouts(args) -> int:
     for ranked in result.ranked[:3]:
         with tempfile.TemporaryDirectory() as folder:
             path = str(Path(folder) / "plan.yaml")
-            Path(path).write_text(plan_for(result, path, ranked))
+            Path(path).write_text(result.plan_text(ranked, path))
             want = dry_run(ApplyOptions(plan=path, model=MODEL)).memory.per_rank_peak_bytes
             mesh = ranked.layout.mesh
             ranks = measured("fit", args.seq, args.device, path, (mesh["tp"], FIT_BATCH // ranked.layout.dp))

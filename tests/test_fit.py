@@ -15,7 +15,6 @@ from tpplan import fit
 from tpplan.cli.app import app
 from tpplan.core.loader import load_plan
 from tpplan.fitting.flops import count_flops
-from tpplan.fitting.result import plan_for
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.options import ApplyOptions
 
@@ -39,7 +38,7 @@ def test_each_ranked_peak_is_the_dry_run_of_its_written_plan_given_no_flags(ever
     assert len(every.ranked) >= 3 and every.counts()["rejected_by_memory"] >= 1
     for ranked in every.ranked:
         path = tmp_path / "layout.yaml"
-        path.write_text(plan_for(every, str(path), ranked))  # extends the base plan by a path relative to it
+        path.write_text(every.plan_text(ranked, str(path)))  # extends the base plan by a path relative to it
         report = dry_run(ApplyOptions(plan=str(path), model=MODEL))
         assert report.problems == []
         assert report.memory.per_rank_peak_bytes == ranked.peak_bytes, ranked.layout.describe()
@@ -197,7 +196,7 @@ def test_context_parallel_layouts_come_from_the_base_plans_section_and_the_seque
     even = fit(MODEL, world=2, seq=64, batch=2, plan=str(base), memory="1GiB", axes=("cp",), jobs=1)
     assert [r.layout.mesh["cp"] for r in even.ranked] == [2, 2]  # with and without activation checkpointing
     best = even.ranked[0]
-    assert "context_parallel:" in best.plan_text and best.step.comm > 0  # the ring's collectives over cp, exposed
+    assert "context_parallel:" in even.plan_text(best) and best.step.comm > 0  # the ring's collectives over cp, exposed
     path = tmp_path / "cp.yaml"
-    path.write_text(plan_for(even, str(path)))
+    path.write_text(even.plan_text(output=str(path)))
     assert dry_run(ApplyOptions(plan=str(path), model=MODEL)).memory.per_rank_peak_bytes == best.peak_bytes

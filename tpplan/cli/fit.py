@@ -1,7 +1,6 @@
 """`tpplan fit`: choose a training job's layout (SPEC §9). Imported whenever
 `tpplan` starts: nothing heavy at import time."""
 
-import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -55,38 +54,29 @@ def fit(
     """
     from rich.console import Console
 
-    from ..memory.memory import parse_size
-
     chosen = tuple(axis.strip() for axis in axes.split(",") if axis.strip())
     unknown = [axis for axis in chosen if axis not in _AXES]
     if "ep" in unknown:
         usage_error("--axes: ep: expert parallelism is not searched yet (a plan's experts keep their own degree)")
     if unknown or not chosen:
         usage_error(f"--axes: {', '.join(unknown) or 'none given'}: name some of {', '.join(_AXES)}")
-    from ..fitting.cost import gpu_with
-    from ..fitting.result import FitError, FitOptions, plan_for
-    from ..fitting.search import search
+    from ..fitting.result import FitError
+    from ..fitting.search import fit as fit_layouts
 
-    overrides = {key: value for key, value in (("efficiency", efficiency), ("peak_flops", peak_flops),
-                 ("intra_bandwidth", intra_bandwidth), ("inter_bandwidth", inter_bandwidth)) if value is not None}
-    preset = gpu_with(gpu.value, **overrides)
-    try:
-        limit = parse_size(memory) if memory is not None else preset.memory_bytes
-    except ValueError as exc:
-        usage_error(f"--memory: {exc}")
-    options = FitOptions(model=model, world=world, memory_bytes=limit, seq=seq, global_batch=batch, plan=plan, gpu=preset,
-                         gpus_per_node=gpus_per_node, dtype=dtype.value, optimizer=optimizer.value, axes=chosen, top=top,
-                         exhaustive=exhaustive, jobs=jobs or os.cpu_count() or 1)
+    figures = {key: value for key, value in (("efficiency", efficiency), ("peak_flops", peak_flops),
+               ("intra_bandwidth", intra_bandwidth), ("inter_bandwidth", inter_bandwidth)) if value is not None}
     console = Console(stderr=format is FitFormat.json)
     try:
         with console.status("fit") as status:
-            result = search(options, lambda text: status.update(text))
+            result = fit_layouts(model, world=world, seq=seq, batch=batch, plan=plan, memory=memory, gpu=gpu.value,
+                                 gpus_per_node=gpus_per_node, dtype=dtype.value, optimizer=optimizer.value, axes=chosen, top=top,
+                                 exhaustive=exhaustive, jobs=jobs, on_event=lambda text: status.update(text), **figures)
     except FitError as exc:
         usage_error(str(exc))
     written = None
     if output is not None and result.best is not None:
         try:
-            output.write_text(plan_for(result, str(output)))
+            output.write_text(result.plan_text(output=str(output)))
         except OSError as exc:
             usage_error(f"cannot write {output}: {exc.strerror or exc}")
         written = str(output)
@@ -95,7 +85,7 @@ def fit(
 
         found = result.to_json()
         if written is not None:  # the plan as written, its extends: relative to where it is
-            found["plan"] = plan_for(result, written)
+            found["plan"] = result.plan_text(output=written)
         sys.stdout.write(json.dumps(found, indent=2) + "\n")
     else:
         from ..render.fit_report import render_fit

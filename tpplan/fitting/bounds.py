@@ -13,7 +13,6 @@ from typing import Any
 from .result import FitError, FitOptions
 from .space import Layout, stage_units
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "none": 0}  # tensors per parameter (sgd's momentum is off by default)
 
 
@@ -86,7 +85,9 @@ class Bounds:
         key = (layout.mesh["pp"], layout.virtual_stages, layout.schedule)
         if key not in self._numel:
             self._numel[key] = max(sum(self.model.numel[unit] for unit in units) for units in self.rank_units(layout))
-        per = DTYPE_BYTES[self.options.dtype] * (2 + OPTIMIZER_STATES[self.options.optimizer])
+        from ..simulation.training import torch_dtype
+
+        per = torch_dtype(self.options.dtype).itemsize * (2 + OPTIMIZER_STATES[self.options.optimizer])
         return self._numel[key] * per // (layout.mesh["tp"] * layout.mesh["dp_shard"])
 
     def rank_flops(self, layout: Layout) -> float:

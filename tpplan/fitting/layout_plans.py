@@ -16,15 +16,15 @@ from .space import Layout, Rejected, plan_sections, stage_units
 class LayoutPlans:
     """Writes each layout's plan (its sections beside the base plan's rules, `extends`), checks it, simulates it."""
 
-    def __init__(self, options: FitOptions, base, model: ModelFacts, bounds: Bounds, training: dict, context_parallel: dict | None):
-        self.options, self.base, self.model, self.bounds = options, base, model, bounds
+    def __init__(self, options: FitOptions, model: ModelFacts, bounds: Bounds, training: dict, context_parallel: dict | None):
+        self.options, self.model, self.bounds = options, model, bounds
         self.training, self.context_parallel = training, context_parallel
         self._specs: dict[tuple, Any] = {}
 
-    def text(self, layout: Layout, *, probe: bool = False) -> str:
-        """The layout's plan (`extends:` the base plan by its absolute path: plan_for makes it
-        relative to where it is written); a `probe` (every axis 1, stages by count) loads
-        whatever its sections, for the checks to read at the layout's sizes."""
+    def text(self, layout: Layout, *, extends: str | None = None, probe: bool = False) -> str:
+        """The layout's plan, `extends:` the base plan by `extends` (default its absolute path);
+        a `probe` (every axis 1, stages by count) loads whatever its sections, for the checks
+        to read at the layout's sizes."""
         from ..core.yamltext import plan_yaml
 
         pp = layout.mesh["pp"]
@@ -33,8 +33,10 @@ class LayoutPlans:
             layout = Layout((1,) * len(layout.sizes), layout.checkpointing, layout.schedule, layout.microbatches, layout.virtual_stages)
         sections = plan_sections(layout, blocks_glob=self.model.blocks_glob, stages=stages, training=self.training,
                                  context_parallel=self.context_parallel)
+        described = layout.describe().replace(" · ", ", ").replace(" × ", " x ")  # ASCII in the file
         top = {"version": 2, "name": f"fit-{'-'.join(f'{a}{s}' for a, s in layout.mesh.items() if s > 1) or 'one'}",
-               "description": f"written by tpplan fit: {layout.describe().replace(' · ', ', ').replace(' × ', ' x ')}", "extends": os.path.abspath(self.options.plan), "mesh": sections.pop("mesh")}
+               "description": f"written by tpplan fit: {described}", "extends": extends or os.path.abspath(self.options.plan),
+               "mesh": sections.pop("mesh")}
         return plan_yaml(top, {}, after=sections)
 
     def check(self, layout: Layout) -> tuple[str, str] | None:
@@ -58,22 +60,18 @@ class LayoutPlans:
 
         return comm_seconds(outcome.comms_by_axis, layout.mesh, self.options.gpu, self.options.gpus_per_node)
 
-    def verdict(self, layout: Layout, outcome: Simulated) -> "Ranked | Rejected":
-        """A layout's dry run read: refused by a plan check, over the memory, or ranked."""
+    def verdict(self, layout: Layout, outcome: Simulated, comms: dict[str, float] | None = None) -> "Ranked | Rejected":
+        """A layout's dry run read: refused by a plan check, over the memory, or ranked (by
+        `comms`, its collectives' seconds, where the caller has them)."""
         memory = self.options.memory_bytes
         if outcome.refused is not None:
             return Rejected(layout, "check", outcome.refused[1], outcome.refused[0])
         if outcome.peak_bytes > memory:
             return Rejected(layout, "memory", f"{size_text(outcome.peak_bytes)} > {size_text(memory)}, {size_text(outcome.peak_bytes - memory)} "
                             f"over (at {outcome.peak_where})", peak_bytes=outcome.peak_bytes)
-        return self.ranked(layout, outcome, self.comms(layout, outcome))
-
-    def ranked(self, layout: Layout, outcome, comms: dict[str, float]) -> Ranked:
-        options = self.options
-        step = self.bounds.step(layout, comms)
-        tokens = options.global_batch * options.seq / step.total / options.world
-        return Ranked(layout, outcome.peak_bytes, step, tokens, self._megatron(layout),
-                      self.text(layout), outcome.peak_where)
+        step = self.bounds.step(layout, comms if comms is not None else self.comms(layout, outcome))
+        tokens = self.options.global_batch * self.options.seq / step.total / self.options.world
+        return Ranked(layout, outcome.peak_bytes, step, tokens, self._megatron(layout), outcome.peak_where)
 
     def _megatron(self, layout: Layout) -> int | None:
         from ..memory.megatron import megatron_memory

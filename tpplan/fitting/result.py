@@ -44,7 +44,6 @@ class Ranked:
     step: Any  # cost.StepTime
     tokens_per_second_per_gpu: float
     megatron_peak_bytes: int | None
-    plan_text: str
     peak_where: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -69,6 +68,15 @@ class FitResult:
     def best(self) -> Ranked | None:
         return self.ranked[0] if self.ranked else None
 
+    def plan_text(self, ranked: Ranked | None = None, output: str | None = None) -> str:
+        """The plan of `ranked` (default the best layout), its `extends:` relative to `output`,
+        where it is written (default: the base plan's absolute path)."""
+        chosen = ranked or self.best
+        assert chosen is not None
+        base = os.path.abspath(self.options.plan)
+        relative = os.path.relpath(base, os.path.dirname(os.path.abspath(output))) if output is not None else None
+        return self._plans.text(chosen.layout, extends=relative)
+
     def evaluate(self, layout: Layout) -> "Ranked | Rejected":
         """`layout` simulated and costed as the search does it: one it ranked out, or one
         to compare with the top (a published layout)."""
@@ -87,15 +95,6 @@ class FitResult:
         best = self.best
         return {"layouts": [ranked.to_json() for ranked in self.ranked],
                 "rejected": [rejected.to_json() for rejected in self.rejected],
-                "assumptions": self.assumptions, "plan": best.plan_text if best else None,
+                "assumptions": self.assumptions, "plan": self.plan_text() if best else None,
                 # beyond SPEC §9:
                 "counts": self.counts(), "seconds": round(self.seconds, 3), "notes": self.notes}
-
-
-def plan_for(result: FitResult, output: str, ranked: Ranked | None = None) -> str:
-    """The plan of `ranked` (default the best layout), its `extends:` relative to `output`, where it is written."""
-    chosen = ranked or result.best
-    assert chosen is not None
-    base = os.path.abspath(result.options.plan)
-    relative = os.path.relpath(base, os.path.dirname(os.path.abspath(output)))
-    return chosen.plan_text.replace(f"extends: {base}", f"extends: {relative}", 1)

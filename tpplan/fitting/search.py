@@ -32,7 +32,7 @@ from collections.abc import Callable
 from ..core.axes_spec import DP_AXES, WORLD_AXES
 from .bounds import Bounds, read_model
 from .layout_plans import LayoutPlans, seconds_text, size_text
-from .result import FitOptions, FitResult, Ranked
+from .result import FitError, FitOptions, FitResult, Ranked
 from .simulate import Simulated, Simulations, dry_run_text
 from .space import Layout, Rejected, layouts, lighter, needs_no_less
 
@@ -46,12 +46,15 @@ def fit(model: str, *, world: int, seq: int, batch: int, plan: str, memory: int 
     per step, ranked by the cost model of the `gpu` preset (its figures overridden by
     `gpu_figures`: efficiency, peak_flops, intra_bandwidth, ...); `memory` per GPU (bytes
     or "80GiB"; default the preset's); `jobs` dry runs at once (default: one per CPU).
-    `FitResult.best` is the chosen layout."""
+    `FitResult.best` is the chosen layout. A FitError for a memory size that does not parse."""
     from ..memory.memory import parse_size
     from .cost import gpu_with
 
     preset = gpu_with(gpu, **gpu_figures)
-    limit = preset.memory_bytes if memory is None else parse_size(memory) if isinstance(memory, str) else memory
+    try:
+        limit = preset.memory_bytes if memory is None else parse_size(memory) if isinstance(memory, str) else memory
+    except ValueError as exc:
+        raise FitError(f"memory {memory!r}: {exc}") from None
     return search(FitOptions(model=model, world=world, memory_bytes=limit, seq=seq, global_batch=batch, plan=plan, gpu=preset,
                              gpus_per_node=gpus_per_node, dtype=dtype, optimizer=optimizer, axes=tuple(axes), top=top,
                              exhaustive=exhaustive, jobs=jobs or os.cpu_count() or 1), on_event)
@@ -71,7 +74,7 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
                         if base.version == 2 and base.spec.context_parallel is not None else None)
     training = {"global_batch": options.global_batch, "seq": options.seq, "dtype": options.dtype, "optimizer": options.optimizer}
     bounds = Bounds(model, options)
-    writer = LayoutPlans(options, base, model, bounds, training, context_parallel)
+    writer = LayoutPlans(options, model, bounds, training, context_parallel)
 
     rejected: list[Rejected] = []
     candidates: list[tuple[float, int, int, Layout]] = []  # a heap: (step-time bound, -dp_shard, order, layout)
@@ -107,14 +110,15 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
 
     def settle(layout: Layout, outcome: Simulated) -> None:
         """What a layout's dry run says, taken into the ranking and the later bounds."""
-        verdict = writer.verdict(layout, outcome)
-        if isinstance(verdict, Rejected) and verdict.kind == "check":
-            refused.setdefault(_cut_of(layout), verdict)
-        if outcome.refused is None:
-            comms = writer.comms(layout, outcome)
+        comms = writer.comms(layout, outcome) if outcome.refused is None else None
+        if comms is not None:
             known[_less_split(layout)] = {axis: seconds for axis, seconds in comms.items() if axis not in DP_AXES}
+        verdict = writer.verdict(layout, outcome, comms)
         if isinstance(verdict, Rejected):
-            too_big.extend([(layout, verdict.peak_bytes)] if verdict.kind == "memory" else [])
+            if verdict.kind == "check":
+                refused.setdefault(_cut_of(layout), verdict)
+            else:
+                too_big.append((layout, verdict.peak_bytes))
             rejected.append(verdict)
             return
         fitted.add(_less_split(layout))
@@ -152,7 +156,8 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
                     continue
                 kth = ranked[options.top - 1].step.total
                 rejected += [Rejected(later, "ranked out", f"its step takes at least {seconds_text(later_bound)} (its compute, "
-                                      f"bubble and known collectives), no faster than the #{options.top}'s {seconds_text(kth)}")
+                                      f"bubble and known collectives), no faster than the #{options.top}'s {seconds_text(kth)}",
+                                      bound_seconds=later_bound)
                              for later_bound, _, _, later in sorted([(bound, shard, order, layout), *candidates])]
                 candidates = []
                 continue

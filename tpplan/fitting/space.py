@@ -19,7 +19,6 @@ from typing import Any
 
 from ..core.axes_spec import AXES, WORLD_AXES
 
-FIT_AXES = WORLD_AXES  # what --axes may name besides ep
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")  # the schedules weighed; the zero-bubble ones are composed approximately
 INTERLEAVED_VIRTUAL = 2  # Interleaved1F1B's stages per rank
 
@@ -65,9 +64,11 @@ class Rejected:
     reason: str
     code: str | None = None
     peak_bytes: int | None = None  # simulated and over the memory
+    bound_seconds: float | None = None  # ranked out: its step takes at least this long
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.layout.to_json(), "kind": self.kind, "code": self.code, "reason": self.reason, "peak_bytes": self.peak_bytes}
+        return {**self.layout.to_json(), "kind": self.kind, "code": self.code, "reason": self.reason, "peak_bytes": self.peak_bytes,
+                "bound_seconds": self.bound_seconds}
 
 
 def needs_no_less(layout: Layout, than: Layout) -> bool:
