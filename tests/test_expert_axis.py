@@ -247,3 +247,16 @@ def test_the_dry_run_simulates_the_ep_axis_with_torchruns_collectives_filed_by_a
     note = next(n for n in report["notes"] if n.startswith("expert_parallel"))
     assert note.startswith(f"expert_parallel (all_to_all) over ep {4 // efsdp}, borrowed from dp_shard·cp·tp, on {L} module(s)")
     assert "routing simulated as balanced" in note
+
+
+def test_the_dry_run_simulates_experts_sharded_alone_over_efsdp_without_data_axes(tmp_path):
+    """tp 4, ep 2 (torchrun's tp4-ep2 above): FSDP2 wraps the experts alone, over efsdp 2, and
+    no root; torch's FSDPMemTracker needs an FSDP2 root, so the step is followed by MemTracker."""
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.options import ApplyOptions
+
+    report = dry_run(ApplyOptions(plan=str(_plan(tmp_path, "tp: 4\nep: 2\n")), model=MODEL, world=4)).to_json()
+    assert report["ok"], report["problems"]
+    assert report["mesh"] == {"tp": 4} and report["memory"]["per_rank_peak_bytes"] > 0  # the mesh's dims: ep is borrowed
+    assert {phase: {op: found["count"] for op, found in ops.items()} for phase, ops in report["comms_by_axis"]["efsdp"].items()} == {
+        "forward": {"all_gather": L}, "backward": {"all_gather": L, "reduce_scatter": L}}

@@ -484,7 +484,9 @@ def _simulate(plan, model, inputs, shard, mesh, dims: "MeshDims", train: TrainOp
     batch, seq = (int(inputs[0].shape[0]) if inputs and inputs[0].ndim else 0), (int(inputs[0].shape[1]) if inputs and inputs[0].ndim > 1 else 0)
     if section(plan) is not None and stage is None:  # this rank's part of the sequence, as the training loop cuts it (its labels alike)
         inputs = tuple(shard_sequence(plan, mesh, list(inputs), [1] * len(inputs)))
-    step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, plan.loss_parallel, fsdp=bool(wrapped),
+    # torch's FSDPMemTracker takes an FSDP2 root: experts sharded alone over efsdp (no data axes: tp 4, ep 2) are
+    # followed by MemTracker, storage by storage as every other tensor
+    step = run(lambda: measure_training_step(model, inputs, train.optimizer_name, plan.loss_parallel, fsdp="" in wrapped,
                                              recorder=recorder, axis_of=axis_of, stage=stage))
     first_param = next(model.parameters(), None)
     memory = MemoryReport(
