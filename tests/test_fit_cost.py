@@ -105,6 +105,9 @@ def test_which_axes_lie_inside_a_node():
     assert cost.axis_in_node("dp_shard", {"dp_shard": 4, "tp": 2}, 8)  # stride 2 x 4 = 8 ranks
     assert cost.axis_in_node("ep", {"dp_shard": 8, "tp": 2, "ep": 8}, 8)
     assert not cost.axis_in_node("ep", {"dp_shard": 16, "ep": 16}, 8)
+    # efsdp (the experts' FSDP): spaced by ep over the dp_shard·cp·tp consecutive ranks ep borrows from
+    assert cost.axis_in_node("efsdp", {"dp_shard": 4, "tp": 2, "ep": 2}, 8)
+    assert not cost.axis_in_node("efsdp", {"pp": 2, "dp_shard": 8, "tp": 2, "ep": 8}, 8)  # ranks 0, 8 of 16
     with pytest.raises(ValueError):
         cost.axis_in_node("dp", sizes, 8)
 
@@ -135,6 +138,10 @@ def test_comm_seconds_per_axis_at_its_link():
     tp = 2 * 20 * 5e-6 + (49152 + 32768) / 450e9  # 200 µs + 0.182 µs
     assert got == {"pp": pytest.approx(pp), "tp": pytest.approx(tp)}
     assert got["pp"] == pytest.approx(80.65536e-6)
+    # efsdp's groups are dp_shard·cp·tp / ep ranks (the dry run files the experts' FSDP2 under it)
+    experts = {"efsdp": {"backward": {"reduce_scatter": {"count": 2, "bytes": 98304}}}}
+    got = cost.comm_seconds(experts, {"dp_shard": 2, "tp": 2, "ep": 2}, cost.GPUS["h100"], 8)
+    assert got == {"efsdp": pytest.approx(2 * 1 * 5e-6 + 0.5 * 98304 / 450e9)}
     with pytest.raises(ValueError, match="'gather'"):
         cost.comm_seconds({"tp": {"forward": {"gather": {"count": 1, "bytes": 1}}}}, {"tp": 2}, cost.GPUS["h100"], 8)
 
@@ -145,6 +152,9 @@ def test_compute_and_the_step():
     step = cost.step_time(2.0, {"dp_shard": 1.5, "tp": 0.3, "pp": 0.1}, 0.0)
     assert step == cost.StepTime(2.0, pytest.approx(0.4), 0.0, pytest.approx(2.4))
     # 2.5 s of FSDP and HSDP against 2 s: 0.5 s shows; a 20% bubble idles 2.5 x 0.2 / 0.8 = 0.625 s
+    # EP's all_to_all waits on the critical path; the experts' FSDP (efsdp) hides behind compute as dp_shard's
+    step = cost.step_time(2.0, {"ep": 0.3, "efsdp": 1.5, "dp_shard": 0.4}, 0.0)
+    assert (step.comm, step.total) == (pytest.approx(0.3), pytest.approx(2.3))
     step = cost.step_time(2.0, {"dp_shard": 1.5, "dp_replicate": 1.0}, 0.2)
     assert (step.comm, step.bubble, step.total) == (pytest.approx(0.5), pytest.approx(0.625), pytest.approx(3.125))
     assert step.bubble / step.total == pytest.approx(0.2)  # the bubble is its share of the whole step

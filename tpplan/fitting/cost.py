@@ -4,9 +4,11 @@ measurement, every figure of it printed with the ranking (`assumptions`).
 - compute: FLOPs / (peak × efficiency), one efficiency for the whole step;
 - collectives: the α–β ring model on each mesh axis's group, at the node's link
   (NVLink, Infinity Fabric) when the group lies inside one node, else the network's;
-- the step: TP, CP, EP and PP collectives wait on the critical path (added);
-  FSDP's and HSDP's (dp_shard, dp_replicate) overlap with compute, only what
-  exceeds the compute time shows; the pipeline's bubble idles its share of the step.
+- the step: TP, CP, EP and PP collectives wait on the critical path (added:
+  EP's all_to_all carries the tokens to their experts and back, the experts
+  wait on it); FSDP's and HSDP's (dp_shard, dp_replicate, and efsdp, the
+  experts' FSDP axis) overlap with compute, only what exceeds the compute time
+  shows; the pipeline's bubble idles its share of the step.
 
 No torch: the figures come from fit's flops and the dry run's `comms_by_axis`.
 """
@@ -19,6 +21,10 @@ from dataclasses import dataclass
 from ..core.axes_spec import DP_AXES, WORLD_AXES
 
 GiB = 1 << 30
+# The axes whose collectives FSDP2 (HSDP) prefetches behind compute: the data axes, and
+# efsdp, over which FSDP2 shards the experts (the dry run's name for the ranks ep leaves
+# of dp_shard·cp·tp: sharding/expert_mesh.py)
+HIDDEN_AXES = (*DP_AXES, "efsdp")
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,8 @@ def assumptions(gpu: GPU, gpus_per_node: int) -> dict:
     return {**dataclasses.asdict(gpu), "gpus_per_node": gpus_per_node,
             "collectives": "ring α–β: all_gather, reduce_scatter, all_to_all (n−1)·α + (n−1)/n·bytes/β per call; "
                            "all_reduce twice that; send/recv α + bytes/β",
-            "overlap": "tp, cp, ep, pp collectives exposed; dp_shard, dp_replicate hidden behind compute up to its time",
+            "overlap": "tp, cp, ep, pp collectives exposed; dp_shard, dp_replicate, efsdp (the experts' FSDP) hidden behind "
+                       "compute up to its time",
             "bubble": "(compute + exposed comm) × bubble / (1 − bubble)"}
 
 
@@ -72,9 +79,12 @@ def axis_in_node(axis: str, sizes: dict[str, int], gpus_per_node: int) -> bool:
     axis's ranks are spaced by the product of the axes inside it: its group spans
     stride × size consecutive ranks. `ep` borrows its ranks from the innermost
     dp_shard·cp·tp (torch's expert view is (dp_replicate, efsdp, ep), ep innermost):
-    stride 1, in one node when ep ≤ gpus_per_node."""
+    stride 1, in one node when ep ≤ gpus_per_node; efsdp is spaced by ep over those
+    dp_shard·cp·tp consecutive ranks."""
     if axis == "ep":
         return sizes.get("ep", 1) <= gpus_per_node
+    if axis == "efsdp":
+        return sizes.get("dp_shard", 1) * sizes.get("cp", 1) * sizes.get("tp", 1) <= gpus_per_node
     if sizes.get(axis, 1) == 1 and axis in WORLD_AXES:
         return True  # a group of one rank talks to no one
     inner = WORLD_AXES[WORLD_AXES.index(axis) + 1:]  # ValueError for a name that is no axis
@@ -82,6 +92,12 @@ def axis_in_node(axis: str, sizes: dict[str, int], gpus_per_node: int) -> bool:
     for name in inner:
         stride *= sizes.get(name, 1)
     return stride * sizes.get(axis, 1) <= gpus_per_node
+
+
+def group_sizes(sizes: dict[str, int]) -> dict[str, int]:
+    """The size of each axis's groups: the mesh's, and efsdp = dp_shard·cp·tp / ep."""
+    borrowed = sizes.get("dp_shard", 1) * sizes.get("cp", 1) * sizes.get("tp", 1)
+    return {**sizes, "efsdp": borrowed // sizes.get("ep", 1)}
 
 
 # Ring algorithms on n ranks, for the dry run's bytes (the larger of a call's input and
@@ -112,7 +128,7 @@ def comm_seconds(comms_by_axis: dict[str, dict[str, dict[str, dict[str, int]]]],
                  gpu: GPU, gpus_per_node: int) -> dict[str, float]:
     """{axis: seconds} of one step's collectives (the dry run's `comms_by_axis`: {axis:
     {forward|backward: {op: {count, bytes}}}}), each on its axis's group at its link."""
-    out = {}
+    out, sizes = {}, group_sizes(sizes)
     for axis, passes in comms_by_axis.items():
         inside = axis_in_node(axis, sizes, gpus_per_node)
         bandwidth, latency = (gpu.intra_bandwidth, gpu.intra_latency) if inside else (gpu.inter_bandwidth, gpu.inter_latency)
@@ -134,12 +150,12 @@ class StepTime:
 
 
 def step_time(compute: float, comm_by_axis: dict[str, float], bubble: float) -> StepTime:
-    """The stated rule (module doc): data-parallel collectives hidden behind compute up
-    to its length, the others added; `bubble` the idle share of a pipelined step
+    """The stated rule (module doc): data-parallel collectives (HIDDEN_AXES) hidden behind
+    compute up to its length, the others added; `bubble` the idle share of a pipelined step
     (memory.pipeline_memory's; 0 without a pipeline), so the busy time is 1 − bubble of it."""
     if not 0 <= bubble < 1:
         raise ValueError(f"the bubble is the idle share of the step, in [0, 1), not {bubble}")
-    exposed = sum(s for axis, s in comm_by_axis.items() if axis not in DP_AXES)
-    exposed += max(0.0, sum(s for axis, s in comm_by_axis.items() if axis in DP_AXES) - compute)
+    exposed = sum(s for axis, s in comm_by_axis.items() if axis not in HIDDEN_AXES)
+    exposed += max(0.0, sum(s for axis, s in comm_by_axis.items() if axis in HIDDEN_AXES) - compute)
     idle = (compute + exposed) * bubble / (1 - bubble)
     return StepTime(compute, exposed, idle, compute + exposed + idle)

@@ -29,8 +29,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..core.axes_spec import DP_AXES, WORLD_AXES
+from ..core.axes_spec import WORLD_AXES
 from .bounds import Bounds, read_model
+from .cost import HIDDEN_AXES
 from .layout_plans import LayoutPlans, seconds_text, size_text
 from .result import FitError, FitOptions, FitResult, Ranked
 from .simulate import Simulated, Simulations, dry_run_text
@@ -103,7 +104,8 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
     ranked: list[Ranked] = []
     too_big: list[tuple[Layout, int]] = []  # the layouts simulated that did not fit, and their peaks
     refused: dict[tuple, Rejected] = {}  # a layout's cut (_cut_of) -> the plan error its dry run raised
-    known: dict[tuple, dict[str, float]] = {}  # a layout less its dp split -> its collectives' seconds off the dp axes
+    known: dict[tuple, dict[str, float]] = {}  # a layout less its dp split -> its collectives' seconds off the axes it
+    # splits (cost.HIDDEN_AXES: the data axes and the experts' efsdp, whose sizes follow the dp split)
     fitted: set[tuple] = set()  # the groups (_less_split) one of which fits: its siblings are worth running at once
     sent: deque = deque()  # (layout, its dry run's future), in the order sent
     simulated = 0
@@ -112,7 +114,7 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
         """What a layout's dry run says, taken into the ranking and the later bounds."""
         comms = writer.comms(layout, outcome) if outcome.refused is None else None
         if comms is not None:
-            known[_less_split(layout)] = {axis: seconds for axis, seconds in comms.items() if axis not in DP_AXES}
+            known[_less_split(layout)] = {axis: seconds for axis, seconds in comms.items() if axis not in HIDDEN_AXES}
         verdict = writer.verdict(layout, outcome, comms)
         if isinstance(verdict, Rejected):
             if verdict.kind == "check":
