@@ -81,14 +81,17 @@ class Bounds:
 
     def static_bytes(self, layout: Layout) -> int:
         """The worst pp rank's parameters, gradients and optimizer state, spread evenly over
-        tp and dp_shard: a lower bound of its peak (module docstring)."""
+        tp·dp_shard·cp: a lower bound of its peak (module docstring). No rank holds less:
+        the TP rules shard over tp, FSDP2 over dp_shard·cp (torchtitan's dp_shard_cp), and
+        the experts over ep·efsdp = dp_shard·cp·tp whatever ep is."""
         key = (layout.mesh["pp"], layout.virtual_stages, layout.schedule)
         if key not in self._numel:
             self._numel[key] = max(sum(self.model.numel[unit] for unit in units) for units in self.rank_units(layout))
         from ..simulation.training import torch_dtype
 
         per = torch_dtype(self.options.dtype).itemsize * (2 + OPTIMIZER_STATES[self.options.optimizer])
-        return self._numel[key] * per // (layout.mesh["tp"] * layout.mesh["dp_shard"])
+        mesh = layout.mesh
+        return self._numel[key] * per // (mesh["tp"] * mesh["dp_shard"] * mesh["cp"])
 
     def rank_flops(self, layout: Layout) -> float:
         """The worst pp rank's FLOPs per step: its units' forward and backward (and, with

@@ -9,7 +9,8 @@ simulations: each layout's step time has a lower bound known before it is
 simulated (its compute, from the model's counted FLOPs, and its pipeline bubble
 on that compute: exact parts of the cost model, the collectives being ≥ 0), and
 its memory one (its parameters, gradients and optimizer state, spread evenly
-over tp and dp_shard: the real shards are no smaller). A layout whose dry run
+over tp·dp_shard·cp: the real shards are no smaller, the experts' over ep·efsdp
+included). A layout whose dry run
 raises a plan error (a stage's forward that fails under the TP rules) drops the
 layouts that differ from it only in the data-parallel split or the pipeline's
 stage count, schedule and microbatches (`_cut_of`). A layout that does not fit drops every layout that
