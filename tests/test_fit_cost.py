@@ -142,6 +142,12 @@ def test_comm_seconds_per_axis_at_its_link():
     experts = {"efsdp": {"backward": {"reduce_scatter": {"count": 2, "bytes": 98304}}}}
     got = cost.comm_seconds(experts, {"dp_shard": 2, "tp": 2, "ep": 2}, cost.GPUS["h100"], 8)
     assert got == {"efsdp": pytest.approx(2 * 1 * 5e-6 + 0.5 * 98304 / 450e9)}
+    # ep 4 = dp_shard 4 (tp 1): the dry run files EP's all_to_all under dp_shard, whose group it is; it stays exposed
+    shared = {"dp_shard": {"forward": {"all_to_all": {"count": 6, "bytes": 32832}, "all_gather": {"count": 3, "bytes": 85376}}}}
+    got = cost.comm_seconds(shared, {"dp_shard": 4, "tp": 1, "ep": 4}, cost.GPUS["h100"], 8)
+    assert got == {"dp_shard": pytest.approx(3 * 3 * 5e-6 + 0.75 * 85376 / 450e9),
+                   "ep": pytest.approx(6 * 3 * 5e-6 + 0.75 * 32832 / 450e9)}
+    assert cost.step_time(1.0, got, 0.0).comm == pytest.approx(got["ep"])
     with pytest.raises(ValueError, match="'gather'"):
         cost.comm_seconds({"tp": {"forward": {"gather": {"count": 1, "bytes": 1}}}}, {"tp": 2}, cost.GPUS["h100"], 8)
 

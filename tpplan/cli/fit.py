@@ -12,7 +12,7 @@ from .apply import DType, Optimizer  # apply's --dtype and --optimizer choices
 from .output import EXIT_OK, EXIT_PROBLEMS, exit_with, usage_error
 
 _GPUS = ("h100", "h200", "a100", "mi300x")  # fitting/cost.py's presets (a test checks they agree)
-_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # core.axes_spec.WORLD_AXES: ep is not searched yet
+_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")  # core.axes_spec.AXES (a test checks they agree)
 
 
 class FitFormat(str, Enum):
@@ -28,13 +28,13 @@ def fit(
     world: Annotated[int, typer.Option(metavar="N", min=1, help="GPUs of the job.", show_default=False)],
     seq: Annotated[int, typer.Option(metavar="S", min=1, help="Tokens per sequence (context parallelism splits it).", show_default=False)],
     batch: Annotated[int, typer.Option(metavar="GLOBAL_SEQS", min=1, help="Sequences per step over all data-parallel ranks.", show_default=False)],
-    plan: Annotated[str, typer.Option(metavar="BASE.yaml", help="The TP rules (a version 1 or 2 plan); its context_parallel section names the attention for cp.", show_default=False)],
+    plan: Annotated[str, typer.Option(metavar="BASE.yaml", help="The TP rules (a version 1 or 2 plan); its context_parallel section names the attention for cp, its experts section the experts for ep.", show_default=False)],
     memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory per GPU (80GiB, 141GB); default the --gpu preset's.", show_default=False)] = None,
     gpus_per_node: Annotated[int, typer.Option(metavar="N", min=1, help="GPUs per node: tensor parallelism stays inside one; the cost model's links.")] = 8,
     gpu: Annotated[Gpu, typer.Option(help="The cost model's preset: peak bf16 FLOP/s, memory, NVLink and network bandwidths.")] = Gpu.h100,
     dtype: Annotated[DType, typer.Option(help="The training dtype.")] = DType.bf16,
     optimizer: Annotated[Optimizer, typer.Option(help="The optimizer whose state is planned for.")] = Optimizer.adamw,
-    axes: Annotated[str, typer.Option(metavar="AXES", help="The axes to search, comma-separated (the others stay 1).")] = "pp,dp_replicate,dp_shard,cp,tp",
+    axes: Annotated[str, typer.Option(metavar="AXES", help="The axes to search, comma-separated (the others stay 1); ep where the base plan has an experts section.")] = ",".join(_AXES),
     top: Annotated[int, typer.Option(metavar="K", min=1, help="Layouts to rank and print.")] = 3,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", metavar="PLAN.yaml", help="Write the best layout's plan here.", show_default=False)] = None,
     format: Annotated[FitFormat, typer.Option(help="text, or json: {layouts (best first), rejected (each with its reason), assumptions (the cost model), plan (the best, as text)}.")] = FitFormat.text,
@@ -56,8 +56,6 @@ def fit(
 
     chosen = tuple(axis.strip() for axis in axes.split(",") if axis.strip())
     unknown = [axis for axis in chosen if axis not in _AXES]
-    if "ep" in unknown:
-        usage_error("--axes: ep: expert parallelism is not searched yet (a plan's experts keep their own degree)")
     if unknown or not chosen:
         usage_error(f"--axes: {', '.join(unknown) or 'none given'}: name some of {', '.join(_AXES)}")
     from ..fitting.result import FitError

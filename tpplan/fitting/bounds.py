@@ -7,11 +7,11 @@ cost model)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .result import FitError, FitOptions
-from .space import Layout, stage_units
+from .space import Layout, divisors, stage_units
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "none": 0}  # tensors per parameter (sgd's momentum is off by default)
 
@@ -24,9 +24,12 @@ class ModelFacts:
     numel: dict[str, int]  # unit -> its parameters' elements
     flops: Any  # flops.ModuleFlops of one sequence
     shape: Any  # megatron.TransformerShape, or None where the formula cannot read the model
+    experts: dict[int, tuple[str, str]] = field(default_factory=dict)  # ep -> the check (TP127) it fails (expert_checks)
 
 
-def read_model(options: FitOptions, event: Callable[[str], None]) -> ModelFacts:
+def read_model(options: FitOptions, event: Callable[[str], None], plan: Any = None) -> ModelFacts:
+    """The model's facts, and where `plan` (the base plan) has experts, the ep its layouts
+    may not take (`expert_checks`)."""
     from ..core.globs import ModuleTree
     from ..core.stages import split_units
     from ..memory.megatron import TransformerShape
@@ -55,7 +58,28 @@ def read_model(options: FitOptions, event: Callable[[str], None]) -> ModelFacts:
         shape = None
     event("counting the model's FLOPs")
     flops = count_flops(options.model, options.seq, options.dtype)
-    return ModelFacts(units, blocks, f"{blocks_fqn}.*", numel, flops, shape)
+    return ModelFacts(units, blocks, f"{blocks_fqn}.*", numel, flops, shape, expert_checks(plan, model, options.world))
+
+
+def expert_checks(plan: Any, model: Any, world: int) -> dict[int, tuple[str, str]]:
+    """{ep: (code, message)} of `validate --model`'s TP127 (lint/sections.uneven_experts) at
+    each ep a layout of `world` may take that does not divide the experts of `plan`'s
+    experts rules: the check reads the model, which fit builds once, not per layout.
+    A glob that matches nothing or a module without experts is the dry run's to report."""
+    if plan is None or plan.version != 2 or not plan.spec.experts:
+        return {}
+    from ..core.expert_styles import expert_count
+    from ..core.sections import claim_section
+    from ..lint.sections import uneven_experts
+
+    tree, under = plan.module_tree(model)
+    claimed, _ = claim_section(plan, tree, under, "experts")
+    counts = {fqn: count for fqn in claimed if (count := expert_count(model.get_submodule(fqn))) is not None}
+    found = {}
+    for ep in divisors(world):
+        if problems := uneven_experts(plan, claimed, counts, ep):
+            found[ep] = (problems[0].code, problems[0].message)
+    return found
 
 
 class Bounds:

@@ -127,13 +127,20 @@ def collective_seconds(op: str, count: int, bytes: int, n: int, bandwidth: float
 def comm_seconds(comms_by_axis: dict[str, dict[str, dict[str, dict[str, int]]]], sizes: dict[str, int],
                  gpu: GPU, gpus_per_node: int) -> dict[str, float]:
     """{axis: seconds} of one step's collectives (the dry run's `comms_by_axis`: {axis:
-    {forward|backward: {op: {count, bytes}}}}), each on its axis's group at its link."""
+    {forward|backward: {op: {count, bytes}}}}), each on its axis's group at its link. An
+    all_to_all is EP's token dispatch (FSDP2 issues none), so it counts as ep's, exposed,
+    also where the dry run files it under the mesh dim whose group ep's is (ep = dp_shard
+    with tp and cp 1: the dp_shard group)."""
     out, sizes = {}, group_sizes(sizes)
     for axis, passes in comms_by_axis.items():
         inside = axis_in_node(axis, sizes, gpus_per_node)
         bandwidth, latency = (gpu.intra_bandwidth, gpu.intra_latency) if inside else (gpu.inter_bandwidth, gpu.inter_latency)
-        out[axis] = sum(collective_seconds(op, c["count"], c["bytes"], sizes.get(axis, 1), bandwidth, latency)
-                        for ops in passes.values() for op, c in ops.items())
+        out.setdefault(axis, 0.0)
+        for ops in passes.values():
+            for op, c in ops.items():
+                seconds = collective_seconds(op, c["count"], c["bytes"], sizes.get(axis, 1), bandwidth, latency)
+                owner = "ep" if op == "all_to_all" and axis in HIDDEN_AXES else axis
+                out[owner] = out.get(owner, 0.0) + seconds
     return out
 
 

@@ -41,8 +41,10 @@ class LayoutPlans:
 
     def check(self, layout: Layout) -> tuple[str, str] | None:
         """The first (code, message) of the plan's checks at this layout's sizes (one parsed
-        probe per kind of layout: the checks read its sections, the sizes are given)."""
-        from ..core.axes import sized_problems
+        probe per kind of layout: the checks read its sections, the sizes are given); then
+        what the dry run does not apply beside a pipeline (TP130: the base plan's experts or
+        context parallelism), and the experts' count over ep (TP127, read from the model once)."""
+        from ..core.axes import pipeline_unapplied, sized_problems
         from ..core.loader import load_plan
 
         if self.context_parallel is None and layout.mesh["cp"] > 1:
@@ -50,9 +52,15 @@ class LayoutPlans:
                     "modules: add one to --plan, or leave cp out of --axes")
         key = (layout.checkpointing, layout.schedule, layout.microbatches, layout.virtual_stages)
         if key not in self._specs:
-            self._specs[key] = load_plan(text=self.text(layout, probe=True), file="<fit>").spec
-        problems = sized_problems(self._specs[key], layout.mesh)
-        return problems[0] if problems else None
+            probe = load_plan(text=self.text(layout, probe=True), file="<fit>")
+            self._specs[key] = (probe.spec, pipeline_unapplied(probe))
+        spec, unapplied = self._specs[key]
+        problems = sized_problems(spec, layout.mesh)
+        if problems:
+            return problems[0]
+        if unapplied is not None:
+            return (unapplied.code, unapplied.message)
+        return self.model.experts.get(layout.mesh["ep"])
 
     def comms(self, layout: Layout, outcome: Simulated) -> dict[str, float]:
         """The seconds of the layout's collectives per axis (cost.comm_seconds of its dry run's)."""

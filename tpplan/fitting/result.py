@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.axes_spec import WORLD_AXES
+from ..core.axes_spec import AXES
 from .simulate import dry_run_text
 from .space import Layout, Rejected
 
@@ -28,7 +28,7 @@ class FitOptions:
     gpus_per_node: int = 8
     dtype: str = "bf16"
     optimizer: str = "adamw"
-    axes: tuple[str, ...] = WORLD_AXES
+    axes: tuple[str, ...] = AXES  # ep: where the base plan has experts
     top: int = 3
     exhaustive: bool = False
     reuse_blocks: bool = True

@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from ..core.axes_spec import WORLD_AXES
+from ..core.axes_spec import AXES
 from .bounds import Bounds, read_model
 from .cost import HIDDEN_AXES
 from .layout_plans import LayoutPlans, seconds_text, size_text
@@ -40,7 +40,7 @@ from .space import Layout, Rejected, layouts, lighter, needs_no_less
 
 
 def fit(model: str, *, world: int, seq: int, batch: int, plan: str, memory: int | str | None = None, gpu: str = "h100",
-        gpus_per_node: int = 8, dtype: str = "bf16", optimizer: str = "adamw", axes: tuple[str, ...] = WORLD_AXES, top: int = 3,
+        gpus_per_node: int = 8, dtype: str = "bf16", optimizer: str = "adamw", axes: tuple[str, ...] = AXES, top: int = 3,
         exhaustive: bool = False, jobs: int | None = None, on_event: Callable[[str], None] | None = None,
         **gpu_figures: float) -> FitResult:
     """`tpplan fit` in Python (SPEC §9): the layouts of `world` GPUs for the model `model`
@@ -71,7 +71,8 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
     event = on_event or (lambda message: None)
     started = time.perf_counter()
     base = load_plan(options.plan)
-    model = read_model(options, event)
+    experts = base.version == 2 and bool(base.spec.experts)  # ep is searched where the base plan places experts over it
+    model = read_model(options, event, base)
     context_parallel = (base.spec.context_parallel.model_dump(exclude_defaults=True)
                         if base.version == 2 and base.spec.context_parallel is not None else None)
     training = {"global_batch": options.global_batch, "seq": options.seq, "dtype": options.dtype, "optimizer": options.optimizer}
@@ -82,7 +83,7 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
     candidates: list[tuple[float, int, int, Layout]] = []  # a heap: (step-time bound, -dp_shard, order, layout)
     considered = 0
     for found in layouts(options.world, options.axes, global_batch=options.global_batch, blocks=len(model.blocks),
-                         gpus_per_node=options.gpus_per_node):
+                         gpus_per_node=options.gpus_per_node, experts=experts):
         considered += 1
         if isinstance(found, Rejected):
             rejected.append(found)
@@ -187,7 +188,7 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
                                                    options.model, options.reuse_blocks)))
     result = FitResult(options, ranked, rejected, assumptions(options.gpu, options.gpus_per_node), considered, simulated,
                        _plans=writer)
-    result.notes += _notes(options)
+    result.notes += _notes(options, experts)
     result.seconds = time.perf_counter() - started
     return result
 
@@ -207,13 +208,22 @@ def _cut_of(layout: Layout) -> tuple:
     return (mesh["pp"] > 1, mesh["cp"], mesh["tp"], mesh["ep"], layout.checkpointing)
 
 
-def _notes(options: FitOptions) -> list[str]:
-    return [f"the search: tensor parallelism inside a node (tp ≤ {options.gpus_per_node}); pipeline stages of equal block "
-            "counts (the remainder to the middle stages); schedules 1F1B, Interleaved1F1B (2 stages per rank) and GPipe, "
-            "each microbatch count dividing the rank's batch; FSDP2 over every block and the root where dp > 1",
-            "Megatron's formula is of Megatron's own layout: TP and PP with its distributed optimizer (optimizer state "
-            "sharded over dp, parameters and gradients whole on every dp rank), no CP; where FSDP shards the parameters "
-            "and gradients too, ours is far below it",
-            "peaks are the dry run's of each layout's plan (`tpplan apply --dry-run` of it gives the same); layouts are "
-            "simulated in order of their step-time bound" + ("" if options.exhaustive else
-                                                             f", until no later one can enter the top {options.top}")]
+def _notes(options: FitOptions, experts: bool) -> list[str]:
+    notes = [f"the search: tensor parallelism inside a node (tp ≤ {options.gpus_per_node}); pipeline stages of equal block "
+             "counts (the remainder to the middle stages); schedules 1F1B, Interleaved1F1B (2 stages per rank) and GPipe, "
+             "each microbatch count dividing the rank's batch; FSDP2 over every block and the root where dp > 1"
+             + ("; ep, each divisor of dp_shard·cp·tp (the ranks it borrows), the base plan's experts over it"
+                if experts and "ep" in options.axes else ""),
+             "Megatron's formula is of Megatron's own layout: TP and PP with its distributed optimizer (optimizer state "
+             "sharded over dp, parameters and gradients whole on every dp rank), no CP; where FSDP shards the parameters "
+             "and gradients too, ours is far below it",
+             "peaks are the dry run's of each layout's plan (`tpplan apply --dry-run` of it gives the same); layouts are "
+             "simulated in order of their step-time bound" + ("" if options.exhaustive else
+                                                              f", until no later one can enter the top {options.top}")]
+    if "ep" in options.axes and not experts:
+        notes.append("ep is not searched: the base plan has no experts section (every layout has ep 1); for an MoE model, "
+                     "name its experts in one, as plans/qwen3_moe_fsdp_ep.yaml does")
+    elif experts and "ep" not in options.axes:
+        notes.append("ep is not searched (not in --axes): the base plan's experts stay at ep 1, FSDP2 sharding them over "
+                     "dp_shard·cp·tp")
+    return notes

@@ -1,8 +1,10 @@
 """The layouts `tpplan fit` weighs (SPEC §9), without torch: every way to split
 the world over the axes asked for, with activation checkpointing off or on and,
-with a pipeline, each schedule and microbatch count; each one written as the
-version 2 plan it is, and checked by the plan's own located checks
-(`core/axes.sized_problems`) before anything is simulated.
+with a pipeline, each schedule and microbatch count; where the base plan places
+experts over ep, each ep its ranks can borrow (SPEC §7: ep is no factor of the
+world, it divides dp_shard·cp·tp); each one written as the version 2 plan it
+is, and checked by the plan's own located checks (`core/axes.sized_problems`)
+before anything is simulated.
 
 Two rules of the search itself, stated in the report: tensor parallelism stays
 inside a node (tp ≤ --gpus-per-node: its collectives are on every layer's
@@ -75,8 +77,10 @@ def needs_no_less(layout: Layout, than: Layout) -> bool:
     """Whether `layout` needs at least the memory of `than`: the same layout but sharded
     over fewer dp_shard ranks (more over dp_replicate), without activation checkpointing
     where `than` has it, in fewer (so larger) microbatches, or under a schedule that holds
-    more in flight (HEAVIER). Each is more of what a rank holds; tests/test_fit.py checks
-    every pair it simulates."""
+    more in flight (HEAVIER). Each is more of what a rank holds, at the same ep only (the
+    experts are sharded over efsdp = dp_shard·cp·tp / ep: fewer dp_shard ranks, fewer
+    shards of them too; another ep moves tokens and experts otherwise); tests/test_fit.py
+    and tests/test_fit_ep.py check every pair they simulate."""
     mine, theirs = layout.mesh, than.mesh
     if any(mine[axis] != theirs[axis] for axis in ("pp", "cp", "tp", "ep")) or layout.dp != than.dp:
         return False
@@ -118,16 +122,21 @@ def splits(world: int, count: int) -> Iterator[tuple[int, ...]]:
             yield (first, *rest)
 
 
-def layouts(world: int, axes: tuple[str, ...], *, global_batch: int, blocks: int, gpus_per_node: int) -> Iterator[Layout | Rejected]:
-    """Every layout of `world` ranks over `axes` (the world axes among them; the others 1,
-    ep too: expert parallelism is not searched yet), in a fixed order; the ones the
-    search's own rules drop come as `Rejected` (kind "search")."""
+def layouts(world: int, axes: tuple[str, ...], *, global_batch: int, blocks: int, gpus_per_node: int,
+            experts: bool = False) -> Iterator[Layout | Rejected]:
+    """Every layout of `world` ranks over `axes` (the world axes among them; the others 1),
+    in a fixed order; the ones the search's own rules drop come as `Rejected` (kind
+    "search"). With `experts` (the base plan has an experts section) and ep among `axes`,
+    each split once per ep dividing its dp_shard·cp·tp (ep 1: the experts on no axis of
+    their own, FSDP2 shards them over all those ranks); else ep stays 1."""
     free = [axis for axis in WORLD_AXES if axis in axes]
     for sizes in splits(world, len(free)):
         mesh = {**dict.fromkeys(AXES, 1), **dict(zip(free, sizes))}
-        for checkpointing in (False, True):
-            for layout in _pipelines(mesh, checkpointing, global_batch):
-                yield _search_rule(layout, gpus_per_node, blocks)
+        borrowed = mesh["dp_shard"] * mesh["cp"] * mesh["tp"]
+        for ep in divisors(borrowed) if experts and "ep" in axes else (1,):
+            for checkpointing in (False, True):
+                for layout in _pipelines({**mesh, "ep": ep}, checkpointing, global_batch):
+                    yield _search_rule(layout, gpus_per_node, blocks)
 
 
 def _pipelines(mesh: dict[str, int], checkpointing: bool, global_batch: int) -> Iterator[Layout]:

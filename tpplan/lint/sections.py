@@ -13,7 +13,7 @@ Like resolution, these always run (`--select` chooses among the TP3xx rules only
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..core.degrees import divisors_text
 from ..core.expert_styles import expert_count, not_experts
@@ -51,22 +51,31 @@ def section_problems(ctx: "LintContext") -> list[Problem]:
 
 def _expert_counts(ctx: "LintContext", claimed: dict) -> list[Problem]:
     """TP127: each module an experts rule matches holds stacked experts, and an
-    expert_parallel rule's modules hold a number of them that mesh.ep divides (each ep
-    rank holds E / ep whole experts)."""
-    plan, problems = ctx.plan, []
-    ep = plan.mesh.sizes["ep"]
-    uneven: dict[tuple[int, str], list[str]] = {}  # (E, the rule's pattern) -> the modules
+    expert_parallel rule's modules hold a number of them that mesh.ep divides
+    (`uneven_experts`)."""
+    problems, counts = [], {}
     no_experts: set[str] = set()  # the rules already reported on a module without experts: once each
     for fqn, entry in claimed.items():
         module = ctx.modules[fqn]
         count = expert_count(module)
-        if count is None:
-            if entry.pattern not in no_experts:
-                exc = not_experts(entry.spec.style, module)  # its text ends with the fix
-                problems.append(entry.problem("TP127", f"experts rule '{entry.pattern}' on '{fqn or '<root>'}': {exc}"))
-                no_experts.add(entry.pattern)
-        elif entry.spec.semantics.experts == "whole" and count % ep:
-            uneven.setdefault((count, entry.pattern), []).append(fqn)
+        if count is not None:
+            counts[fqn] = count
+        elif entry.pattern not in no_experts:
+            exc = not_experts(entry.spec.style, module)  # its text ends with the fix
+            problems.append(entry.problem("TP127", f"experts rule '{entry.pattern}' on '{fqn or '<root>'}': {exc}"))
+            no_experts.add(entry.pattern)
+    return problems + uneven_experts(ctx.plan, claimed, counts, ctx.plan.mesh.sizes["ep"])
+
+
+def uneven_experts(plan: Any, claimed: dict, counts: dict[str, int], ep: int) -> list[Problem]:
+    """TP127 at mesh.ep for the modules of an expert_parallel rule (`claimed`: {fqn: its
+    experts rule}) whose expert count (`counts`) `ep` does not divide: each ep rank holds
+    E / ep whole experts. `tpplan fit` asks it at each ep it weighs."""
+    uneven: dict[tuple[int, str], list[str]] = {}  # (E, the rule's pattern) -> the modules
+    for fqn, count in counts.items():
+        if claimed[fqn].spec.semantics.experts == "whole" and count % ep:
+            uneven.setdefault((count, claimed[fqn].pattern), []).append(fqn)
+    problems = []
     for (count, pattern), fqns in uneven.items():
         entry = claimed[fqns[0]]
         more = f" (and {len(fqns) - 1} more)" if len(fqns) > 1 else ""
