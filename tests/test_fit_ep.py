@@ -91,3 +91,16 @@ def test_the_cli_searches_ep_beside_dp_shard_and_tp_and_its_json_mesh_says_ep():
     meshes = {(r["mesh"]["dp_shard"], r["mesh"]["tp"], r["mesh"]["ep"]) for r in found["rejected"]}
     assert meshes == {(4, 1, 1), (4, 1, 2), (4, 1, 4), (2, 2, 1), (2, 2, 2), (2, 2, 4), (1, 4, 1), (1, 4, 2), (1, 4, 4)}
     assert found["counts"]["simulated"] == 0 and found["layouts"] == []
+
+
+def test_what_the_dry_run_would_refuse_is_rejected_before_it_runs(tmp_path):
+    # the experts beside a pipeline, and an experts rule the ep axis does not carry: TP130, as the dry run says it
+    base = tmp_path / "expert_tp.yaml"
+    base.write_text(f"version: 2\nextends: {PLAN}\nrules: {{}}\nexperts:\n  model.layers.*.mlp.experts: expert_tp\n")
+    for plan, world, axes, what in ((PLAN, 4, ("pp", "tp", "ep"), "experts with a pipeline"),
+                                     (str(base), 2, ("tp", "ep"), "experts rule 'model.layers.*.mlp.experts' is expert_tp")):
+        result = fit(MODEL, world=world, memory="1KiB", axes=axes, **{**ASKED, "plan": plan})  # 1 KiB: nothing else simulated
+        assert result.simulated == 0 and result.ranked == []
+        refused = [r for r in result.rejected if r.code == "TP130"]
+        assert refused and all(r.kind == "check" and r.reason.startswith(f"not applied yet: {what}") for r in refused)
+        assert {r.layout.mesh["ep"] for r in refused} == {1, 2}

@@ -42,9 +42,10 @@ class LayoutPlans:
     def check(self, layout: Layout) -> tuple[str, str] | None:
         """The first (code, message) of the plan's checks at this layout's sizes (one parsed
         probe per kind of layout: the checks read its sections, the sizes are given); then
-        what the dry run does not apply beside a pipeline (TP130: the base plan's experts or
-        context parallelism), and the experts' count over ep (TP127, read from the model once)."""
-        from ..core.axes import pipeline_unapplied, sized_problems
+        what the dry run refuses to apply (TP130: the base plan's experts or context
+        parallelism beside a pipeline, an experts rule ep does not carry), and the experts'
+        count over ep (TP127, read from the model once)."""
+        from ..core.axes import sized_problems
         from ..core.loader import load_plan
 
         if self.context_parallel is None and layout.mesh["cp"] > 1:
@@ -53,7 +54,7 @@ class LayoutPlans:
         key = (layout.checkpointing, layout.schedule, layout.microbatches, layout.virtual_stages)
         if key not in self._specs:
             probe = load_plan(text=self.text(layout, probe=True), file="<fit>")
-            self._specs[key] = (probe.spec, pipeline_unapplied(probe))
+            self._specs[key] = (probe.spec, _unapplied(probe))
         spec, unapplied = self._specs[key]
         problems = sized_problems(spec, layout.mesh)
         if problems:
@@ -94,6 +95,17 @@ class LayoutPlans:
                                    virtual_stages=layout.virtual_stages if layout.virtual_stages > 1 else None,
                                    sequence_parallel_selective=layout.checkpointing)
         return int(estimate.total)
+
+
+def _unapplied(plan: Any) -> Any:
+    """The problem (TP130) for which the dry run would refuse `plan`, or None."""
+    from ..core.axes import NotAppliedError, refuse_unapplied
+
+    try:
+        refuse_unapplied(plan, "dry-run")
+    except NotAppliedError as exc:
+        return exc.problem
+    return None
 
 
 def size_text(count: int) -> str:
