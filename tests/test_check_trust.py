@@ -111,7 +111,8 @@ def test_a_replicated_parameter_on_sharded_activations_is_located_with_its_param
     assert not report.check.passed
 
 
-@pytest.mark.parametrize("plan, model", [("mlp_tp.yaml", "tpplan.models.mlp:tiny"), ("llama_tp_sp.yaml", "tpplan.models.llama:tiny")])
+@pytest.mark.parametrize("plan, model", [("mlp_tp.yaml", "tpplan.models.mlp:tiny"),
+                                         pytest.param("llama_tp_sp.yaml", "tpplan.models.llama:tiny", marks=pytest.mark.slow)])  # ~9 s
 def test_steps_with_check_in_the_dry_run_match_one_device_after_each_adamw_step(plan, model):
     report = dry_run(ApplyOptions(plan=str(PLANS / plan), model=model, tp=2, check=True, steps=3))
     assert report.ok, report.problems

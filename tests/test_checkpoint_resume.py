@@ -123,6 +123,8 @@ def test_kill_then_resume_in_a_new_job_is_bitwise_and_another_tp_degree_is_close
     assert list(resumed) == list(range(11, 21)) and worst < 1e-4
 
 
+@pytest.mark.slow  # 3 torchrun jobs (~25 s); the default suite keeps a seeded kill during a save (test_checkpoint_faults.py)
+# and asynchronous saves loaded back bitwise (test_checkpoint_matrix.py)
 def test_max_restarts_resumes_from_asynchronous_saves_bitwise(uninterrupted, tmp_path, monkeypatch):
     """--async-save: every 5 steps a save written in the background while training goes on.
     Rank 1 is killed in step 13: the restarted job resumes from the latest complete step (10,

@@ -98,6 +98,8 @@ def test_mixed_precision_and_reshard_reach_fully_shard(tmp_path):
     assert state._fsdp_param_group.post_forward_mesh_info is None  # reshard_after_forward false: kept gathered
 
 
+@pytest.mark.slow  # 2 torchrun jobs of 4 ranks (~25 s); the default suite runs a v2 plan's fsdp under torchrun in
+# test_training_torchrun.py (the example trainer) and FSDP2 × TP parity there too
 def test_torchrun_applies_fsdp_from_the_plan_as_the_fsdp_flag_does_with_one_device_parity():
     """dp_shard 2 × tp 2 on 4 gloo ranks, 3 AdamW steps, --check: the same collectives and
     losses as the version 1 plan with --fsdp 2 (the shorthand), and parity with one device."""

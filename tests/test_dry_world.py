@@ -16,12 +16,14 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
 from expected import FP32, llama_bytes
 from tpplan.cli.app import app
 from tpplan.models import llama
 from tpplan.models.llama import LlamaConfig, Transformer
+from tpplan.render.apply_report import render_text
 from tpplan.runtime.dryrun import dry_run
 from tpplan.runtime.options import ApplyOptions, ApplyOptionsError
 from tpplan.simulation.training import TrainOptions
@@ -157,12 +159,15 @@ def test_memory_limit_names_the_ranks_that_do_not_fit_and_by_how_much(tmp_path):
     plan = _plan(tmp_path, HSDP, SECTIONS)
     peaks = sorted({entry["memory"]["per_rank_peak_bytes"] for entry in report(plan, "test_dry_world:uneven", 8)["ranks"]})
     limit = peaks[0]  # the lowest position fits exactly, the others do not
-    found = report(plan, "test_dry_world:uneven", 8, memory_limit=limit)
+    # one dry run with the limit, its JSON and its text as the CLI renders them (test_memory.py runs the flag's CLI)
+    limited = dry_run(ApplyOptions(plan=str(plan), model="test_dry_world:uneven", world=8, train=TrainOptions(memory_limit=limit)))
+    found = limited.to_json()
     over = {tuple(entry["global_ranks"]): entry["over_limit_bytes"] for entry in found["ranks"]}
     assert found["memory"]["fits"] is False and found["memory"]["per_rank_peak_bytes"] == peaks[-1]
     assert sorted(over.values()) == [peak - limit for peak in peaks] and min(over.values()) == 0
-    text = CliRunner().invoke(app, ["apply", "--dry-run", "--world", "8", "--plan", str(plan), "--model", "test_dry_world:uneven",
-                                    "--memory-limit", str(limit)], env={"COLUMNS": "200"}).output
+    console = Console(record=True, width=200, highlight=False)
+    render_text(limited, console)
+    text = console.export_text()
     lines = [line.strip() for line in text.splitlines() if line.endswith("over the limit")]
     wanted = [entry for entry in found["ranks"] if entry["over_limit_bytes"]]
     assert len(lines) == len(wanted) >= 1

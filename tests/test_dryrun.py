@@ -59,7 +59,7 @@ def build(ref: str):
     return {"tpplan.models.mlp:tiny": mlp.tiny, "tpplan.models.llama:tiny": llama.tiny}[ref]()
 
 
-@pytest.mark.parametrize("file", ["llama_tp.yaml", "llama_tp_sp.yaml"])
+@pytest.mark.parametrize("file", ["llama_tp.yaml", pytest.param("llama_tp_sp.yaml", marks=pytest.mark.slow)])  # each ~10 s
 def test_llama3_8b_at_tp8_costs_no_memory_and_reports_its_real_sizes(file):
     import resource
 

@@ -88,6 +88,7 @@ def test_a_pipelines_checkpoint_loads_on_one_device_as_training_there(pp2_saved)
         assert torch.allclose(mine["exp_avg_sq"], theirs["exp_avg_sq"], atol=1e-8), name
 
 
+@pytest.mark.slow  # 2 torchrun jobs (~14 s); the default suite loads a pipeline's checkpoint under tp, fsdp and another schedule above
 def test_tpplan_apply_saves_an_interleaved_pipelined_run_that_loads_under_tp(tmp_path):
     plans = {name: plan_file(tmp_path, name, LAYOUTS[name]) for name in ("pp2_interleaved", "tp2")}
     model = "tpplan.models.llama:tiny"

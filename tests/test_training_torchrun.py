@@ -98,6 +98,8 @@ def test_the_example_trainer_takes_a_version_2_plan_fsdp_and_checkpointing_from_
     assert max(abs(g - w) for g, w in zip(got, want)) < 1e-5 * max(want)
 
 
+@pytest.mark.slow  # 3 torchrun jobs (~10 s); the default suite runs pipelines under torchrun in test_pipeline_apply.py
+# and resumes them in test_pipeline_checkpoint.py
 def test_the_example_trainer_runs_a_pipeline_on_its_one_device_curve_and_resumes_it(tmp_path):
     # pp 2 (1F1B, 2 microbatches of each step's 4 sequences) from the plan, no other flag:
     # the first stage takes the tokens, the last computes the loss, and the losses are the
