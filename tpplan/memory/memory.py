@@ -94,6 +94,11 @@ def _tracker(model: "nn.Module", optimizer, inputs: tuple, fsdp: bool, recorder=
         peak_site: tuple[list[str], str] = ([], "forward")
         phase = "start"  # the step's part now running (measure_training_step sets it)
         phase_peaks: dict[str, tuple[int, dict]]  # its highest total, and the snapshot there
+        in_backend = 0  # inside a collective's wait (`_backend_buffers_untracked`): its buffers are the backend's
+
+        def _track(self, reftype, t) -> None:
+            if not self.in_backend:
+                super()._track(reftype, t)
 
         def _update_peak_stats(self, peak_state) -> None:
             total = sum(snapshot["Total"] for snapshot in self._curr_mem_snap.values())
@@ -142,6 +147,38 @@ def _propagation_untracked() -> Iterator[None]:
         yield
     finally:
         _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def _backend_buffers_untracked(tracker) -> Iterator[None]:
+    """Memory a process group allocates inside a collective is the backend's, not the
+    step's: neither torch's tracker nor the dry run (the fake group allocates nothing)
+    counts NCCL's (its reduce-scatter reads the input in place), nor gloo's staging
+    buffers made on its worker thread. But gloo's reduce-scatter (`_reduce_scatter_base`,
+    FSDP2's gradient reduction) clones its whole input, all-reduces the clone and, when
+    waited on, copies this rank's chunk out of it: that chunk is cut on the waiting
+    thread, under the tracker, which then counted the clone (every unsharded gradient of
+    the unit, until the work is dropped) as a temporary of the step, on gloo ranks only
+    and only where the wait is Python's `Work.wait` (an op's `wait_tensor` hides it). At
+    tp 1 with checkpointed blocks the root unit's clone (embedding and head) was the
+    measured peak. Storages first seen inside a wait are left untracked, so a gloo rank
+    counts what the step itself allocates, as a CUDA rank's and the dry run's do."""
+    from torch._C._distributed_c10d import Work
+
+    original = Work.wait
+
+    def wait(self, *args, **kwargs):
+        tracker.in_backend += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            tracker.in_backend -= 1
+
+    Work.wait = wait
+    try:
+        yield
+    finally:
+        Work.wait = original
 
 
 def _peak_module(parents: list[str], phase: str, root: str) -> str:
@@ -345,7 +382,7 @@ def measure_training_step(
         ends[tracker.phase], end_categories[tracker.phase] = _categories(tracker.get_tracker_snapshot())
         tracker.phase = name
 
-    with _untracked_modules() as untracked, fake_friendly_meshes(), _propagation_untracked(), tracker:
+    with _untracked_modules() as untracked, fake_friendly_meshes(), _propagation_untracked(), _backend_buffers_untracked(tracker), tracker:
         if optimizer is not None:
             _initialize_state(model, optimizer)
         tracker.reset_mod_stats()
