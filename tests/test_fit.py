@@ -213,3 +213,21 @@ def test_context_parallel_layouts_come_from_the_base_plans_section_and_the_seque
     path = tmp_path / "cp.yaml"
     path.write_text(even.plan_text(output=str(path)))
     assert dry_run(ApplyOptions(plan=str(path), model=MODEL)).memory.per_rank_peak_bytes == best.peak_bytes
+
+
+def test_without_a_base_plan_the_rules_are_inits_written_beside_the_best_plan_which_extends_them(tmp_path):
+    """SPEC §9: "the TP rules come from --plan or from init on the model". init's plan, proven at
+    the tp degrees searched (2), is the base every layout extends; -o writes it beside the best."""
+    from tpplan.init import run_init
+    from tpplan.models.llama import tiny
+
+    written = tmp_path / "best.yaml"
+    result = CliRunner().invoke(app, ["fit", "--model", MODEL, "--world", "2", "--seq", "64", "--batch", "4", "--memory", str(LIMIT),
+                                      "--axes", "dp_shard,tp", "--jobs", "1", "-o", str(written), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    rules = tmp_path / "best.rules.yaml"
+    assert found["rules"] == rules.read_text() == run_init(tiny, ref=MODEL, tp=[2]).text
+    assert "extends: best.rules.yaml" in written.read_text() and load_plan(written).rules  # init's rules, through extends:
+    assert {(layout["mesh"]["dp_shard"], layout["mesh"]["tp"]) for layout in found["layouts"]} <= {(2, 1), (1, 2)}
+    assert dry_run(ApplyOptions(plan=str(written), model=MODEL)).memory.per_rank_peak_bytes == found["layouts"][0]["peak_bytes"]

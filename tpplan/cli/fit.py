@@ -28,7 +28,7 @@ def fit(
     world: Annotated[int, typer.Option(metavar="N", min=1, help="GPUs of the job.", show_default=False)],
     seq: Annotated[int, typer.Option(metavar="S", min=1, help="Tokens per sequence (context parallelism splits it).", show_default=False)],
     batch: Annotated[int, typer.Option(metavar="GLOBAL_SEQS", min=1, help="Sequences per step over all data-parallel ranks.", show_default=False)],
-    plan: Annotated[str, typer.Option(metavar="BASE.yaml", help="The TP rules (a version 1 or 2 plan); its context_parallel section names the attention for cp, its experts section the experts for ep.", show_default=False)],
+    plan: Annotated[Optional[str], typer.Option(metavar="BASE.yaml", help="The TP rules (a version 1 or 2 plan); its context_parallel section names the attention for cp, its experts section the experts for ep. Default: tpplan init's, proven at the tp degrees searched (written beside -o as NAME.rules.yaml).", show_default=False)] = None,
     memory: Annotated[Optional[str], typer.Option(metavar="SIZE", help="Memory per GPU (80GiB, 141GB); default the --gpu preset's.", show_default=False)] = None,
     gpus_per_node: Annotated[int, typer.Option(metavar="N", min=1, help="GPUs per node: tensor parallelism stays inside one; the cost model's links.")] = 8,
     gpu: Annotated[Gpu, typer.Option(help="The cost model's preset: peak bf16 FLOP/s, memory, NVLink and network bandwidths.")] = Gpu.h100,
@@ -71,10 +71,13 @@ def fit(
                                  exhaustive=exhaustive, jobs=jobs, on_event=lambda text: status.update(text), **figures)
     except FitError as exc:
         usage_error(str(exc))
-    written = None
+    written, base = None, None
     if output is not None and result.best is not None:
         try:
-            output.write_text(result.plan_text(output=str(output)))
+            if result.rules is not None:  # init's rules, which the written plan extends, beside it
+                base = Path(result.rules_written_to(str(output)))
+                base.write_text(result.rules)
+            output.write_text(result.plan_text(output=str(output), base=base and str(base)))
         except OSError as exc:
             usage_error(f"cannot write {output}: {exc.strerror or exc}")
         written = str(output)
@@ -83,7 +86,7 @@ def fit(
 
         found = result.to_json()
         if written is not None:  # the plan as written, its extends: relative to where it is
-            found["plan"] = result.plan_text(output=written)
+            found["plan"] = result.plan_text(output=written, base=base and str(base))
         sys.stdout.write(json.dumps(found, indent=2) + "\n")
     else:
         from ..render.fit_report import render_fit

@@ -23,7 +23,7 @@ class FitOptions:
     memory_bytes: int
     seq: int
     global_batch: int
-    plan: str  # the TP rules (a version 1 or 2 plan); its context_parallel section names the attention for cp > 1
+    plan: str | None  # the TP rules (a version 1 or 2 plan; None: init's, inferred.py); its context_parallel section names the attention for cp > 1
     gpu: Any  # cost.GPU
     gpus_per_node: int = 8
     dtype: str = "bf16"
@@ -62,20 +62,28 @@ class FitResult:
     simulated: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    rules: str | None = None  # init's plan when no base plan was given (inferred.py): write it beside the best
     _plans: Any = field(default=None, repr=False, compare=False)  # layout_plans.LayoutPlans: evaluate's
 
     @property
     def best(self) -> Ranked | None:
         return self.ranked[0] if self.ranked else None
 
-    def plan_text(self, ranked: Ranked | None = None, output: str | None = None) -> str:
+    def plan_text(self, ranked: Ranked | None = None, output: str | None = None, base: str | None = None) -> str:
         """The plan of `ranked` (default the best layout), its `extends:` relative to `output`,
-        where it is written (default: the base plan's absolute path)."""
+        where it is written (default: the base plan's absolute path); `base`: where the base
+        plan is (default the one searched with; `rules` written elsewhere)."""
         chosen = ranked or self.best
         assert chosen is not None
-        base = os.path.abspath(self.options.plan)
+        base = os.path.abspath(base or self.options.plan)
         relative = os.path.relpath(base, os.path.dirname(os.path.abspath(output))) if output is not None else None
         return self._plans.text(chosen.layout, extends=relative)
+
+    @staticmethod
+    def rules_written_to(output: str) -> str:
+        """Where init's rules go beside the best plan written to `output` (its `extends:`)."""
+        stem, _ = os.path.splitext(output)
+        return f"{stem}.rules.yaml"
 
     def evaluate(self, layout: Layout) -> "Ranked | Rejected":
         """`layout` simulated and costed as the search does it: one it ranked out, or one
@@ -97,4 +105,5 @@ class FitResult:
                 "rejected": [rejected.to_json() for rejected in self.rejected],
                 "assumptions": self.assumptions, "plan": self.plan_text() if best else None,
                 # beyond SPEC §9:
-                "counts": self.counts(), "seconds": round(self.seconds, 3), "notes": self.notes}
+                "counts": self.counts(), "seconds": round(self.seconds, 3), "notes": self.notes,
+                "rules": self.rules}  # init's plan, which "plan" extends, where no base plan was given

@@ -39,12 +39,13 @@ from .simulate import Simulated, Simulations, dry_run_text
 from .space import Layout, Rejected, layouts, lighter, needs_no_less
 
 
-def fit(model: str, *, world: int, seq: int, batch: int, plan: str, memory: int | str | None = None, gpu: str = "h100",
+def fit(model: str, *, world: int, seq: int, batch: int, plan: str | None = None, memory: int | str | None = None, gpu: str = "h100",
         gpus_per_node: int = 8, dtype: str = "bf16", optimizer: str = "adamw", axes: tuple[str, ...] = AXES, top: int = 3,
         exhaustive: bool = False, jobs: int | None = None, on_event: Callable[[str], None] | None = None,
         **gpu_figures: float) -> FitResult:
     """`tpplan fit` in Python (SPEC §9): the layouts of `world` GPUs for the model `model`
-    (`MOD:FN` or `hf:SPEC`) with the TP rules of `plan`, `batch` sequences of `seq` tokens
+    (`MOD:FN` or `hf:SPEC`) with the TP rules of `plan` (None: `tpplan init`'s on the model,
+    `FitResult.rules`), `batch` sequences of `seq` tokens
     per step, ranked by the cost model of the `gpu` preset (its figures overridden by
     `gpu_figures`: efficiency, peak_flops, intra_bandwidth, ...); `memory` per GPU (bytes
     or "80GiB"; default the preset's); `jobs` dry runs at once (default: one per CPU).
@@ -64,12 +65,20 @@ def fit(model: str, *, world: int, seq: int, batch: int, plan: str, memory: int 
 
 def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -> FitResult:
     """The layouts of `options.world` ranked (module docstring). A PlanError for a base
-    plan that does not load; a FitError for a model the search cannot cut."""
+    plan that does not load (or, without one, a model init cannot trace); a FitError for a
+    model the search cannot cut."""
+    import dataclasses
+
     from ..core.loader import load_plan
     from .cost import assumptions
+    from .inferred import inferred_rules, tp_degrees
 
     event = on_event or (lambda message: None)
     started = time.perf_counter()
+    rules = None
+    if options.plan is None:  # SPEC §9: the TP rules from init on the model
+        rules, path = inferred_rules(options.model, tp_degrees(options.world, options.gpus_per_node, options.axes), event)
+        options = dataclasses.replace(options, plan=path)
     base = load_plan(options.plan)
     experts = base.version == 2 and bool(base.spec.experts)  # ep is searched where the base plan places experts over it
     model = read_model(options, event, base)
@@ -187,7 +196,7 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
             sent.append((layout, simulations.submit(dry_run_text, writer.text(layout),
                                                    options.model, options.reuse_blocks)))
     result = FitResult(options, ranked, rejected, assumptions(options.gpu, options.gpus_per_node), considered, simulated,
-                       _plans=writer)
+                       rules=rules, _plans=writer)
     result.notes += _notes(options, experts)
     result.seconds = time.perf_counter() - started
     return result

@@ -49,7 +49,9 @@ def render_fit(result, console, written: str | None = None) -> None:
     for note in result.notes:
         console.print(f"note: {note}", markup=False, highlight=False)
     if written:
-        console.print(f"wrote {written}: `tpplan apply --dry-run --plan {written} --model {options.model}` plans its step")
+        rules = f", extending the TP rules tpplan init inferred and proved ({result.rules_written_to(written)})" if result.rules else ""
+        console.print(f"wrote {written}{rules}: `tpplan apply --dry-run --plan {written} --model {options.model}` plans its step",
+                      markup=False, highlight=False)
 
 
 def _assumptions(found: dict) -> str:
