@@ -61,7 +61,7 @@ def test_eps_all_to_all_is_exposed_and_the_bounds_and_the_dominance_rule_hold(ev
     bounds = Bounds(read_model(every.options, lambda _: None), every.options)
     peaks = {r.layout: r.peak_bytes for r in every.ranked}
     for layout, peak in peaks.items():
-        assert bounds.static_bytes(layout) <= peak, layout.describe()
+        assert bounds.memory_bytes(layout) <= peak, layout.describe()
     pairs = [(a, b) for a in peaks for b in peaks if a != b and needs_no_less(a, b)]
     assert pairs and all(a.mesh["ep"] == b.mesh["ep"] for a, b in pairs)  # ep never compared with another ep
     for more, less in pairs:

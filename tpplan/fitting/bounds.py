@@ -1,8 +1,9 @@
 """What the search knows of a layout before simulating it: the model read once (its
 pipeline units, their parameters, its FLOPs per module, its shape for Megatron's
-formula), and from it each layout's lower bounds: its parameters, gradients and
-optimizer state per rank, and its step's compute and bubble (exact parts of the
-cost model)."""
+formula), and from it each layout's lower bounds: its memory per rank (parameters,
+gradients and optimizer state, and without activation checkpointing the blocks'
+saved activations), and its step's compute and bubble (exact parts of the cost
+model)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class ModelFacts:
     flops: Any  # flops.ModuleFlops of one sequence
     shape: Any  # megatron.TransformerShape, or None where the formula cannot read the model
     experts: dict[int, tuple[str, str]] = field(default_factory=dict)  # ep -> the check (TP127) it fails (expert_checks)
+    per_sequence: dict[str, int] = field(default_factory=dict)  # block -> bytes it saves for backward per sequence (flops.py)
 
 
 def read_model(options: FitOptions, event: Callable[[str], None], plan: Any = None) -> ModelFacts:
@@ -58,7 +60,8 @@ def read_model(options: FitOptions, event: Callable[[str], None], plan: Any = No
         shape = None
     event("counting the model's FLOPs")
     flops = count_flops(options.model, options.seq, options.dtype)
-    return ModelFacts(units, blocks, f"{blocks_fqn}.*", numel, flops, shape, expert_checks(plan, model, options.world))
+    return ModelFacts(units, blocks, f"{blocks_fqn}.*", numel, flops, shape, expert_checks(plan, model, options.world),
+                      flops.saved_per_sequence)
 
 
 def expert_checks(plan: Any, model: Any, world: int) -> dict[int, tuple[str, str]]:
@@ -108,14 +111,56 @@ class Bounds:
         tp·dp_shard·cp: a lower bound of its peak (module docstring). No rank holds less:
         the TP rules shard over tp, FSDP2 over dp_shard·cp (torchtitan's dp_shard_cp), and
         the experts over ep·efsdp = dp_shard·cp·tp whatever ep is."""
+        return self._tensor_bytes(layout) * (2 + OPTIMIZER_STATES[self.options.optimizer])
+
+    def _tensor_bytes(self, layout: Layout) -> int:
+        """The worst pp rank's parameters (one tensor of each: its gradients', each optimizer state's), spread as `static_bytes`."""
         key = (layout.mesh["pp"], layout.virtual_stages, layout.schedule)
         if key not in self._numel:
             self._numel[key] = max(sum(self.model.numel[unit] for unit in units) for units in self.rank_units(layout))
         from ..simulation.training import torch_dtype
 
-        per = torch_dtype(self.options.dtype).itemsize * (2 + OPTIMIZER_STATES[self.options.optimizer])
         mesh = layout.mesh
-        return self._numel[key] * per // (mesh["tp"] * mesh["dp_shard"] * mesh["cp"])
+        return self._numel[key] * torch_dtype(self.options.dtype).itemsize // (mesh["tp"] * mesh["dp_shard"] * mesh["cp"])
+
+    def activation_bytes(self, layout: Layout) -> int:
+        """Without activation checkpointing, what the first pp rank's blocks save for backward
+        when its first backward starts: every microbatch it has run forward until then
+        (all of a rank's sequences without a pipeline; min(pp, microbatches) of stage 0
+        under GPipe, 1F1B and Interleaved1F1B, whose first backward on rank 0 waits for
+        that many forwards), each block's saved bytes per sequence (flops.py: what grows
+        with the batch, so nothing a forward shares across sequences or microbatches)
+        spread evenly over tp·cp: the TP rules and context parallelism shard an
+        activation at most that many ways. 0 with checkpointing (only the blocks'
+        inputs are kept)."""
+        if layout.checkpointing:
+            return 0
+        pp, sequences = layout.mesh["pp"], self.options.global_batch // layout.dp
+        if pp == 1:
+            blocks, in_flight = self.model.blocks, sequences
+        else:
+            stage = stage_units(self.model.units, self.model.blocks, pp * layout.virtual_stages)[0]
+            blocks, in_flight = [unit for unit in stage if unit in self.model.per_sequence], \
+                min(pp, layout.microbatches) * (sequences // layout.microbatches)
+        per_sequence = sum(self.model.per_sequence.get(block, 0) for block in blocks)
+        return in_flight * per_sequence // (layout.mesh["tp"] * layout.mesh["cp"])
+
+    def memory_bytes(self, layout: Layout) -> int:
+        """A lower bound of the layout's peak per rank: its parameters and optimizer state,
+        then the larger of its gradients (at the end of backward) and its saved activations
+        (when backward starts, before any gradient)."""
+        tensor = self._tensor_bytes(layout)
+        return tensor * (1 + OPTIMIZER_STATES[self.options.optimizer]) + max(tensor, self.activation_bytes(layout))
+
+    def memory_parts(self, layout: Layout) -> str:
+        """What `memory_bytes` adds up, in words."""
+        from .layout_plans import size_text
+
+        saved = self.activation_bytes(layout)
+        if saved > self._tensor_bytes(layout):
+            return (f"parameters, optimizer state and the {size_text(saved)} of activations its blocks save for backward "
+                    "(without activation checkpointing, when backward starts)")
+        return "parameters, gradients and optimizer state"
 
     def rank_flops(self, layout: Layout) -> float:
         """The worst pp rank's FLOPs per step: its units' forward and backward (and, with

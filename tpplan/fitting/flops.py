@@ -15,8 +15,16 @@ Two things torch's counter does not do by itself, done here:
   gradient is in, so modules that read one tensor (wq, wk, wv) would each be
   charged the others' backward: every module gets its own alias of its inputs.
 
+The same forward, and one more of two sequences, also weigh what autograd saves
+for backward in each block (its activations, the model's own tensors left out):
+the difference is what one more sequence adds, leaving out what a forward makes
+once whatever the batch (a rotary table, a mask) or keeps across forwards. Without
+activation checkpointing a rank holds that for every block, sequence and
+microbatch in flight when backward starts, which bounds its memory from below
+(bounds.py).
+
 Identical consecutive blocks (simulation.blocks' identity, as memory's reuse)
-cost the same FLOPs: the run's middle blocks are left out of the run and credited
+cost the same FLOPs (and save the same bytes): the run's middle blocks are left out of the run and credited
 with its first block's figures, so a 126-block model costs what 2 blocks cost.
 """
 
@@ -24,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,6 +49,7 @@ class ModuleFlops:
     backward: dict[str, int]
     total_forward: int
     total_backward: int
+    saved_per_sequence: dict[str, int] = field(default_factory=dict)  # block FQN -> bytes autograd saves per sequence
 
     def of(self, modules: Iterable[str]) -> tuple[int, int]:
         """(forward, backward) of these units together: a unit inside another listed
@@ -76,19 +85,70 @@ def count_flops(factory: Callable[[], Any] | str, seq: int, dtype: str | None = 
             model = build_model(ref, "cpu", build)
         names = [name for name, _ in model.named_modules()]
         run = _identical_run(model) if reuse else None
+        one, two = {}, {}  # block -> bytes saved with one sequence, with two
         with _hidden(model, run):
             inputs = make_inputs(None, model, "cpu", batch=1, seq=seq)
             targets = make_targets(model, inputs)
             counter = _counter()
-            with _own_inputs(), counter:
+            with _own_inputs(), counter, _saved_by_block(model, one):
                 loss = training_loss(model(*inputs), targets)
                 forward = _by_fqn(counter.get_flop_counts())
                 loss.backward()
             both = _by_fqn(counter.get_flop_counts())
+            with _saved_by_block(model, two):
+                model(*make_inputs(None, model, "cpu", batch=2, seq=seq))
     backward = {name: both.get(name, 0) - forward.get(name, 0) for name in both}
     flops = [_credit(run, _subtrees(names, counts)) for counts in (forward, backward)]
+    per_sequence = {block: max(0, two[block] - one[block]) for block in one}
+    if run is not None:  # a hidden block saves what its template saves
+        per_sequence.update(dict.fromkeys(run.hidden, per_sequence.get(run.template, 0)))
     return ModuleFlops(*flops, flops[0][""] + forward["Global"] - forward.get("", 0),
-                       flops[1][""] + backward["Global"] - backward.get("", 0))
+                       flops[1][""] + backward["Global"] - backward.get("", 0), per_sequence)
+
+
+@contextlib.contextmanager
+def _saved_by_block(model: "nn.Module", saved: dict[str, int]) -> Iterator[None]:
+    """Fill `saved` with the bytes of the storages autograd saves for backward inside
+    each block's forward (fsdp.blocks: the list FSDP wraps), each storage once (a view
+    keeps its whole storage alive) and the model's parameters and buffers left out:
+    what the block's activations hold from its forward until its backward."""
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from ..simulation.fsdp import blocks
+
+    own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+    seen: set[int] = set()
+    inside: list[str] = []
+    handles = []
+
+    def enter(fqn: str) -> Callable[..., None]:
+        def hook(module, args) -> None:
+            inside.append(fqn)
+        return hook
+
+    def leave(module, args, output) -> None:  # returns nothing: the block's output stays its own
+        inside.pop()
+
+    for fqn in blocks(model):
+        block = model.get_submodule(fqn)
+        saved.setdefault(fqn, 0)
+        handles += [block.register_forward_pre_hook(enter(fqn)), block.register_forward_hook(leave)]
+
+    def pack(tensor: "torch.Tensor") -> "torch.Tensor":
+        if inside and isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            if storage._cdata not in own and storage._cdata not in seen:
+                seen.add(storage._cdata)
+                saved[inside[-1]] += storage.nbytes()
+        return tensor
+
+    try:
+        with saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _counter() -> Any:

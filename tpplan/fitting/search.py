@@ -101,10 +101,10 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
         if problem is not None:
             rejected.append(Rejected(found, "check", problem[1], problem[0]))
             continue
-        bound = bounds.static_bytes(found)
+        bound = bounds.memory_bytes(found)
         if bound > options.memory_bytes:
-            rejected.append(Rejected(found, "memory", f"at least {size_text(bound)} of parameters, gradients and optimizer state "
-                                     f"per rank (before activations) > {size_text(options.memory_bytes)}"))
+            rejected.append(Rejected(found, "memory", f"at least {size_text(bound)} of {bounds.memory_parts(found)} per rank > "
+                                     f"{size_text(options.memory_bytes)}"))
             continue
         candidates.append((bounds.step(found, {}).total, -found.mesh["dp_shard"], considered, found))
     heapq.heapify(candidates)
