@@ -137,7 +137,7 @@ MAY_IMPORT = {
     "check": {"core", "sharding", "checkpoint", "simulation"},  # the --check engine: a run against one device (CP's batches cut by sharding)
     "memory": {"core", "simulation", "sharding"},  # memory planning: one step under MemTracker, blocks once (a CP rank's sequence cut)
     "runtime": {"core", "sharding", "checkpoint", "simulation", "check", "memory"},  # orchestration: the dry run, torchrun
-    "fitting": {"core", "simulation", "memory", "runtime", "sharding"},  # tpplan fit: layouts, their dry runs, FLOPs and the cost model
+    "fitting": {"core", "simulation", "memory", "runtime", "sharding", "lint", "init"},  # tpplan fit: layouts, their dry runs, FLOPs, the cost model; the lint's TP127 message and init's rules
     "render": {"core", "simulation", "memory", "runtime", "init"},  # the reports' data, which render prints
     "lint": {"core", "sharding", "simulation", "runtime", "checkpoint"},  # checkpoint.errors: the TP6xx docs
     "hf": {"core", "sharding"},

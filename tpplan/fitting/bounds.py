@@ -152,16 +152,6 @@ class Bounds:
         tensor = self._tensor_bytes(layout)
         return tensor * (1 + OPTIMIZER_STATES[self.options.optimizer]) + max(tensor, self.activation_bytes(layout))
 
-    def memory_parts(self, layout: Layout) -> str:
-        """What `memory_bytes` adds up, in words."""
-        from .layout_plans import size_text
-
-        saved = self.activation_bytes(layout)
-        if saved > self._tensor_bytes(layout):
-            return (f"parameters, optimizer state and the {size_text(saved)} of activations its blocks save for backward "
-                    "(without activation checkpointing, when backward starts)")
-        return "parameters, gradients and optimizer state"
-
     def rank_flops(self, layout: Layout) -> float:
         """The worst pp rank's FLOPs per step: its units' forward and backward (and, with
         activation checkpointing, its blocks' forward again) for each of its sequences,

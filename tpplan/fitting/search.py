@@ -103,8 +103,10 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
             continue
         bound = bounds.memory_bytes(found)
         if bound > options.memory_bytes:
-            rejected.append(Rejected(found, "memory", f"at least {size_text(bound)} of {bounds.memory_parts(found)} per rank > "
-                                     f"{size_text(options.memory_bytes)}"))
+            what = (f"parameters, optimizer state and the {size_text(bounds.activation_bytes(found))} of activations its blocks "
+                    "save for backward (without activation checkpointing, when backward starts)"
+                    if bound > bounds.static_bytes(found) else "parameters, gradients and optimizer state")
+            rejected.append(Rejected(found, "memory", f"at least {size_text(bound)} of {what} per rank > {size_text(options.memory_bytes)}"))
             continue
         candidates.append((bounds.step(found, {}).total, -found.mesh["dp_shard"], considered, found))
     heapq.heapify(candidates)
