@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .result import FitError, FitOptions
-from .space import Layout, divisors, stage_units
+from .space import Layout, divisors, lighter, stage_units
 
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0, "none": 0}  # tensors per parameter (sgd's momentum is off by default)
 
@@ -148,9 +148,13 @@ class Bounds:
     def memory_bytes(self, layout: Layout) -> int:
         """A lower bound of the layout's peak per rank: its parameters and optimizer state,
         then the larger of its gradients (at the end of backward) and its saved activations
-        (when backward starts, before any gradient)."""
+        (when backward starts, before any gradient); at least its lighter twin's
+        (space.lighter: Interleaved1F1B holds no less than 1F1B, whose first rank's
+        in-flight count is the one `activation_bytes` knows)."""
         tensor = self._tensor_bytes(layout)
-        return tensor * (1 + OPTIMIZER_STATES[self.options.optimizer]) + max(tensor, self.activation_bytes(layout))
+        own = tensor * (1 + OPTIMIZER_STATES[self.options.optimizer]) + max(tensor, self.activation_bytes(layout))
+        twin = lighter(layout)
+        return own if twin is None else max(own, self.memory_bytes(twin))
 
     def rank_flops(self, layout: Layout) -> float:
         """The worst pp rank's FLOPs per step: its units' forward and backward (and, with

@@ -103,10 +103,8 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
             continue
         bound = bounds.memory_bytes(found)
         if bound > options.memory_bytes:
-            what = (f"parameters, optimizer state and the {size_text(bounds.activation_bytes(found))} of activations its blocks "
-                    "save for backward (without activation checkpointing, when backward starts)"
-                    if bound > bounds.static_bytes(found) else "parameters, gradients and optimizer state")
-            rejected.append(Rejected(found, "memory", f"at least {size_text(bound)} of {what} per rank > {size_text(options.memory_bytes)}"))
+            rejected.append(Rejected(found, "memory", f"at least {size_text(bound)} per rank > {size_text(options.memory_bytes)}: "
+                                     + _bound_parts(bounds, found, bound)))
             continue
         candidates.append((bounds.step(found, {}).total, -found.mesh["dp_shard"], considered, found))
     heapq.heapify(candidates)
@@ -178,8 +176,12 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
                 continue
             if any((needs_no_less(layout, other) and _less_split(other) not in fitted) or _cut_of(other) == _cut_of(layout)
                    for other, _ in sent):
-                deferred.append((bound, shard, order, layout))  # no guess beside a sibling whose verdict is on its way
-                continue
+                deferred.append((bound, shard, order, layout))  # no guess beside a sibling whose verdict is on its way,
+                if candidates and candidates[0][0] <= bound:  # while another as good may run
+                    continue
+                # all that is left as good is held back: the first held back runs even so (what the slot would run
+                # instead takes longer and may never be needed; a verdict that drops it only wastes the slot)
+                bound, shard, order, layout = deferred.pop(0)
             if (failed := refused.get(_cut_of(layout))) is not None:
                 rejected.append(Rejected(layout, "check", f"as {failed.layout.describe()} (simulated): {failed.reason}", failed.code))
                 continue
@@ -208,6 +210,17 @@ def _less_split(layout: Layout) -> tuple:
     mesh = layout.mesh
     return (tuple(size for axis, size in mesh.items() if axis not in ("dp_replicate", "dp_shard")), layout.dp,
             layout.checkpointing, layout.schedule, layout.microbatches, layout.virtual_stages)
+
+
+def _bound_parts(bounds: Bounds, layout: Layout, bound: int) -> str:
+    """What the memory bound of `layout` adds up, in words."""
+    twin = lighter(layout)
+    if twin is not None and bounds.memory_bytes(twin) == bound:
+        return f"as its {twin.schedule} twin ({layout.schedule} holds no less), {_bound_parts(bounds, twin, bound)}"
+    if bound > bounds.static_bytes(layout):  # the activations outweigh the gradients
+        return (f"parameters, optimizer state and the {size_text(bounds.activation_bytes(layout))} of activations its blocks "
+                "save for backward (without activation checkpointing, when backward starts)")
+    return "parameters, gradients and optimizer state"
 
 
 def _cut_of(layout: Layout) -> tuple:
