@@ -10,9 +10,9 @@ Rank 0 prints every rank's peak and where it was, as one JSON line.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
+
+from real_rank import planned_rank, print_every_rank
 
 
 def vocab_heavy():
@@ -27,27 +27,14 @@ def main(plan_path: str, model_ref: str, batch: int, seq: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from tpplan import load_plan
     from tpplan.memory.memory import measure_training_step
-    from tpplan.simulation.modelref import build_model, load_callable
     from tpplan.simulation.simulate import default_inputs
 
-    dist.init_process_group("gloo")
-    plan = load_plan(plan_path)
-    mesh = plan.build_mesh(dist.get_world_size())
-    torch.manual_seed(0)
-    model = build_model(model_ref, "cpu", load_callable(model_ref, "--model"))
+    plan, mesh, model = planned_rank(plan_path, model_ref)
     plan.apply(model, mesh)
     torch.manual_seed(1)
     step = measure_training_step(model, (default_inputs(model, batch, seq),), "adamw", plan.loss_parallel, fsdp=True)
-    mine = {"rank": dist.get_rank(), "peak": step.peak_bytes, "peak_module": step.peak_module}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        print(json.dumps(everyone), flush=True)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13 gloo may abort at interpreter exit after DTensor collectives
+    print_every_rank({"rank": dist.get_rank(), "peak": step.peak_bytes, "peak_module": step.peak_module})
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ categories as one JSON line.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
+
+from real_rank import planned_rank, print_every_rank
 
 
 def main(plan_path: str, model_ref: str, batch: int, seq: int) -> None:
@@ -25,16 +25,11 @@ def main(plan_path: str, model_ref: str, batch: int, seq: int) -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-    from tpplan import load_plan
     from tpplan.memory.memory import _categories
-    from tpplan.simulation.modelref import build_model, load_callable, make_inputs
+    from tpplan.simulation.modelref import make_inputs
     from tpplan.simulation.training import make_optimizer, make_targets, training_loss
 
-    dist.init_process_group("gloo")
-    plan = load_plan(plan_path)
-    mesh = plan.build_mesh(dist.get_world_size())
-    torch.manual_seed(0)
-    model = build_model(model_ref, "cpu", load_callable(model_ref, "--model"))
+    plan, mesh, model = planned_rank(plan_path, model_ref)
     torch.manual_seed(1)
     inputs = make_inputs(None, model, "cpu", batch=batch, seq=seq)
     targets = make_targets(model, inputs, torch.Generator().manual_seed(2))
@@ -73,14 +68,7 @@ def main(plan_path: str, model_ref: str, batch: int, seq: int) -> None:
     with tracker:
         step()
     total, categories = _categories(tracker.get_tracker_snapshot("peak"))
-    mine = {"rank": dist.get_rank(), "pp": mesh["pp"].get_local_rank(), "peak": total, "categories": categories}
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        print(json.dumps(everyone), flush=True)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # torch 2.13 gloo may abort at interpreter exit after DTensor collectives
+    print_every_rank({"rank": dist.get_rank(), "pp": mesh["pp"].get_local_rank(), "peak": total, "categories": categories})
 
 
 if __name__ == "__main__":
