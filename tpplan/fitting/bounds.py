@@ -136,13 +136,10 @@ class Bounds:
         if layout.checkpointing:
             return 0
         pp, sequences = layout.mesh["pp"], self.options.global_batch // layout.dp
-        if pp == 1:
-            blocks, in_flight = self.model.blocks, sequences
-        else:
-            stage = stage_units(self.model.units, self.model.blocks, pp * layout.virtual_stages)[0]
-            blocks, in_flight = [unit for unit in stage if unit in self.model.per_sequence], \
-                min(pp, layout.microbatches) * (sequences // layout.microbatches)
-        per_sequence = sum(self.model.per_sequence.get(block, 0) for block in blocks)
+        units, in_flight = (self.model.units, sequences) if pp == 1 else (
+            stage_units(self.model.units, self.model.blocks, pp * layout.virtual_stages)[0],
+            min(pp, layout.microbatches) * (sequences // layout.microbatches))
+        per_sequence = sum(self.model.per_sequence.get(unit, 0) for unit in units)  # the blocks among them
         return in_flight * per_sequence // (layout.mesh["tp"] * layout.mesh["cp"])
 
     def memory_bytes(self, layout: Layout) -> int:

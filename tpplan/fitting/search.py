@@ -8,9 +8,10 @@ Best first, so that a world of thousands of layouts costs a handful of
 simulations: each layout's step time has a lower bound known before it is
 simulated (its compute, from the model's counted FLOPs, and its pipeline bubble
 on that compute: exact parts of the cost model, the collectives being ≥ 0), and
-its memory one (its parameters, gradients and optimizer state, spread evenly
-over tp·dp_shard·cp: the real shards are no smaller, the experts' over ep·efsdp
-included). A layout whose dry run
+its memory one (bounds.py: its parameters and optimizer state spread evenly over
+tp·dp_shard·cp, and the larger of its gradients and, without activation
+checkpointing, the activations its blocks save until backward: the real shards
+are no smaller, the experts' over ep·efsdp included). A layout whose dry run
 raises a plan error (a stage's forward that fails under the TP rules) drops the
 layouts that differ from it only in the data-parallel split or the pipeline's
 stage count, schedule and microbatches (`_cut_of`). A layout that does not fit drops every layout that
