@@ -24,8 +24,9 @@ microbatch in flight when backward starts, which bounds its memory from below
 (bounds.py).
 
 Identical consecutive blocks (simulation.blocks' identity, as memory's reuse)
-cost the same FLOPs (and save the same bytes): the run's middle blocks are left out of the run and credited
-with its first block's figures, so a 126-block model costs what 2 blocks cost.
+cost the same FLOPs and save the same bytes: the run's middle blocks are left out
+of the run and credited with its first block's figures, so a 126-block model costs
+what 2 blocks cost.
 """
 
 from __future__ import annotations
