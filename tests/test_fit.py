@@ -237,3 +237,9 @@ def test_without_a_base_plan_the_rules_are_inits_written_beside_the_best_plan_wh
     assert "extends: best.rules.yaml" in written.read_text() and load_plan(written).rules  # init's rules, through extends:
     assert {(layout["mesh"]["dp_shard"], layout["mesh"]["tp"]) for layout in found["layouts"]} <= {(2, 1), (1, 2)}
     assert dry_run(ApplyOptions(plan=str(written), model=MODEL)).memory.per_rank_peak_bytes == found["layouts"][0]["peak_bytes"]
+
+
+def test_without_a_base_plan_and_tp_not_searched_the_rules_are_none():
+    result = fit(MODEL, world=2, seq=64, batch=4, memory=LIMIT, axes=("dp_shard",), jobs=1)
+    assert load_plan(text=result.rules).rules == [] and [r.layout.mesh["dp_shard"] for r in result.ranked] == [2]
+    assert result.rules_written_to("out/best.yaml") == "out/best.rules.yaml"
