@@ -177,3 +177,40 @@ def test_a_batch_that_is_no_whole_number_of_microbatches_of_microbatch_size_is_t
     result = CliRunner().invoke(app, ["apply", "--dry-run", "--plan", str(path), "--model", TINY, "--batch", "6"])
     assert result.exit_code == 2
     assert "the batch of 6 does not split into pipeline.microbatch_size 4" in " ".join(result.output.split())
+
+
+def test_a_pipeline_under_the_other_one_stage_schedule_takes_the_stages_of_its_twin_with_the_same_figures(tmp_path):
+    """fit's dry runs (shared_stages): 1F1B and GPipe simulate a stage's microbatch alike, so a
+    pipeline run under one after the other takes its stages and composes its own ranks; every
+    figure of the report is the fresh dry run's. Outside shared_stages nothing is taken."""
+    from tpplan.memory import pipeline_dryrun
+    from tpplan.memory.pipeline_dryrun import shared_stages
+    from tpplan.runtime.dryrun import dry_run
+    from tpplan.runtime.options import ApplyOptions
+
+    def report(schedule: str) -> tuple[dict, list[str]]:
+        path = tmp_path / f"{schedule}.yaml"
+        path.write_text(textwrap.dedent(f"""\
+            version: 2
+            extends: {PLANS / 'llama_tp.yaml'}
+            rules: {{}}
+            mesh: {{pp: 2, dp_shard: 2, tp: 1}}
+            pipeline: {{stages: [[tok_embeddings, layers.0], [layers.1, norm, output]], schedule: {schedule}, microbatches: 4}}
+            fsdp: {{units: [layers.*]}}
+            training: {{global_batch: 8, seq: 64, dtype: bf16, optimizer: adamw}}
+            """))
+        found = dry_run(ApplyOptions(plan=str(path), model=TINY))
+        assert found.problems == []
+        figures = found.to_json()
+        return {key: value for key, value in figures.items() if key not in ("notes", "plan")}, found.notes
+
+    fresh = {schedule: report(schedule)[0] for schedule in ("GPipe", "1F1B")}
+    assert fresh["GPipe"]["memory"] != fresh["1F1B"]["memory"]  # the composition differs: the test could fail
+    taken = lambda notes: [note for note in notes if note.startswith("the stages were taken")]  # noqa: E731
+    pipeline_dryrun._SHARED.clear()  # what an earlier test of this process left
+    with shared_stages():
+        first = report("1F1B")[0]
+        second, second_notes = report("GPipe")
+    assert first == fresh["1F1B"] and second == fresh["GPipe"]
+    assert taken(second_notes) and "under 1F1B" in taken(second_notes)[0]
+    assert not taken(report("GPipe")[1])  # outside: simulated again

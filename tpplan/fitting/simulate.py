@@ -1,6 +1,8 @@
 """Each layout's exact simulation: the dry run of its written plan (`runtime.dryrun.dry_run`,
 given no flags: the plan's `training` section sizes the step, as `tpplan apply --dry-run`
-of the written file does), `jobs` at a time in worker processes.
+of the written file does), `jobs` at a time in worker processes. A pipelined layout
+whose 1F1B or GPipe twin ran before in the same process takes that run's stages and
+composes its own ranks (memory/pipeline_dryrun.shared_stages): the same figures.
 
 Workers are spawned, not forked (torch's thread pools do not survive a fork); each pays
 its imports once. Results come back in the order the layouts were sent, so a search
@@ -32,6 +34,7 @@ class Simulated:
 def dry_run_text(text: str, model: str, reuse_blocks: bool) -> Simulated:
     """The dry run of the plan `text` (its `extends:` an absolute path) on `model`."""
     from ..core.problems import PlanError
+    from ..memory.pipeline_dryrun import shared_stages
     from ..runtime.dryrun import dry_run
     from ..runtime.options import ApplyOptions
 
@@ -44,7 +47,8 @@ def dry_run_text(text: str, model: str, reuse_blocks: bool) -> Simulated:
             # simulated step never changes the output in place
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
             try:
-                report = dry_run(ApplyOptions(plan=path, model=model, reuse_blocks=reuse_blocks))
+                with shared_stages():  # layouts that differ only in a one-stage schedule share their stages
+                    report = dry_run(ApplyOptions(plan=path, model=model, reuse_blocks=reuse_blocks))
             except PlanError as exc:
                 return Simulated(refused=(exc.problems[0].code, exc.problems[0].message))
     if report.problems:

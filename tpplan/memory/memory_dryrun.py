@@ -168,10 +168,11 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
         """A pipeline's plan (pipeline_dryrun.py): each stage's microbatch, each pp rank's step; the worst rank reported."""
         import dataclasses
 
-        from .pipeline_dryrun import plan_pipeline, rank_comms, whole_model
+        from .pipeline_dryrun import ONE_STAGE, plan_pipeline, rank_comms, rescheduled, shared, whole_model
 
         dims = dims_at(tp)
         by_stage: dict[int, tuple] = {}  # by stage simulated: the plan as applied there (its stage's blocks)
+        schedule = plan.spec.pipeline.schedule
 
         def simulate(rank: int, stage):
             planned, (sharded, params, _) = at_rank(dims, rank, stage)
@@ -181,8 +182,19 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
                                      f"stage {stage.index}: {reused.describe()}" if reused else None)
             return planned
 
-        pipeline, steps = plan_pipeline(plan, dims, train.batch_at(dims.sizes), seq, simulate, lambda model, size: make_inputs(
-            options.inputs, model, "cpu", batch=size, seq=seq), event, options.reuse_blocks)
+        def stages() -> tuple:
+            pipeline, steps = plan_pipeline(plan, dims, train.batch_at(dims.sizes), seq, simulate, lambda model, size: make_inputs(
+                options.inputs, model, "cpu", batch=size, seq=seq), event, options.reuse_blocks)
+            return pipeline, steps, dict(by_stage)
+
+        # the same pipeline under the other one-stage schedule simulates the same stages (fit's layouts: shared_stages)
+        key = (options.model, options.inputs, options.reuse_blocks, repr(train), seq, tp, tuple(dims.sizes.items()),
+               repr(plan.rules), plan.spec.model_dump_json(exclude={"name": True, "description": True, "pipeline": {"schedule"}}),
+               ) if schedule in ONE_STAGE else None
+        (pipeline, steps, simulated_stages), taken = shared(key, stages)
+        by_stage, source = simulated_stages, pipeline.schedule
+        if source != schedule:
+            pipeline = rescheduled(pipeline, schedule)
         # the whole model's modules and parameters, put together from the stages
         sharded = Sharded(dict(whole_model(pipeline, {i: found[0] for i, found in by_stage.items()})), by_stage[0][2])
         params = [dataclasses.replace(layout, name=name) for name, layout in
@@ -203,6 +215,9 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
                  "composed in its schedule's order; "
                  f"bubble {pipeline.bubble:.3f}; the worst is pp {worst}"]
         notes += [found[3] for found in by_stage.values() if found[3]]  # the blocks reused within a stage
+        if taken:
+            notes.append(f"the stages were taken from this process's earlier dry run of the same pipeline under {source}, "
+                         "which simulates them alike")
         return DegreePlan(
             tp=tp, dp=dims.dp // pp, mesh=dims.sizes, modules=sharded.modules, rule_of=sharded.rule_of, rule_where=sharded.rule_where,
             params=tuple(params), comms=comms["comms"], comm_bytes=comms["bytes"], optimizer_comms=comms["optimizer"],

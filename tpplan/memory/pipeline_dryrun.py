@@ -21,7 +21,8 @@ axes are taken as alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -199,11 +200,61 @@ def plan_pipeline(plan: Any, dims: "MeshDims", batch: int | None, seq: int,
         stages.append(StageMemory.measured(index, whole.stages[index], step.step, input_bytes, output_bytes))
         boundary = output
         index += 1
-    orders = schedule_orders(pipe.schedule, pp, count, [rank_stages(r, pp, pipe.virtual_stages, pipe.schedule) for r in range(pp)])
-    by_index = {stage.stage: stage for stage in stages}
-    ranks = tuple(compose(rank, orders[rank], by_index, count) for rank in range(pp))
-    return PipelinePlan(pipe.schedule, count, size, bubble(orders), tuple(stages), ranks, tuple(s.step for s in of_stage),
+    ranks, idle = _composed(pipe.schedule, count, [rank_stages(r, pp, pipe.virtual_stages, pipe.schedule) for r in range(pp)], stages)
+    return PipelinePlan(pipe.schedule, count, size, idle, tuple(stages), ranks, tuple(s.step for s in of_stage),
                         tuple(simulated_as)), planned
+
+
+def _composed(schedule: str, microbatches: int, stage_ids: list[list[int]], stages) -> tuple[tuple[RankStep, ...], float]:
+    """Each pp rank's step composed from the measured stages in `schedule`'s order, and its bubble."""
+    orders = schedule_orders(schedule, len(stage_ids), microbatches, stage_ids)
+    by_index = {stage.stage: stage for stage in stages}
+    return tuple(compose(rank, orders[rank], by_index, microbatches) for rank in range(len(stage_ids))), bubble(orders)
+
+
+# One-stage schedules: pp rank r runs stage r alone, and each stage's microbatch is simulated
+# as the other schedule's (stage_rank places it alike): only the composition differs.
+ONE_STAGE = ("1F1B", "GPipe")
+_SHARED: dict[Any, tuple] = {}  # a pipeline less its schedule -> (pipeline, steps, tables): the last _KEPT
+_KEPT = 8
+_SHARING = False
+
+
+@contextlib.contextmanager
+def shared_stages() -> Iterator[None]:
+    """Inside, a dry run of a pipeline under a one-stage schedule takes its stages from an
+    earlier dry run in this process of the same pipeline under the other (`shared`), and
+    composes its own ranks (`rescheduled`): `tpplan fit`'s layouts that share a stage
+    shape. Outside, every dry run simulates its own stages. What is kept is plain data
+    (the measured stages, the report's module and parameter tables)."""
+    global _SHARING
+    outer, _SHARING = _SHARING, True
+    try:
+        yield
+    finally:
+        _SHARING = outer
+
+
+def shared(key: Any, simulate: "Callable[[], tuple]") -> "tuple[tuple, bool]":
+    """(what `simulate()` gives for the pipeline `key` (its plan, mesh and step, its
+    schedule left out), whether it came from an earlier dry run): inside `shared_stages()`
+    each key is simulated once; outside (or with no key), every time."""
+    if not _SHARING or key is None:
+        return simulate(), False
+    if key in _SHARED:
+        return _SHARED[key], True
+    found = _SHARED[key] = simulate()
+    while len(_SHARED) > _KEPT:
+        del _SHARED[next(iter(_SHARED))]
+    return found, False
+
+
+def rescheduled(pipeline: PipelinePlan, schedule: str) -> PipelinePlan:
+    """`pipeline`'s measured stages under another one-stage schedule (ONE_STAGE)."""
+    import dataclasses
+
+    ranks, idle = _composed(schedule, pipeline.microbatches, [list(rank.stages) for rank in pipeline.ranks], pipeline.stages)
+    return dataclasses.replace(pipeline, schedule=schedule, ranks=ranks, bubble=idle)
 
 
 def whole_model(pipeline: PipelinePlan, found: dict[int, list[tuple[str, Any]]]) -> list[tuple[str, Any]]:
