@@ -178,11 +178,14 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
             if any((needs_no_less(layout, other) and _less_split(other) not in fitted) or _cut_of(other) == _cut_of(layout)
                    for other, _ in sent):
                 deferred.append((bound, shard, order, layout))  # no guess beside a sibling whose verdict is on its way,
-                if candidates and candidates[0][0] <= bound:  # while another as good may run
+                runnable = [entry for entry in deferred if lighter(entry[3]) not in {other for other, _ in sent}]
+                if not runnable or (candidates and candidates[0][0] <= bound):  # while another as good may run
                     continue
                 # all that is left as good is held back: the first held back runs even so (what the slot would run
-                # instead takes longer and may never be needed; a verdict that drops it only wastes the slot)
-                bound, shard, order, layout = deferred.pop(0)
+                # instead takes longer and may never be needed; a verdict that drops it only wastes the slot), but
+                # not beside its lighter twin, whose failing drops it for certain (space.lighter)
+                deferred.remove(runnable[0])
+                bound, shard, order, layout = runnable[0]
             if (failed := refused.get(_cut_of(layout))) is not None:
                 rejected.append(Rejected(layout, "check", f"as {failed.layout.describe()} (simulated): {failed.reason}", failed.code))
                 continue
