@@ -16,7 +16,8 @@ repeated blocks are simulated once (memory/reuse.py); stages alike (the same uni
 classes and parameter shapes, the same place: first, middle or last, the same
 input) are simulated once: a 16-stage pipeline of equal blocks simulates three.
 Each stage runs at the lowest global rank of its pp index; its ranks on the other
-axes are taken as alike.
+axes are taken as alike. Inside `shared_stages()` (fit's dry runs), a pipeline run
+before under the other one-stage schedule lends its stages (`shared`).
 """
 
 from __future__ import annotations
