@@ -75,9 +75,9 @@ def fit(
     if output is not None and result.best is not None:
         try:
             if result.rules is not None:  # init's rules, which the written plan extends, beside it
-                base = Path(result.rules_written_to(str(output)))
-                base.write_text(result.rules)
-            output.write_text(result.plan_text(output=str(output), base=base and str(base)))
+                base = result.rules_written_to(str(output))
+                Path(base).write_text(result.rules)
+            output.write_text(result.plan_text(output=str(output), base=base))
         except OSError as exc:
             usage_error(f"cannot write {output}: {exc.strerror or exc}")
         written = str(output)
@@ -86,7 +86,7 @@ def fit(
 
         found = result.to_json()
         if written is not None:  # the plan as written, its extends: relative to where it is
-            found["plan"] = result.plan_text(output=written, base=base and str(base))
+            found["plan"] = result.plan_text(output=written, base=base)
         sys.stdout.write(json.dumps(found, indent=2) + "\n")
     else:
         from ..render.fit_report import render_fit

@@ -175,10 +175,11 @@ def search(options: FitOptions, on_event: Callable[[str], None] | None = None) -
                              for later_bound, _, _, later in sorted([(bound, shard, order, layout), *candidates])]
                 candidates = []
                 continue
+            in_flight = [other for other, _ in sent]
             if any((needs_no_less(layout, other) and _less_split(other) not in fitted) or _cut_of(other) == _cut_of(layout)
-                   for other, _ in sent):
+                   for other in in_flight):
                 deferred.append((bound, shard, order, layout))  # no guess beside a sibling whose verdict is on its way,
-                runnable = [entry for entry in deferred if lighter(entry[3]) not in {other for other, _ in sent}]
+                runnable = [entry for entry in deferred if lighter(entry[3]) not in in_flight]
                 if not runnable or (candidates and candidates[0][0] <= bound):  # while another as good may run
                     continue
                 # all that is left as good is held back: the first held back runs even so (what the slot would run
