@@ -67,7 +67,8 @@ def wall_seconds(command: list[str], env: dict[str, str] | None = None) -> float
 
 def json_run(command: list[str]) -> tuple[float, int, float, dict]:
     """(wall seconds, peak RSS bytes, CPU seconds, the JSON it prints) of one fresh process
-    (its own RSS and CPU, from wait4); a failing command ends the bench with its error."""
+    (from wait4: its CPU with that of the children it waited for, a dry run's forked positions,
+    and the largest RSS of any of them); a failing command ends the bench with its error."""
     import json
     import os
     import tempfile

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -55,15 +56,16 @@ SECTIONS = "fsdp:\n  units: [layers.*]\ncheckpointing:\n  modules: layers.*\n"
 
 
 @functools.cache
-def _report(plan: str, model: str, world: int, tp: int | None, every_rank: bool = False, **train) -> str:
-    report = dry_run(ApplyOptions(plan=plan, model=model, world=world, tp=tp, every_rank=every_rank, train=TrainOptions(**train)))
+def _report(plan: str, model: str, world: int, tp: int | None, every_rank: bool = False, jobs: int = 1, **train) -> str:
+    report = dry_run(ApplyOptions(plan=plan, model=model, world=world, tp=tp, every_rank=every_rank, jobs=jobs, train=TrainOptions(**train)))
     assert report.ok, report.problems
     return json.dumps(report.to_json())
 
 
-def report(plan: Path | str, model: str, world: int, every_rank: bool = False, tp: int | None = None, **train) -> dict:
-    """The JSON report of the dry run over `world` ranks (a copy: tests share the runs)."""
-    return json.loads(_report(str(plan), model, world, tp, every_rank, **train))
+def report(plan: Path | str, model: str, world: int, every_rank: bool = False, tp: int | None = None, jobs: int = 1, **train) -> dict:
+    """The JSON report of the dry run over `world` ranks (a copy: tests share the runs);
+    `jobs`: positions simulated at once (forked children)."""
+    return json.loads(_report(str(plan), model, world, tp, every_rank, jobs, **train))
 
 
 def by_rank(found: dict) -> dict[int, dict]:
@@ -95,6 +97,16 @@ def test_one_rank_per_position_plans_exactly_what_every_rank_simulated_plans(tmp
     assert distinct["memory"] == every["memory"]  # the worst rank's
     # replicas never make a position: every position simulated is replica 0
     assert all(entry["position"]["dp_replicate"] == 0 for entry in distinct["ranks"])
+
+
+def test_positions_simulated_at_once_in_forked_children_give_the_same_report(tmp_path, monkeypatch):
+    """--jobs: the world of 8's three positions, two in children while this process runs
+    rank 0, report exactly what one process reports (each figure, the notes, the order)."""
+    plan = _plan(tmp_path, HSDP, SECTIONS)
+    forks, fork = [], os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
+    assert report(plan, "test_dry_world:uneven", 8, jobs=3) == report(plan, "test_dry_world:uneven", 8)
+    assert len(forks) == 2
 
 
 def test_an_even_world_is_one_position_and_its_collectives_per_axis_are_the_model_sizes_by_hand():
@@ -255,6 +267,8 @@ def test_a_cp_plan_given_a_memory_option_plans_the_worlds_memory_with_the_cp_dry
     plan, one position per cp index; the ring under cp is the one-rank CP dry run's."""
     plan = _plan(tmp_path, "  dp_shard: 2\n  cp: 2\n  tp: 1\n", CP, parent="llama_tp.yaml")
     found = report(plan, TINY, 4, batch=2, seq=16, optimizer="adamw")
+    # cp 1's position is known before rank 0 is simulated: a child starts it at once, with the same result
+    assert report(plan, TINY, 4, batch=2, seq=16, optimizer="adamw", jobs=2) == found
     assert [entry["position"] for entry in found["ranks"]] == [{"dp_shard": 0, "cp": 0, "tp": 0}, {"dp_shard": 0, "cp": 1, "tp": 0}]
     assert found["memory"]["seq"] == 16 and found["memory"]["optimizer"] > 0
     ring = dry_run(ApplyOptions(plan=str(plan), model=TINY, train=TrainOptions(batch=2, seq=16))).to_json()

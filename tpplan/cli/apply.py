@@ -167,6 +167,16 @@ def apply(
             help="Memory planning: simulate every rank of the world, not one per distinct position (slow; the positions' check).",
         ),
     ] = False,
+    jobs: Annotated[
+        Optional[int],
+        typer.Option(
+            "--jobs",
+            metavar="N",
+            min=1,
+            help="Memory planning: distinct positions simulated at once, each in its own forked process (default: one per CPU).",
+            show_default=False,
+        ),
+    ] = None,
     device: Annotated[Device, typer.Option("--device", help="Device of each rank; auto: cuda, then npu, then cpu. Picks the backend: nccl, hccl, gloo.")] = Device.auto,
     format: Annotated[ApplyFormat, typer.Option("--format", help="Output format: text (tables, for people) or json (one object; cli.md lists its keys).")] = ApplyFormat.text,
     checkpoint: Annotated[
@@ -225,7 +235,7 @@ def apply(
     options = ApplyOptions(
         plan=plan, model=model, tp=tp, check=check, steps=steps, inputs=inputs, device=device.value, timeout=timeout,
         checkpoint=checkpoint, save=save, save_format=save_format.value, allow_missing=tuple(allow_missing or ()), train=train,
-        reuse_blocks=not no_reuse, world=world, every_rank=every_rank,
+        reuse_blocks=not no_reuse, world=world, every_rank=every_rank, jobs=jobs or os.cpu_count() or 1,
     )
     under_torchrun = not dry_run and "RANK" in os.environ
     rank = int(os.environ["RANK"]) if under_torchrun and os.environ["RANK"].isdigit() else 0

@@ -98,7 +98,8 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
     from ..simulation.locate import FailureLocator, Sharded, shard_with_progress, unpromised_tp_note
     from ..simulation.modelref import build_model, make_inputs
     from ..simulation.one_device import blamed
-    from ..simulation.positions import distinct_positions, every_rank
+    from ..simulation.forked import Forked
+    from ..simulation.positions import distinct_positions, every_rank, ring_ranks
 
     train = options.train
     # core/degrees.py's rule, as the dry run's (dry_run_tp refused a run with neither); every
@@ -121,15 +122,16 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
         event("forward and backward without the plan")
         return one_device_failure(options, factory, torch_dtype(train.dtype), batch, seq)
 
-    def at_rank(dims, rank: int, stage=None):
+    def at_rank(dims, rank: int, stage=None, quiet: bool = False):
         """One simulated rank: its planned step, and the plan as applied there (modules, parameters).
         `stage` (pipeline_dryrun.StageRun): a pipeline stage cut from the model around the TP
-        rules, its microbatch's step measured."""
+        rules, its microbatch's step measured. `quiet`: no progress events (a forked child's)."""
+        say = (lambda text: None) if quiet else event
         applied: dict[str, tuple[Sharded, list[ParamLayout], FailureLocator]] = {}
         failed: list[PlanError] = []  # the sharded step raised (not the build or the plan's application)
 
         def shard(model, mesh):
-            sharded = shard_with_progress(plan, model, mesh, event)
+            sharded = shard_with_progress(plan, model, mesh, say)
             applied["plan"] = (sharded, param_layouts(model, dims.tp), FailureLocator(plan, model, sharded.rules, dims.tp))
             if stage is not None:
                 stage.after_rules(model)
@@ -144,7 +146,7 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
                 raise
 
         where = " x ".join(f"{name} {size}" for name, size in zip(dims.names, dims.shape))
-        event(f"planning memory on {where}" + (f", rank {rank}" if rank else ""))
+        say(f"planning memory on {where}" + (f", rank {rank}" if rank else ""))
         try:
             planned = plan_memory(
                 plan,
@@ -154,8 +156,8 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
                 dims,
                 train,
                 run,
-                (None if not options.reuse_blocks else block_reuse(plan, event)) if stage is None else
-                stage.strategy(block_reuse(plan, event) if options.reuse_blocks else None),
+                (None if not options.reuse_blocks else block_reuse(plan, say)) if stage is None else
+                stage.strategy(block_reuse(plan, say) if options.reuse_blocks else None),
                 rank,
                 stage.io if stage is not None else None,
             )
@@ -230,13 +232,17 @@ def dry_run_memory(options, plan, factory, event: Callable[[str], None], dims_at
         if plan.version == 2 and plan.spec.pipeline is not None:
             return pipelined(tp)
         dims = dims_at(tp)
-        planned, (sharded, params, _) = at_rank(dims, 0)
-        layouts = planned.layouts
-        positions = every_rank(dims) if options.every_rank else distinct_positions(dims, layouts, planned.memory.seq, plan.mesh_axis)
-        ranks = []
-        for position in positions:
-            step = planned if position.rank == 0 else at_rank(dims, position.rank)[0]
-            ranks.append((position, step))
+        # the other positions, options.jobs at once in forked children (simulation/forked.py), those
+        # known before rank 0 (cp's) started with it
+        with Forked(options.jobs, lambda rank: at_rank(dims, rank, quiet=True)[0]) as others:
+            for rank in ring_ranks(dims):
+                others.start(rank)
+            planned, (sharded, params, _) = at_rank(dims, 0)
+            layouts = planned.layouts
+            positions = every_rank(dims) if options.every_rank else distinct_positions(dims, layouts, planned.memory.seq, plan.mesh_axis)
+            for position in positions[1:]:
+                others.start(position.rank)
+            ranks = [(position, planned if position.rank == 0 else others.result(position.rank)) for position in positions]
         _, worst = max(ranks, key=lambda found: found[1].memory.per_rank_peak_bytes)  # the first of the highest
         modules, rule_of = sharded.modules, sharded.rule_of
         reused = planned.memory.reuse

@@ -80,6 +80,7 @@ class ApplyOptions:
     reuse_blocks: bool = True  # memory planning: simulate identical repeated blocks once (memory/reuse.py)
     world: int | None = None  # dry run of a version 2 plan: the world size its mesh takes (-1 resolved)
     every_rank: bool = False  # memory planning: simulate every rank, not one per distinct position
+    jobs: int = 1  # memory planning: positions simulated at once, each past the first in a forked child (simulation/forked.py)
 
 
 _SECTION_FIELDS = (("global_batch", "batch"), ("seq", "seq"), ("dtype", "dtype"), ("optimizer", "optimizer"))  # (the section's, the flag's)

@@ -153,6 +153,16 @@ def _held_by_position(dims: MeshDims, layout: Layout) -> tuple[tuple[str, ...], 
     return spanned, {tuple(p[a] for a in spanned): (shards[i], gathered[i]) for i, p in enumerate(where)}
 
 
+def ring_ranks(dims: MeshDims) -> list[int]:
+    """The ranks known to stand for positions before any rank is simulated: each cp
+    index's lowest (its other coordinates 0), as the ring runs a program of its own on
+    every cp index. What else tells ranks apart is read from a simulated rank's layouts."""
+    if dims.sizes.get("cp", 1) == 1:
+        return []
+    stride = math.prod(dims.shape[dims.names.index("cp") + 1:])
+    return [index * stride for index in range(1, dims.sizes["cp"])]
+
+
 def every_rank(dims: MeshDims) -> list[Position]:
     """Each rank its own position: what `distinct_positions` is checked against."""
     return [Position(rank, (rank,)) for rank in range(dims.world)]
