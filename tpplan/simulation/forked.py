@@ -20,7 +20,7 @@ import os
 import pickle
 import signal
 from collections.abc import Callable, Hashable
-from typing import Generic, TypeVar
+from typing import BinaryIO, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -34,16 +34,16 @@ class Forked(Generic[T]):
         self.run = run
         self.children = max(0, jobs - 1) if _can_fork() else 0
         self.queued: list[Hashable] = []
-        self.running: dict[Hashable, tuple[int, int]] = {}  # key -> (pid, the pipe's read end)
+        self.running: dict[Hashable, tuple[int, BinaryIO]] = {}  # key -> (pid, the pipe it writes its value to)
 
     def __enter__(self) -> "Forked[T]":
         return self
 
     def __exit__(self, *exc) -> None:
-        for pid, read in self.running.values():  # the caller stopped early (an error): nothing waits for them
+        for pid, pipe in self.running.values():  # the caller stopped early (an error): nothing waits for them
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            os.close(read)
+            pipe.close()
         self.running.clear()
 
     def start(self, key: Hashable) -> None:
@@ -68,12 +68,12 @@ class Forked(Generic[T]):
             key = self.queued.pop(0)
             self.running[key] = self._fork(key)
 
-    def _fork(self, key: Hashable) -> tuple[int, int]:
+    def _fork(self, key: Hashable) -> tuple[int, BinaryIO]:
         read, write = os.pipe()
         pid = os.fork()
         if pid:
             os.close(write)
-            return pid, read
+            return pid, os.fdopen(read, "rb")
         code = 1  # the child: its exit code tells the parent whether the pipe holds the value
         try:
             os.close(read)
@@ -87,10 +87,11 @@ class Forked(Generic[T]):
 
     def _collect(self, key: Hashable) -> T | None:
         """A child's value, or None when it failed or died (its exit code, not the pipe, says)."""
-        pid, read = self.running.pop(key)
-        with os.fdopen(read, "rb") as pipe:
-            payload = pipe.read()
+        pid, pipe = self.running[key]  # still running until reaped: an interrupted wait leaves it to __exit__
+        payload = pipe.read()
         _, status = os.waitpid(pid, 0)
+        pipe.close()
+        del self.running[key]
         return pickle.loads(payload) if os.waitstatus_to_exitcode(status) == 0 else None
 
 
