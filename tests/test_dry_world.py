@@ -86,9 +86,14 @@ def by_rank(found: dict) -> dict[int, dict]:
     # (tp 0-2) 32 | 31 and (tp 3) 31 | 31 on dp_shard: (dp_shard 0, tp 0-2), (dp_shard 1, tp 0-2), (tp 3)
     pytest.param("  dp_replicate: 2\n  dp_shard: -1\n  tp: 4\n", 16, 3, marks=pytest.mark.slow),
 ], ids=["world8", "world16"])
-def test_one_rank_per_position_plans_exactly_what_every_rank_simulated_plans(tmp_path, mesh, world, positions):
+def test_one_rank_per_position_plans_exactly_what_every_rank_simulated_plans(tmp_path, monkeypatch, mesh, world, positions):
+    """The positions past rank 0 run at once in forked children (--jobs), every rank in this process."""
     plan = _plan(tmp_path, mesh, SECTIONS)
-    distinct, every = report(plan, "test_dry_world:uneven", world), report(plan, "test_dry_world:uneven", world, every_rank=True)
+    forks, fork = [], os.fork
+    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
+    distinct = report(plan, "test_dry_world:uneven", world, jobs=positions)
+    assert len(forks) == positions - 1
+    every = report(plan, "test_dry_world:uneven", world, every_rank=True)
     assert len(every["ranks"]) == world and sorted(by_rank(every)) == list(range(world))
     # the dims do not divide: positions differ (else the comparison below would prove nothing)
     assert len(distinct["ranks"]) == positions
@@ -97,16 +102,6 @@ def test_one_rank_per_position_plans_exactly_what_every_rank_simulated_plans(tmp
     assert distinct["memory"] == every["memory"]  # the worst rank's
     # replicas never make a position: every position simulated is replica 0
     assert all(entry["position"]["dp_replicate"] == 0 for entry in distinct["ranks"])
-
-
-def test_positions_simulated_at_once_in_forked_children_give_the_same_report(tmp_path, monkeypatch):
-    """--jobs: the world of 8's three positions, two in children while this process runs
-    rank 0, report exactly what one process reports (each figure, the notes, the order)."""
-    plan = _plan(tmp_path, HSDP, SECTIONS)
-    forks, fork = [], os.fork
-    monkeypatch.setattr(os, "fork", lambda: forks.append(1) or fork())
-    assert report(plan, "test_dry_world:uneven", 8, jobs=3) == report(plan, "test_dry_world:uneven", 8)
-    assert len(forks) == 2
 
 
 def test_an_even_world_is_one_position_and_its_collectives_per_axis_are_the_model_sizes_by_hand():
